@@ -1,0 +1,37 @@
+"""stepwatch: a flight recorder for deep-learning training runs.
+
+``import stepwatch`` stays light: the telemetry API loads on first attribute access.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; resolved on first use so importing stepwatch costs nothing.
+_LAZY = {
+    "load_telemetry_events": "stepwatch.telemetry",
+    "load_telemetry_sessions": "stepwatch.telemetry",
+    "telemetry_event_from_record": "stepwatch.telemetry",
+    "telemetry_event_to_dict": "stepwatch.telemetry",
+    "validate_telemetry_record": "stepwatch.telemetry",
+    "TelemetrySink": "stepwatch.artifacts.sink",
+    "SinkConfig": "stepwatch.artifacts.sink",
+}
+
+__all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stepwatch' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

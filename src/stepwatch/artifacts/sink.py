@@ -1,0 +1,348 @@
+"""The append-only telemetry sink: ``manifest.json`` plus ``segment-NNNNNN.jsonl`` files.
+
+Crash safety rests on three rules:
+  * segments are only appended to (``O_APPEND``), one canonical v3 record per line;
+  * the manifest is only ever replaced atomically (temp file, fsync, rename);
+  * on open, a session a dead writer left ``running`` is closed as ``interrupted``, torn
+    segment tails are cut back, and new records go to a new session in a new segment.
+A reader therefore trusts the segment files over the manifest's counts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from ..errors import ArtifactError, ConfigError
+from ..schema import (
+    SessionStatus,
+    SessionSummary,
+    TelemetryEventV3,
+    new_session_id,
+    telemetry_event_from_record,
+)
+from ._files import cut_torn_tail
+from .manifest import (
+    MANIFEST_FILENAME,
+    SEGMENT_PREFIX,
+    SEGMENT_SUFFIX,
+    SegmentEntry,
+    SinkManifest,
+    read_manifest,
+    segment_filename,
+    write_manifest,
+)
+
+__all__ = ["SinkConfig", "TelemetrySink"]
+
+FsyncPolicy = Literal["flush", "close", "never"]
+
+
+class SinkConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How often the sink writes, syncs, rolls over and prunes.
+
+    Example::
+
+        SinkConfig(flush_every_events=50, flush_every_seconds=2.0, fsync="flush")
+
+    Attributes:
+        flush_every_events: write the buffer once it holds this many records.
+        flush_every_seconds: ... or once this long has passed since the last write.
+        fsync: ``"flush"`` syncs data and manifest at every flush (crash- and power-safe),
+            ``"close"`` only at rollover and close (crash-safe: the page cache survives a
+            killed process), ``"never"`` leaves it to the OS.
+        rollover_max_bytes / rollover_max_events: start a new segment past either.
+        retention_max_files / retention_max_total_bytes: prune the oldest closed segments
+            past either; the segment being written is never pruned.
+    """
+
+    flush_every_events: int = 50
+    flush_every_seconds: float = 2.0
+    fsync: FsyncPolicy = "flush"
+    rollover_max_bytes: int = 64 * 1024 * 1024
+    rollover_max_events: int = 10_000
+    retention_max_files: int = 8
+    retention_max_total_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("flush_every_events", self.flush_every_events >= 1, ">= 1"),
+            ("flush_every_seconds", self.flush_every_seconds > 0, "> 0"),
+            ("rollover_max_bytes", self.rollover_max_bytes >= 1, ">= 1"),
+            ("rollover_max_events", self.rollover_max_events >= 1, ">= 1"),
+            ("retention_max_files", self.retention_max_files >= 1, ">= 1"),
+            ("retention_max_total_bytes", self.retention_max_total_bytes >= self.rollover_max_bytes,
+             ">= rollover_max_bytes"),
+            ("fsync", self.fsync in ("flush", "close", "never"), "one of flush, close, never"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"SinkConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+
+
+class TelemetrySink:
+    """Appends v3 records of one session at a time to a sink directory.
+
+    Example::
+
+        sink = TelemetrySink("run/telemetry/rank0")
+        session = sink.start_session()
+        sink.append(event)           # buffered; written per SinkConfig
+        sink.close("completed")
+
+    Not thread-safe by design beyond its own lock: the runtime's one background thread is its
+    only writer.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], config: SinkConfig | None = None) -> None:
+        self.root = Path(root)
+        self.config = config or SinkConfig()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._manifest_path = self.root / MANIFEST_FILENAME
+        self._lock = threading.Lock()
+        self._encoder = msgspec.json.Encoder()
+        self._buffer = bytearray()
+        self._buffered = 0
+        self._last_flush = time.monotonic()
+        self._fd: int | None = None
+        self._session: SessionSummary | None = None
+        self._closed = False
+        self.recovered_sessions: list[str] = []
+        self.torn_bytes_cut = 0
+        self._manifest = self._recover()
+
+    # -- public verbs ------------------------------------------------------------------------
+
+    @property
+    def session(self) -> SessionSummary | None:
+        return self._session
+
+    def start_session(self, summary: SessionSummary | None = None) -> SessionSummary:
+        """Registers the session that following records belong to (a new one when not given)."""
+        with self._lock:
+            if self._session is not None:
+                return self._session
+            summary = summary or SessionSummary(
+                session_id=new_session_id(),
+                status="running",
+                started_at_ns=time.time_ns(),
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                source="stepwatch.telemetry_sink",
+            )
+            summary = msgspec.structs.replace(summary, status="running", ended_at_ns=None)
+            self._session = summary
+            self._closed = False
+            self._manifest.sessions.append(summary)
+            self._new_segment()
+            self._write_manifest()
+            return summary
+
+    def append(self, event: TelemetryEventV3 | Mapping[str, Any]) -> None:
+        """Buffers one record of the active session; writes when the flush policy says so.
+
+        Structs built by stepwatch are trusted; a mapping is validated as v3 first.
+        """
+        if not isinstance(event, TelemetryEventV3):
+            event = telemetry_event_from_record(event, permissive_legacy=False)
+        with self._lock:
+            session = self._session
+            if session is None:
+                raise ArtifactError(self.root, "append before start_session (or after close)")
+            if event.session_id != session.session_id:
+                raise ArtifactError(
+                    self.root,
+                    f"record of session {event.session_id} appended to session {session.session_id}",
+                    field="$.session_id",
+                )
+            self._encoder.encode_into(event, self._buffer, -1)
+            self._buffer.extend(b"\n")
+            self._buffered += 1
+            if (
+                self._buffered >= self.config.flush_every_events
+                or time.monotonic() - self._last_flush >= self.config.flush_every_seconds
+            ):
+                self._flush_locked()
+
+    def flush(self) -> None:
+        """Writes the buffer to the segment (and syncs, per policy) before returning."""
+        with self._lock:
+            self._flush_locked()
+
+    def close(self, status: SessionStatus = "completed") -> SessionSummary | None:
+        """Flushes, closes the segment and records the session's terminal ``status``."""
+        with self._lock:
+            if self._session is None:
+                return None
+            self._flush_locked()
+            if self._fd is not None:
+                if self.config.fsync != "never":
+                    os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = None
+            self._manifest.segments[-1].closed = True
+            finished = self._session.finished(status)
+            self._replace_session(finished)
+            self._session = None
+            self._write_manifest(force_sync=True)
+            return finished
+
+    def __enter__(self) -> TelemetrySink:
+        self.start_session()
+        return self
+
+    def __exit__(self, typ: object, exc: object, tb: object) -> None:
+        self.close("completed" if typ is None else "interrupted")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _flush_locked(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._buffer or self._fd is None:
+            return
+        data = memoryview(self._buffer)
+        while data:
+            data = data[os.write(self._fd, data):]
+        segment = self._manifest.segments[-1]
+        segment.event_count += self._buffered
+        segment.size_bytes += len(self._buffer)
+        self._buffer = bytearray()
+        self._buffered = 0
+        if self.config.fsync == "flush":
+            os.fsync(self._fd)
+        if (
+            segment.size_bytes >= self.config.rollover_max_bytes
+            or segment.event_count >= self.config.rollover_max_events
+        ):
+            self._rollover()
+        self._write_manifest()
+
+    def _write_manifest(self, force_sync: bool = False) -> None:
+        sync = force_sync and self.config.fsync != "never" or self.config.fsync == "flush"
+        write_manifest(self._manifest_path, self._manifest, fsync=sync)
+
+    def _new_segment(self) -> None:
+        index = 1 + max((_segment_index(s.filename) for s in self._manifest.segments), default=0)
+        index = max(index, 1 + max((_segment_index(p.name) for p in self._segment_files()), default=0))
+        entry = SegmentEntry(filename=segment_filename(index), session_id=self._session.session_id)  # type: ignore[union-attr]
+        self._fd = os.open(self.root / entry.filename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._manifest.segments.append(entry)
+
+    def _rollover(self) -> None:
+        assert self._fd is not None
+        if self.config.fsync != "never":
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        self._manifest.segments[-1].closed = True
+        self._new_segment()
+        self._prune()
+
+    def _prune(self) -> None:
+        closed = [s for s in self._manifest.segments if s.closed]
+        total = sum(s.size_bytes for s in self._manifest.segments)
+        files = len(self._manifest.segments)
+        for segment in closed:
+            if files <= self.config.retention_max_files and total <= self.config.retention_max_total_bytes:
+                break
+            try:
+                (self.root / segment.filename).unlink()
+            except FileNotFoundError:
+                pass
+            self._manifest.segments.remove(segment)
+            self._manifest.pruned_segment_count += 1
+            self._manifest.pruned_bytes += segment.size_bytes
+            files -= 1
+            total -= segment.size_bytes
+
+    def _replace_session(self, summary: SessionSummary) -> None:
+        self._manifest.sessions = [
+            summary if s.session_id == summary.session_id else s for s in self._manifest.sessions
+        ]
+
+    def _segment_files(self) -> list[Path]:
+        return sorted(self.root.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
+
+    def _recover(self) -> SinkManifest:
+        """Brings a directory a previous writer left behind into a consistent state."""
+        manifest = SinkManifest()
+        if self._manifest_path.exists():
+            try:
+                manifest = read_manifest(self._manifest_path)
+            except ArtifactError:
+                # Never overwrite evidence: keep the bad manifest aside and rebuild from segments.
+                aside = self._manifest_path.with_name(f"{MANIFEST_FILENAME}.corrupt-{time.time_ns()}")
+                os.replace(self._manifest_path, aside)
+                manifest = SinkManifest()
+        known = {s.filename for s in manifest.segments}
+        for path in self._segment_files():
+            if path.name not in known:  # created after the last manifest write
+                manifest.segments.append(SegmentEntry(filename=path.name, session_id=_first_session_id(path)))
+        manifest.segments.sort(key=lambda s: _segment_index(s.filename))
+        changed = False
+        for segment in manifest.segments:
+            path = self.root / segment.filename
+            if segment.closed or not path.exists():
+                continue
+            self.torn_bytes_cut += cut_torn_tail(path)
+            data = path.read_bytes()
+            segment.event_count = data.count(b"\n")
+            segment.size_bytes = len(data)
+            segment.closed = True
+            changed = True
+        ledger = {s.session_id for s in manifest.sessions}
+        for segment in manifest.segments:
+            if segment.session_id and segment.session_id not in ledger:
+                manifest.sessions.append(
+                    SessionSummary(session_id=segment.session_id, status="running", started_at_ns=0)
+                )
+                ledger.add(segment.session_id)
+        for i, summary in enumerate(manifest.sessions):
+            if summary.status == "running":
+                ended = _last_timestamp_ns(self.root, manifest, summary.session_id) or time.time_ns()
+                manifest.sessions[i] = summary.finished("interrupted", ended)
+                self.recovered_sessions.append(summary.session_id)
+                changed = True
+        if changed:
+            write_manifest(self._manifest_path, manifest, fsync=self.config.fsync != "never")
+        return manifest
+
+
+def _segment_index(filename: str) -> int:
+    stem = filename[len(SEGMENT_PREFIX):-len(SEGMENT_SUFFIX)]
+    return int(stem) if stem.isdigit() else 0
+
+
+_probe = msgspec.json.Decoder(dict)
+
+
+def _first_session_id(path: Path) -> str | None:
+    with path.open("rb") as handle:
+        line = handle.readline()
+    try:
+        value = _probe.decode(line).get("session_id")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _last_timestamp_ns(root: Path, manifest: SinkManifest, session_id: str) -> int | None:
+    for segment in reversed(manifest.segments):
+        path = root / segment.filename
+        if segment.session_id != session_id or not path.exists():
+            continue
+        lines = path.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)
+        try:
+            value = _probe.decode(lines[-1]).get("timestamp_ns")
+        except (msgspec.DecodeError, AttributeError):
+            continue
+        if type(value) is int:
+            return value
+    return None

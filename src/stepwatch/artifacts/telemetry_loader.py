@@ -1,0 +1,402 @@
+"""Loaders: every telemetry artifact shape, read back into sessions of canonical v3 events.
+
+Shapes (``telemetry-current-practice.md``): a JSON export (array, ``{"events": [...]}``,
+``{"telemetry_events": [...], "session_summary": {...}}``, one record, or a caller-named key),
+a sink directory, its ``manifest.json``, one ``*.jsonl`` segment, and a whole run directory
+whose ``telemetry/rank<N>/`` sinks are merged into one session per session id.
+
+What is skipped rather than raised, and counted on the session:
+  * a torn final JSONL line (a write cut by a crash) - ``torn_lines``;
+  * a v4 record whose v3-required counter is null - ``skipped_records`` (never zero-filled).
+Everything else that is wrong raises ``ArtifactError`` naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import ArtifactError, ValidationError
+from ..schema import (
+    SessionSummary,
+    TelemetryEventV3,
+    TelemetryEventV4,
+    select_default_session,
+    sort_sessions,
+    synthetic_session_id,
+    telemetry_event_from_record,
+    translate_validation_error,
+    v4_to_v3,
+)
+from .manifest import MANIFEST_FILENAME, SEGMENT_PREFIX, SEGMENT_SUFFIX, SinkManifest, read_manifest
+
+__all__ = [
+    "LoadedTelemetrySession",
+    "find_sink_dirs",
+    "load_telemetry_events",
+    "load_telemetry_sessions",
+]
+
+_v3_lines = msgspec.json.Decoder(TelemetryEventV3)
+_v4_lines = msgspec.json.Decoder(TelemetryEventV4)
+_any = msgspec.json.Decoder()
+_by_time = attrgetter("timestamp_ns")
+_EVENT_KEYS = ("events", "telemetry_events")
+
+
+class LoadedTelemetrySession(msgspec.Struct, kw_only=True):
+    """One session as loaded: its summary, its events in time order, and what was skipped."""
+
+    summary: SessionSummary
+    events: list[TelemetryEventV3]
+    sources: list[str] = msgspec.field(default_factory=list)
+    skipped_records: int = 0
+    torn_lines: int = 0
+    warnings: list[str] = msgspec.field(default_factory=list)
+
+
+class _Segment(msgspec.Struct):
+    events: list[TelemetryEventV3]
+    skipped: int = 0
+    torn: int = 0
+
+
+def load_telemetry_events(
+    path: str | os.PathLike[str],
+    permissive_legacy: bool = True,
+    events_key: str | None = None,
+    session_id: str | None = None,
+) -> list[TelemetryEventV3]:
+    """Events of one session: ``session_id``, else the default selection.
+
+    Raises:
+        ArtifactError: unreadable artifact, or ``session_id`` not present.
+    """
+    sessions = load_telemetry_sessions(path, permissive_legacy=permissive_legacy, events_key=events_key)
+    if session_id is not None:
+        for loaded in sessions:
+            if loaded.summary.session_id == session_id:
+                return loaded.events
+        known = ", ".join(s.summary.session_id for s in sessions) or "none"
+        raise ArtifactError(path, f"session {session_id} not found (sessions: {known})")
+    chosen = select_default_session([s for s in sessions if s.events] or sessions)
+    return chosen.events if chosen is not None else []
+
+
+def load_telemetry_sessions(
+    path: str | os.PathLike[str],
+    permissive_legacy: bool = True,
+    events_key: str | None = None,
+) -> list[LoadedTelemetrySession]:
+    """All sessions found at ``path``, ordered by default selection (the first is the default).
+
+    Raises:
+        ArtifactError: naming the file, line and field of the first record that cannot be read.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ArtifactError(root, "no such file or directory")
+    if root.is_dir():
+        sinks = find_sink_dirs(root)
+        if not sinks:
+            raise ArtifactError(root, "no telemetry found (no manifest.json, segment-*.jsonl or telemetry/rank*/)")
+        return _merge([session for sink in sinks for session in _load_sink(sink, None, permissive_legacy)])
+    if root.name == MANIFEST_FILENAME:
+        return _load_sink(root.parent, None, permissive_legacy)
+    if root.suffix == ".jsonl":
+        return _load_sink(root.parent, [root], permissive_legacy)
+    return _load_json_export(root, permissive_legacy, events_key)
+
+
+def find_sink_dirs(root: Path) -> list[Path]:
+    """Sink directories at ``root``: itself, or the per-rank sinks of a run directory."""
+    if _is_sink(root):
+        return [root]
+    base = root / "telemetry" if (root / "telemetry").is_dir() else root
+    return sorted((p for p in base.iterdir() if p.is_dir() and _is_sink(p)), key=_rank_order)
+
+
+def _is_sink(path: Path) -> bool:
+    return (path / MANIFEST_FILENAME).is_file() or any(path.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
+
+
+def _rank_order(path: Path) -> tuple[int, str]:
+    digits = "".join(ch for ch in path.name if ch.isdigit())
+    return (int(digits) if digits else 1 << 30, path.name)
+
+
+# -- sinks -------------------------------------------------------------------------------------
+
+
+def _load_sink(
+    root: Path, only: list[Path] | None, permissive_legacy: bool
+) -> list[LoadedTelemetrySession]:
+    manifest_path = root / MANIFEST_FILENAME
+    manifest: SinkManifest | None = read_manifest(manifest_path) if manifest_path.is_file() else None
+    owner = {s.filename: s.session_id for s in manifest.segments} if manifest else {}
+    if only is None:
+        listed = [root / s.filename for s in manifest.segments] if manifest else []
+        on_disk = sorted(root.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
+        paths = [p for p in listed if p.exists()] + [p for p in on_disk if p.name not in owner]
+        missing = [p.name for p in listed if not p.exists()]
+        if manifest is not None and not paths and not manifest.sessions:
+            raise ArtifactError(manifest_path, "sink holds no segments and no sessions")
+    else:
+        paths, missing = only, []
+    fallback = synthetic_session_id(str(root.resolve()), "sink")
+    groups: dict[str, LoadedTelemetrySession] = {}
+    for path in paths:
+        hint = owner.get(path.name) or fallback
+        segment = _read_jsonl(path, hint, permissive_legacy)
+        for event in segment.events:
+            group = groups.get(event.session_id)
+            if group is None:
+                group = groups[event.session_id] = _empty(event.session_id)
+            group.events.append(event)
+            if not group.sources or group.sources[-1] != str(path):
+                group.sources.append(str(path))
+        target = groups.get(hint) or (groups[next(iter(groups))] if groups else None)
+        if target is not None:
+            target.skipped_records += segment.skipped
+            target.torn_lines += segment.torn
+    ledger = {s.session_id: s for s in manifest.sessions} if manifest else {}
+    if only is None:
+        for session_id in ledger:
+            groups.setdefault(session_id, _empty(session_id))
+    sessions = []
+    for session_id, loaded in groups.items():
+        loaded.summary = _summarise(ledger.get(session_id), session_id, loaded.events)
+        if missing and session_id in {owner.get(name) for name in missing}:
+            loaded.warnings.append(f"segments listed in the manifest are missing: {', '.join(missing)}")
+        sessions.append(loaded)
+    return sort_sessions(sessions)
+
+
+def _empty(session_id: str) -> LoadedTelemetrySession:
+    return LoadedTelemetrySession(
+        summary=SessionSummary(session_id=session_id, status="incomplete", started_at_ns=0), events=[]
+    )
+
+
+def _read_jsonl(path: Path, session_hint: str, permissive_legacy: bool) -> _Segment:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
+    torn = 0
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        tail = data[cut:]
+        data = data[:cut]
+        try:
+            _any.decode(tail)
+            data += tail + b"\n"  # complete record, only its newline missing
+        except msgspec.DecodeError:
+            torn = 1  # a write cut short by a crash: ignored, spec "truncated final JSONL line"
+    for decoder in (_v3_lines, _v4_lines):
+        try:
+            events = decoder.decode_lines(data)
+        except msgspec.MsgspecError:
+            continue
+        if decoder is _v3_lines:
+            return _Segment(events, 0, torn)
+        segment = _Segment([], 0, torn)
+        for event in events:
+            try:
+                segment.events.append(v4_to_v3(event))
+            except ValidationError:
+                segment.skipped += 1
+        return segment
+    return _read_jsonl_slow(path, data, session_hint, permissive_legacy, torn)
+
+
+def _read_jsonl_slow(
+    path: Path, data: bytes, session_hint: str, permissive_legacy: bool, torn: int
+) -> _Segment:
+    """Line by line: mixed versions, legacy records, and precise errors."""
+    segment = _Segment([], 0, torn)
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = _any.decode(line)
+        except msgspec.DecodeError as exc:
+            raise ArtifactError(path, f"malformed JSON: {exc}", line=number) from None
+        try:
+            segment.events.append(
+                telemetry_event_from_record(
+                    record, permissive_legacy=permissive_legacy, default_session_id=session_hint
+                )
+            )
+        except ValidationError as exc:
+            if _is_unconvertible_v4(record, exc):
+                segment.skipped += 1
+                continue
+            raise ArtifactError(path, str(exc), line=number, field=exc.field) from None
+    return segment
+
+
+def _is_unconvertible_v4(record: Any, exc: ValidationError) -> bool:
+    return isinstance(record, Mapping) and record.get("schema_version") == 4 and "v3 requires" in exc.rule
+
+
+# -- JSON exports ------------------------------------------------------------------------------
+
+
+def _load_json_export(
+    path: Path, permissive_legacy: bool, events_key: str | None
+) -> list[LoadedTelemetrySession]:
+    try:
+        payload = _any.decode(path.read_bytes())
+    except msgspec.DecodeError as exc:
+        raise ArtifactError(path, f"not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
+    records, key = _event_list(path, payload, events_key)
+    ledger: dict[str, SessionSummary] = {}
+    if isinstance(payload, dict) and isinstance(payload.get("session_summary"), dict):
+        try:
+            summary = msgspec.convert(payload["session_summary"], SessionSummary, strict=False)
+        except msgspec.ValidationError as exc:
+            error = translate_validation_error(exc, "$.session_summary")
+            raise ArtifactError(path, str(error), field=error.field) from None
+        ledger[summary.session_id] = summary
+    fallback = synthetic_session_id(str(path.resolve()), events_key or "json")
+    groups: dict[str, LoadedTelemetrySession] = {}
+    skipped = 0
+    for index, record in enumerate(records):
+        try:
+            event = telemetry_event_from_record(
+                record, permissive_legacy=permissive_legacy, default_session_id=fallback
+            )
+        except ValidationError as exc:
+            if _is_unconvertible_v4(record, exc):
+                skipped += 1
+                continue
+            field = exc.field.replace("$", f"$.{key}[{index}]" if key else f"$[{index}]", 1)
+            raise ArtifactError(path, f"{field}: {exc.rule}", field=field) from None
+        group = groups.get(event.session_id) or groups.setdefault(event.session_id, _empty(event.session_id))
+        group.events.append(event)
+    sessions = []
+    for session_id, loaded in groups.items():
+        loaded.sources.append(str(path))
+        loaded.summary = _summarise(ledger.get(session_id), session_id, loaded.events)
+        sessions.append(loaded)
+    if sessions:
+        sessions[0].skipped_records += skipped
+    return sort_sessions(sessions)
+
+
+def _event_list(path: Path, payload: Any, events_key: str | None) -> tuple[list[Any], str | None]:
+    if isinstance(payload, list):
+        return payload, None
+    if not isinstance(payload, dict):
+        raise ArtifactError(path, f"expected a JSON array or object of telemetry events, got {type(payload).__name__}")
+    if events_key is not None:
+        if not isinstance(payload.get(events_key), list):
+            raise ArtifactError(path, f"key {events_key!r} does not hold a list of events", field=f"$.{events_key}")
+        return payload[events_key], events_key
+    for key in _EVENT_KEYS:
+        if isinstance(payload.get(key), list):
+            return payload[key], key
+    if "timestamp_ns" in payload or "timestamp" in payload or "schema_version" in payload:
+        return [payload], None
+    raise ArtifactError(path, f"no telemetry events found (looked for {', '.join(_EVENT_KEYS)}, or one record)")
+
+
+# -- summaries and merging ---------------------------------------------------------------------
+
+
+def _summarise(
+    ledger: SessionSummary | None, session_id: str, events: list[TelemetryEventV3]
+) -> SessionSummary:
+    events.sort(key=_by_time)
+    first = events[0] if events else None
+    last = events[-1] if events else None
+    ranks = tuple(sorted({e.rank for e in events}))
+    counts = {
+        "event_count": len(events),
+        "first_timestamp_ns": first.timestamp_ns if first else None,
+        "last_timestamp_ns": last.timestamp_ns if last else None,
+        "ranks": ranks,
+    }
+    if ledger is None:
+        # No ledger entry: nothing proves a clean or recovered stop (spec: `incomplete`).
+        return SessionSummary(
+            session_id=session_id,
+            status="incomplete",
+            started_at_ns=first.timestamp_ns if first else 0,
+            ended_at_ns=None,
+            host=first.host if first else "unknown",
+            pid=first.pid if first else -1,
+            job_id=first.job_id if first else None,
+            rank=first.rank if first else 0,
+            local_rank=first.local_rank if first else 0,
+            world_size=first.world_size if first else 1,
+            source="artifact",
+            **counts,
+        )
+    status = ledger.status
+    if status == "running" and not _writer_alive(ledger):
+        status = "incomplete"  # left running by a process that is gone, and not yet recovered
+    return msgspec.structs.replace(ledger, status=status, **counts)
+
+
+def _writer_alive(summary: SessionSummary) -> bool:
+    if summary.host != socket.gethostname() or summary.pid <= 0:
+        return False
+    try:
+        os.kill(summary.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
+
+
+def _merge(sessions: Iterable[LoadedTelemetrySession]) -> list[LoadedTelemetrySession]:
+    """Joins the per-rank parts of each session id into one session."""
+    merged: dict[str, list[LoadedTelemetrySession]] = {}
+    for loaded in sessions:
+        merged.setdefault(loaded.summary.session_id, []).append(loaded)
+    out = []
+    for parts in merged.values():
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        events = [e for p in parts for e in p.events]
+        events.sort(key=_by_time)
+        summaries = [p.summary for p in parts]
+        status = max((s.status for s in summaries), key=_STATUS_WEIGHT.__getitem__)
+        ended = [s.ended_at_ns for s in summaries]
+        base = min(summaries, key=lambda s: s.rank)
+        out.append(
+            LoadedTelemetrySession(
+                summary=msgspec.structs.replace(
+                    base,
+                    status=status,
+                    started_at_ns=min(s.started_at_ns for s in summaries),
+                    ended_at_ns=None if None in ended else max(ended),  # type: ignore[type-var]
+                    world_size=max(s.world_size for s in summaries),
+                    event_count=len(events),
+                    first_timestamp_ns=events[0].timestamp_ns if events else None,
+                    last_timestamp_ns=events[-1].timestamp_ns if events else None,
+                    ranks=tuple(sorted({r for s in summaries for r in s.ranks})),
+                ),
+                events=events,
+                sources=[src for p in parts for src in p.sources],
+                skipped_records=sum(p.skipped_records for p in parts),
+                torn_lines=sum(p.torn_lines for p in parts),
+                warnings=[w for p in parts for w in p.warnings],
+            )
+        )
+    return sort_sessions(out)
