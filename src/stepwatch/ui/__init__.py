@@ -1,0 +1,1 @@
+"""Surfaces: the command line, terminal rendering, reports."""
