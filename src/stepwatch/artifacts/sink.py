@@ -165,8 +165,12 @@ class TelemetrySink:
             self._encoder.encode_into(event, self._buffer, -1)
             self._buffer.extend(b"\n")
             self._buffered += 1
+            segment = self._manifest.segments[-1]
             if (
                 self._buffered >= self.config.flush_every_events
+                # a segment never grows past its rollover bounds, whatever the flush cadence
+                or segment.event_count + self._buffered >= self.config.rollover_max_events
+                or segment.size_bytes + len(self._buffer) >= self.config.rollover_max_bytes
                 or time.monotonic() - self._last_flush >= self.config.flush_every_seconds
             ):
                 self._flush_locked()
