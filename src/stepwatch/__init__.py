@@ -12,6 +12,12 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; resolved on first use so importing stepwatch costs nothing.
 _LAZY = {
+    "init": "stepwatch.capture.api",
+    "shutdown": "stepwatch.capture.api",
+    "progress": "stepwatch.capture.api",
+    "oom_guard": "stepwatch.capture.api",
+    "current_runtime": "stepwatch.capture.api",
+    "phase": "stepwatch.capture.phases",
     "load_telemetry_events": "stepwatch.telemetry",
     "load_telemetry_sessions": "stepwatch.telemetry",
     "telemetry_event_from_record": "stepwatch.telemetry",

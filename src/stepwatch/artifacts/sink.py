@@ -180,6 +180,18 @@ class TelemetrySink:
         with self._lock:
             self._flush_locked()
 
+    def maybe_flush(self) -> None:
+        """Writes the buffer if ``flush_every_seconds`` has passed (the runtime calls it per tick)."""
+        with self._lock:
+            if self._buffer and time.monotonic() - self._last_flush >= self.config.flush_every_seconds:
+                self._flush_locked()
+
+    def discard_buffer(self) -> int:
+        """Drops what a failing disk could not take, so memory stays bounded; returns the count."""
+        with self._lock:
+            dropped, self._buffer, self._buffered = self._buffered, bytearray(), 0
+            return dropped
+
     def close(self, status: SessionStatus = "completed") -> SessionSummary | None:
         """Flushes, closes the segment and records the session's terminal ``status``."""
         with self._lock:

@@ -57,7 +57,13 @@ _LEGACY_BACKEND_COLLECTORS = {
     "tensorflow": "stepwatch.tensorflow_tracker",
 }
 _AT_PATH = re.compile(r"^(?P<rule>.*?) - at `(?P<path>\$[^`]*)`$", re.S)
-_NAMED_FIELD = re.compile(r"^Object (?P<what>contains unknown|missing required) field `(?P<name>[^`]+)`")
+# The name is matched lazily up to an optional trailing location, so a key holding a backtick
+# (or the empty key) is still named whole.
+_NAMED_FIELD = re.compile(
+    r"^Object (?P<what>contains unknown|missing required) field `(?P<name>.*?)`"
+    r"(?: - at `(?P<path>\$[^`]*)`)?$",
+    re.S,
+)
 
 
 def translate_validation_error(exc: msgspec.ValidationError, prefix: str = "$") -> ValidationError:
@@ -65,9 +71,7 @@ def translate_validation_error(exc: msgspec.ValidationError, prefix: str = "$") 
     message = str(exc)
     named = _NAMED_FIELD.match(message)
     if named:
-        tail = message[named.end():]
-        inner = _AT_PATH.match("x" + tail) if tail else None
-        base = inner.group("path") if inner else "$"
+        base = named.group("path") or "$"
         field = f"{base}.{named.group('name')}".replace("$", prefix, 1)
         rule = "unknown field (not allowed)" if named.group("what") == "contains unknown" else "is required"
         return ValidationError(field, rule)
@@ -206,7 +210,9 @@ def _legacy_timestamp_ns(record: Mapping[str, Any]) -> int:
             return value
         raise ValidationError("$.timestamp_ns", f"must be a non-negative integer, got {value!r}")
     seconds = record.get("timestamp")
-    if type(seconds) in (int, float) and math.isfinite(seconds) and seconds >= 0:
+    if type(seconds) is int and seconds >= 0:
+        return seconds * 1_000_000_000  # exact; math.isfinite() overflows on huge ints
+    if type(seconds) is float and seconds >= 0 and math.isfinite(seconds * 1_000_000_000):
         return int(round(seconds * 1_000_000_000))
     raise ValidationError("$.timestamp", "a legacy record needs a valid timestamp (seconds) or timestamp_ns")
 
@@ -222,7 +228,7 @@ def _legacy_device_id(record: Mapping[str, Any]) -> int:
         head, _, index = device.strip().lower().partition(":")
         if head == "cpu":
             return -1
-        if index.isdigit():
+        if index.isascii() and index.isdigit():  # '²'.isdigit() is true, int('²') fails
             return int(index)
         if head in ("cuda", "mps", "rocm", "gpu"):
             return 0
@@ -252,6 +258,8 @@ def _from_legacy(
     allocated = _int_field(record, "allocator_allocated_bytes", "memory_allocated", "allocated_bytes")
     if allocated is None:
         megabytes = record.get("memory_mb")
+        if type(megabytes) is float and not math.isfinite(megabytes * 1024 * 1024):
+            raise ValidationError("$.memory_mb", f"must be a finite number, got {megabytes!r}")
         allocated = int(megabytes * 1024 * 1024) if type(megabytes) in (int, float) else 0
     reserved = _int_field(record, "allocator_reserved_bytes", "memory_reserved", "reserved_bytes")
     used = _int_field(record, "device_used_bytes")

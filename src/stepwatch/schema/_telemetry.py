@@ -182,7 +182,11 @@ class TelemetryEventV4(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
         try:
             caps = msgspec.convert(raw, MemoryCapabilities, strict=True)
         except msgspec.ValidationError as exc:
-            raise _RecordError("metadata.memory_capabilities", str(exc)) from None
+            # name the offending key ("... - at `$.backend`"), not just the capabilities object
+            rule, at, path = str(exc).rpartition(" - at `$")
+            if not at:
+                rule, path = str(exc), "`"
+            raise _RecordError(f"metadata.memory_capabilities{path[:-1]}", rule) from None
         for counter, capability in V4_COUNTER_CAPABILITIES.items():
             if not getattr(caps, capability) and getattr(self, counter) is not None:
                 raise _RecordError(counter, f"must be null when {capability} is false")

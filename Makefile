@@ -1,0 +1,26 @@
+# Two set-up-and-go targets: `make demo` (the main job) and `make test` (every test).
+# Each creates .venv on first use and installs what it needs; later runs reuse it.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) bench/bench_sink_write.py
+	$(PY) bench/bench_load.py
+
+clean:
+	rm -rf $(VENV) stepwatch_runs .pytest_cache .hypothesis

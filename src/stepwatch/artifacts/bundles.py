@@ -1,0 +1,167 @@
+"""OOM flight-recorder bundles and standalone diagnose bundles (manifest schema 2).
+
+Both tie back to their capture through ``session_id`` (spec: "Diagnose and OOM manifests").
+Layouts follow telemetry-current-practice.md "Exports and bundles".
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..schema import SessionSummary, TelemetryEventV3
+from ._files import atomic_write_bytes
+
+__all__ = ["environment_info", "write_diagnose_bundle", "write_oom_bundle"]
+
+BUNDLE_SCHEMA_VERSION = 2
+_encoder = msgspec.json.Encoder()
+_seq = iter(range(1, 1 << 62))
+
+
+def _dump(path: Path, value: Any) -> str:
+    atomic_write_bytes(path, msgspec.json.format(_encoder.encode(value), indent=2), fsync=False)
+    return path.name
+
+
+def environment_info() -> dict[str, Any]:
+    """Host, Python, torch and device inventory, without initialising any accelerator."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "cpu_count": os.cpu_count(),
+        "memory_total_bytes": memory.total,
+        "memory_available_bytes": memory.available,
+        "pid": os.getpid(),
+        "devices": [{"kind": "cpu", "index": -1, "total_bytes": memory.total}],
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+        info["cuda_available"] = bool(torch.cuda.is_available())
+        if info["cuda_available"]:
+            for index in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(index)
+                info["devices"].append(
+                    {"kind": "hip" if torch.version.hip else "cuda", "index": index, "name": props.name,
+                     "total_bytes": int(props.total_memory)}
+                )
+    return info
+
+
+def _allocator_summary(backend: str) -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+    if backend in ("cuda", "rocm") and torch is not None and torch.cuda.is_initialized():
+        return {
+            "backend": backend,
+            "devices": {
+                str(i): {k: v for k, v in torch.cuda.memory_stats(i).items() if k.endswith((".current", ".peak")) or "num_" in k}
+                for i in range(torch.cuda.device_count())
+            },
+            "summary_text": torch.cuda.memory_summary(abbreviated=True),
+        }
+    import psutil
+
+    info = psutil.Process().memory_info()
+    return {"backend": backend, "process_rss_bytes": info.rss, "process_vms_bytes": info.vms}
+
+
+def _memory_snapshot(directory: Path) -> str | None:
+    """torch's allocator snapshot, only when the program enabled memory-history recording."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+        if not any(snapshot.get("device_traces") or []):
+            return None  # history recording off: nothing beyond allocator_summary.json
+        path = directory / "memory_snapshot.pickle"  # torch's own format, read by its memory_viz
+        torch.cuda.memory._dump_snapshot(str(path))
+        return path.name
+    except Exception:  # noqa: BLE001 - a bundle without the snapshot is still a bundle
+        return None
+
+
+def write_oom_bundle(
+    root: Path,
+    *,
+    reason: str,
+    backend: str,
+    session: SessionSummary,
+    events: list[TelemetryEventV3],
+    metadata: dict[str, Any],
+) -> Path:
+    """Writes ``oom_dump_<UTC>_<pid>_<backend>_<seq>/`` under ``root``; returns its path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    directory = root / f"oom_dump_{stamp}_{os.getpid()}_{backend}_{next(_seq)}"
+    directory.mkdir(parents=True, exist_ok=True)
+    files = [
+        _dump(directory / "metadata.json", metadata),
+        _dump(directory / "environment.json", environment_info()),
+        _dump(directory / "events.json", events),
+        _dump(directory / "allocator_summary.json", _allocator_summary(backend)),
+    ]
+    snapshot = _memory_snapshot(directory)
+    if snapshot:
+        files.append(snapshot)
+    _dump(
+        directory / "manifest.json",
+        {
+            "schema_version": BUNDLE_SCHEMA_VERSION,
+            "kind": "oom_flight_recorder",
+            "reason": reason,
+            "backend": backend,
+            "event_count": len(events),
+            "session_id": session.session_id,
+            "session_status": session.status,
+            "session": session.ledger_entry(),
+            "files": files,
+        },
+    )
+    return directory
+
+
+def write_diagnose_bundle(
+    directory: Path,
+    *,
+    session: SessionSummary,
+    timeline: dict[str, list[float]],
+    summary: dict[str, Any],
+    command_line: list[str],
+    exit_code: int,
+) -> Path:
+    """Writes a standalone diagnose bundle into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = [
+        _dump(directory / "environment.json", environment_info()),
+        _dump(directory / "telemetry_timeline.json", timeline),
+        _dump(directory / "diagnostic_summary.json", summary),
+        _dump(directory / "report.json", {"session": session.ledger_entry(), **summary}),
+    ]
+    _dump(
+        directory / "manifest.json",
+        {
+            "schema_version": BUNDLE_SCHEMA_VERSION,
+            "kind": "diagnose",
+            "files": files,
+            "exit_code": exit_code,
+            "risk_detected": bool(summary.get("risks")),
+            "session_id": session.session_id,
+            "session_status": session.status,
+            "session": session.ledger_entry(),
+            "command_line": command_line,
+        },
+    )
+    return directory

@@ -1,0 +1,127 @@
+"""Per-rank heartbeat files ``heartbeat_rank<N>.jsonl`` (spec: heartbeat-jsonl.md).
+
+One JSON object per line with ``ts``, ``iso``, ``pid``, ``rank``, ``step``, ``msg`` always;
+``gpu_mem_alloc``/``gpu_mem_reserved`` (MB) when CUDA is present; loss, toks_per_s, dt_fetch_s,
+grad_norm on ``progress`` records. Written by the runtime's background thread only: the file
+stays open and buffered, is flushed at least once a second, and rotates by size to
+``heartbeat_rank<N>.jsonl.1`` (older files get higher numbers).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import ArtifactError
+
+__all__ = ["HeartbeatWriter", "heartbeat_filename", "heartbeat_record", "read_heartbeat"]
+
+_REQUIRED = ("ts", "rank", "step", "msg")
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder()
+
+
+def heartbeat_filename(rank: int) -> str:
+    return f"heartbeat_rank{rank}.jsonl"
+
+
+def heartbeat_record(
+    *, ts: float, pid: int, rank: int, step: int, msg: str, **fields: Any
+) -> dict[str, Any]:
+    """A record in the spec's field order; None-valued extras are left out, non-finite floats
+    become null so every line stays strict JSON."""
+    iso = datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    record: dict[str, Any] = {"ts": round(ts, 6), "iso": iso, "pid": pid, "rank": rank, "step": step, "msg": msg}
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        record[key] = value
+    return record
+
+
+class HeartbeatWriter:
+    """Appends heartbeat records to one rank's file; not thread-safe (one background writer)."""
+
+    def __init__(
+        self, run_dir: str | os.PathLike[str], rank: int, *, max_bytes: int = 16 * 1024 * 1024, keep: int = 3
+    ) -> None:
+        self.path = Path(run_dir) / heartbeat_filename(rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._file = self.path.open("ab", buffering=64 * 1024)
+        self._size = self._file.tell()
+        self._last_flush = time.monotonic()
+        self.records_written = 0
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        line = _encoder.encode(record) + b"\n"
+        if self._size + len(line) > self.max_bytes and self._size > 0:
+            self._rotate()
+        self._file.write(line)
+        self._size += len(line)
+        self.records_written += 1
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for index in range(self.keep, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{index}")
+            if index == self.keep:
+                older.unlink(missing_ok=True)
+            else:
+                newer = older.with_name(f"{self.path.name}.{index + 1}")
+                if older.exists():
+                    os.replace(older, newer)
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._file = self.path.open("ab", buffering=64 * 1024)
+        self._size = 0
+
+
+def read_heartbeat(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of one heartbeat file, oldest first; unknown fields kept, a torn final line
+    ignored. Raises ArtifactError naming the file, line and field for anything else."""
+    return list(_iter_heartbeat(Path(path)))
+
+
+def _iter_heartbeat(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = _decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            if number == len(lines):
+                return  # torn by a crash mid-write
+            raise ArtifactError(path, f"malformed JSON: {exc}", line=number) from None
+        if not isinstance(record, dict):
+            raise ArtifactError(path, "a heartbeat record must be a JSON object", line=number)
+        for key in _REQUIRED:
+            if key not in record:
+                raise ArtifactError(path, f"missing required field {key!r}", line=number, field=f"$.{key}")
+        if type(record["ts"]) not in (int, float) or type(record["rank"]) is not int or type(record["step"]) is not int:
+            raise ArtifactError(path, "ts must be a number, rank and step integers", line=number)
+        yield record

@@ -1,0 +1,61 @@
+"""``run.json``: what a run directory is — session, command line, hosts, ranks, versions, status."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import ArtifactError
+from ._files import atomic_write_bytes
+
+__all__ = ["RUN_MANIFEST", "RunManifest", "read_run_manifest", "write_run_manifest"]
+
+RUN_MANIFEST = "run.json"
+
+
+class RunManifest(msgspec.Struct, kw_only=True):
+    schema_version: int = 1
+    session_id: str
+    status: str = "running"
+    started_at_ns: int
+    ended_at_ns: int | None = None
+    command_line: list[str] = msgspec.field(default_factory=list)
+    launcher: str = "init"
+    hosts: list[str] = msgspec.field(default_factory=lambda: [socket.gethostname()])
+    world_size: int = 1
+    pid: int | None = None
+    exit_code: int | None = None
+    versions: dict[str, str] = msgspec.field(default_factory=dict)
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def current_versions() -> dict[str, str]:
+    from .. import __version__
+
+    versions = {"stepwatch": __version__, "python": platform.python_version(), "platform": platform.platform()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        versions["torch"] = str(getattr(torch, "__version__", "?"))
+    return versions
+
+
+def write_run_manifest(run_dir: Path, manifest: RunManifest) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / RUN_MANIFEST, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
+
+
+def read_run_manifest(run_dir: Path) -> RunManifest:
+    path = run_dir / RUN_MANIFEST
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RunManifest)
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
+    except msgspec.ValidationError as exc:
+        raise ArtifactError(path, f"invalid run manifest: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ArtifactError(path, f"not valid JSON: {exc}") from None

@@ -1,0 +1,184 @@
+"""The in-process entry points: ``init``, ``shutdown``, ``progress``, ``oom_guard``.
+
+``init`` either starts a ``Runtime`` or, if anything fails, installs a ``NullRuntime`` and logs
+once: the user's program runs on either way. Invalid options are the one exception — they
+raise ``ConfigError`` before anything is installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from ..errors import ConfigError
+from ..schema import SessionStatus
+from . import phases
+from .config import RuntimeConfig
+from .guard import guarded, report_internal
+from .runtime import NullRuntime, Runtime, is_oom
+
+__all__ = ["current_runtime", "init", "oom_guard", "progress", "shutdown"]
+
+_lock = threading.RLock()
+_runtime: Runtime | NullRuntime = NullRuntime()
+_previous_sigterm: Any = None
+_previous_excepthook: Callable[..., Any] | None = None
+_previous_thread_hook: Callable[..., Any] | None = None
+_atexit_registered = False
+
+
+def current_runtime() -> Runtime | NullRuntime:
+    return _runtime
+
+
+def init(
+    out: str | os.PathLike[str] | None = None,
+    interval: float = 1.0,
+    *,
+    enabled: bool = True,
+    **options: Any,
+) -> Runtime | NullRuntime:
+    """Starts capture in this process (idempotent: a second call returns the running runtime).
+
+    Args:
+        out: run directory; default ``./stepwatch_runs/<UTC time>-<short session id>/``, or
+            ``$STEPWATCH_RUN_DIR`` under ``stepwatch track``/``run``.
+        interval: seconds between memory samples.
+        enabled: False installs nothing and writes nothing.
+        **options: any other ``RuntimeConfig`` field (heartbeat_interval, table_rows, rank, ...).
+
+    Raises:
+        ConfigError: an option is invalid (nothing has been installed).
+    """
+    global _runtime
+    with _lock:
+        if _runtime.active:
+            return _runtime
+        env = os.environ
+        overrides = {"out": os.fspath(out) if out is not None else None, **options}
+        if interval != 1.0 or not env.get("STEPWATCH_INTERVAL_MS"):
+            overrides["interval"] = interval
+        config = RuntimeConfig.from_env(env, **overrides)  # raises ConfigError: nothing installed yet
+        if not enabled:
+            return _runtime
+        try:
+            runtime = Runtime(config, launched=env.get("STEPWATCH_LAUNCHER") is not None)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - start-up failed: run on without capture
+            report_internal(exc, "init")
+            return _runtime
+        _runtime = runtime
+        phases.activate(runtime.scopes)
+        _install_hooks(config)
+        return runtime
+
+
+def shutdown(status: SessionStatus = "completed", timeout: float = 2.0) -> None:
+    """Stops capture and closes the session (idempotent)."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, NullRuntime()
+        phases.activate(None)
+    with guarded:
+        runtime.stop(status, timeout)
+
+
+def progress(step: int, **metrics: Any) -> None:
+    """Reports training progress: a ``progress`` heartbeat record (loss, toks_per_s, ...)."""
+    with guarded:
+        _runtime.progress(step, **metrics)
+
+
+class oom_guard:  # noqa: N801 - reads as a statement: `with stepwatch.oom_guard():`
+    """Records an out-of-memory error passing through (event + bundle), then lets it propagate."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if exc is not None and is_oom(exc):
+            _record_oom_once(exc)
+        return False
+
+
+def _record_oom_once(exc: BaseException) -> None:
+    if getattr(exc, "__stepwatch_recorded__", False):
+        return
+    with guarded:
+        try:
+            exc.__stepwatch_recorded__ = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        _runtime.record_oom(exc)
+
+
+# -- process hooks ----------------------------------------------------------------------------
+
+
+def _install_hooks(config: RuntimeConfig) -> None:
+    global _atexit_registered, _previous_excepthook, _previous_thread_hook, _previous_sigterm
+    if not _atexit_registered:
+        atexit.register(_at_exit)
+        os.register_at_fork(after_in_child=_after_fork)
+        _atexit_registered = True
+    if config.capture_oom and _previous_excepthook is None:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+        _previous_thread_hook = threading.excepthook
+        threading.excepthook = _thread_excepthook
+    if config.handle_signals and threading.current_thread() is threading.main_thread():
+        with guarded:
+            current = signal.getsignal(signal.SIGTERM)
+            if current is not _on_sigterm:
+                _previous_sigterm = current
+                signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _excepthook(typ: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    if is_oom(exc):
+        _record_oom_once(exc)
+    (_previous_excepthook or sys.__excepthook__)(typ, exc, tb)
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is not None and is_oom(args.exc_value):
+        _record_oom_once(args.exc_value)
+    (_previous_thread_hook or threading.__excepthook__)(args)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Close the session cleanly, then end the process exactly as it would have ended."""
+    shutdown("completed")
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL: die by the signal so the parent sees the same exit status
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _at_exit() -> None:
+    shutdown("completed")
+
+
+def _after_fork() -> None:
+    """A forked child (DataLoader worker) must not write into its parent's session."""
+    global _runtime
+    _runtime = NullRuntime()
+    phases.activate(None)
+
+
+def run_dir() -> Path | None:
+    return _runtime.run_dir

@@ -1,0 +1,62 @@
+"""NVIDIA's device view through NVML (``nvidia-ml-py``): memory used on each card, by any process.
+
+Also answers per-process GPU memory, which ``stepwatch track --pid`` uses from outside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Reading
+
+__all__ = ["NvmlCollector", "load_nvml"]
+
+
+def load_nvml() -> Any | None:
+    """The initialised ``pynvml`` module of nvidia-ml-py, or None when absent or no driver."""
+    try:
+        import pynvml  # provided by the nvidia-ml-py distribution
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no library or no driver: NVML simply is not present
+        return None
+    return pynvml
+
+
+class NvmlCollector:
+    name = "stepwatch.nvml_tracker"
+    backend = "nvml"
+    supports_device_total = True
+    supports_device_free = True
+    sampling_source = "nvml"
+
+    def __init__(self, nvml: Any, pid: int | None = None) -> None:
+        self._nvml = nvml
+        self.pid = pid  # when set: the memory this process holds on each device
+
+    def read(self) -> list[Reading]:
+        nvml = self._nvml
+        readings = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            mine = self._process_bytes(handle) if self.pid is not None else None
+            held = int(info.used) if mine is None else mine
+            readings.append(
+                Reading(
+                    device_id=index,
+                    allocated=held,
+                    reserved=held,
+                    used=int(info.used),
+                    free=int(info.free),
+                    total=int(info.total),
+                    extra={"process_gpu_bytes": mine} if self.pid is not None else None,
+                )
+            )
+        return readings
+
+    def _process_bytes(self, handle: Any) -> int:
+        total = 0
+        for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == self.pid and proc.usedGpuMemory is not None:
+                total += int(proc.usedGpuMemory)
+        return total

@@ -1,0 +1,84 @@
+"""Runtime options, validated before anything is installed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from ..artifacts.sink import SinkConfig
+from ..errors import ConfigError
+
+__all__ = ["RuntimeConfig"]
+
+
+class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """What ``stepwatch.init`` accepts.
+
+    Example::
+
+        RuntimeConfig(out="runs/exp1", interval=0.5)
+
+    Attributes:
+        out: the run directory (default ``./stepwatch_runs/<UTC time>-<short session id>/``).
+        interval: seconds between memory samples (sub-second allowed, >= 0.01).
+        heartbeat_interval: seconds between liveness records in the heartbeat file.
+        table_rows: bound of each in-memory table; the oldest rows are evicted past it.
+        oom_ring: how many recent records an OOM bundle keeps.
+        handle_signals: close the session as completed on SIGTERM, then end as before.
+        capture_oom: record OOM errors that end the program (``sys.excepthook`` chain).
+    """
+
+    out: str | None = None
+    interval: float = 1.0
+    heartbeat_interval: float = 5.0
+    table_rows: int = 65_536
+    oom_ring: int = 512
+    handle_signals: bool = True
+    capture_oom: bool = True
+    session_id: str | None = None
+    job_id: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    sink: SinkConfig = msgspec.field(default_factory=SinkConfig)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.interval, (int, float)) and 0.01 <= self.interval <= 3600):
+            raise ConfigError(f"interval must be between 0.01 and 3600 seconds, got {self.interval!r}")
+        if not (isinstance(self.heartbeat_interval, (int, float)) and 0.05 <= self.heartbeat_interval <= 3600):
+            raise ConfigError(f"heartbeat_interval must be between 0.05 and 3600 s, got {self.heartbeat_interval!r}")
+        if not isinstance(self.table_rows, int) or self.table_rows < 16:
+            raise ConfigError(f"table_rows must be an integer >= 16, got {self.table_rows!r}")
+        if not isinstance(self.oom_ring, int) or self.oom_ring < 1:
+            raise ConfigError(f"oom_ring must be an integer >= 1, got {self.oom_ring!r}")
+        if self.out is not None and not isinstance(self.out, (str, os.PathLike)):
+            raise ConfigError(f"out must be a path, got {type(self.out).__name__}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | os._Environ[str], **overrides: object) -> RuntimeConfig:
+        """Options from the ``STEPWATCH_*`` env contract (set by ``stepwatch track``/``run``)."""
+        values: dict[str, object] = {}
+        if env.get("STEPWATCH_RUN_DIR"):
+            values["out"] = env["STEPWATCH_RUN_DIR"]
+        if env.get("STEPWATCH_SESSION_ID"):
+            values["session_id"] = env["STEPWATCH_SESSION_ID"]
+        if env.get("STEPWATCH_INTERVAL_MS"):
+            try:
+                values["interval"] = int(env["STEPWATCH_INTERVAL_MS"]) / 1000
+            except ValueError:
+                raise ConfigError(f"STEPWATCH_INTERVAL_MS={env['STEPWATCH_INTERVAL_MS']!r} is not an integer") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def run_dir(self, session_id: str, started_ns: int) -> Path:
+        if self.out is not None:
+            return Path(self.out)
+        import time as _time
+
+        stamp = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime(started_ns / 1e9))
+        return Path("stepwatch_runs") / f"{stamp}-{session_id[:8]}"

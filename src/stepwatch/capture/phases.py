@@ -1,0 +1,155 @@
+"""Phase scopes: ``with stepwatch.phase("train", epoch=3):`` and ``@stepwatch.phase("eval")``.
+
+The calling thread only reads two clocks and appends one tuple to a bounded table; the
+``phase_enter``/``phase_exit`` records with their ``phase_scope`` payload (spec: "Structured
+phase metadata") are built later on the background thread. Scopes nest per thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+from .guard import report_internal
+
+__all__ = ["PhaseRow", "PhaseScopes", "activate", "phase"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PhaseRow(NamedTuple):
+    """One boundary as appended by the calling thread."""
+
+    action: str  # "enter" | "exit"
+    timestamp_ns: int
+    name: str
+    path: tuple[str, ...]
+    scope_id: str
+    parent_scope_id: str | None
+    thread_id: int
+    thread_name: str
+    sequence: int
+    attributes: dict[str, Any] | None
+
+
+class _Open(NamedTuple):
+    name: str
+    path: tuple[str, ...]
+    scope_id: str
+    attributes: dict[str, Any] | None
+
+
+class PhaseScopes:
+    """Per-runtime scope state: sequence numbers and each thread's stack of open scopes."""
+
+    def __init__(self, session_id: str, append: Callable[[PhaseRow], None]) -> None:
+        self._prefix = f"{session_id}:"
+        self._append = append
+        self._sequence = itertools.count(1)  # next() is atomic under the GIL
+        self._local = threading.local()
+
+    def _stack(self) -> list[_Open]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current_path(self) -> tuple[str, ...]:
+        stack = self._stack()
+        return stack[-1].path if stack else ()
+
+    def enter(self, name: str, attributes: dict[str, Any] | None) -> None:
+        stack = self._stack()
+        parent = stack[-1] if stack else None
+        sequence = next(self._sequence)
+        path = (*parent.path, name) if parent else (name,)
+        scope_id = f"{self._prefix}{sequence}"
+        thread = threading.current_thread()
+        stack.append(_Open(name, path, scope_id, attributes))
+        self._append(
+            PhaseRow("enter", time.time_ns(), name, path, scope_id, parent.scope_id if parent else None,
+                     thread.ident or 0, thread.name, sequence, attributes)
+        )
+
+    def exit(self) -> None:
+        stack = self._stack()
+        if not stack:
+            return
+        scope = stack.pop()
+        thread = threading.current_thread()
+        self._append(
+            PhaseRow("exit", time.time_ns(), scope.name, scope.path, scope.scope_id,
+                     stack[-1].scope_id if stack else None, thread.ident or 0, thread.name,
+                     next(self._sequence), scope.attributes)
+        )
+
+
+_active: PhaseScopes | None = None  # the running runtime's scopes; None when stepwatch is off
+
+
+def activate(scopes: PhaseScopes | None) -> None:
+    """Points ``phase`` at a runtime's scopes (None turns phases into no-ops)."""
+    global _active
+    _active = scopes
+
+
+class phase:  # noqa: N801 - used like a function: `with stepwatch.phase(...)`, `@stepwatch.phase(...)`
+    """Marks a workload phase; a context manager and a decorator (async functions included).
+
+    Example::
+
+        with stepwatch.phase("train", epoch=3):
+            ...
+
+        @stepwatch.phase("evaluate")
+        def evaluate(model): ...
+
+    Holds no per-use state, so one instance may be entered from many threads. User exceptions
+    pass through unchanged; stepwatch's own errors are swallowed (fail-open).
+    """
+
+    __slots__ = ("name", "attributes")
+
+    def __init__(self, name: str, **attributes: Any) -> None:
+        self.name = str(name)
+        self.attributes = attributes or None
+
+    def __enter__(self) -> phase:
+        scopes = _active
+        if scopes is not None:
+            try:
+                scopes.enter(self.name, self.attributes)
+            except Exception as exc:  # noqa: BLE001 - fail-open
+                report_internal(exc, "phase.enter")
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+        scopes = _active
+        if scopes is not None:
+            try:
+                scopes.exit()
+            except Exception as error:  # noqa: BLE001 - fail-open
+                report_internal(error, "phase.exit")
+        return False
+
+    def __call__(self, func: F) -> F:
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with phase(self.name, **(self.attributes or {})):
+                    return await func(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with phase(self.name, **(self.attributes or {})):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]

@@ -1,0 +1,278 @@
+"""The per-process runtime: one background thread samples collectors and drains the bounded
+tables into the run directory (telemetry sink, heartbeat file, bundles).
+
+Threads: the training thread only appends to ``BoundedTable``s (phases, progress, errors).
+The sampler thread owns the sink and the heartbeat writer; ``stop`` joins it first and only
+then writes the last records itself. Every failure inside is logged once and swallowed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from ..artifacts.bundles import write_oom_bundle
+from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
+from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
+from ..artifacts.sink import TelemetrySink
+from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
+from .collectors import CollectorHealth, CpuCollector, discover_accelerators, discover_nvml
+from .config import RuntimeConfig
+from .events import EventFactory
+from .guard import guarded, report_internal, swallowed
+from .identity import DistributedIdentity, resolve_distributed_identity
+from .phases import PhaseRow, PhaseScopes
+from .tables import BoundedTable
+
+__all__ = ["NullRuntime", "Runtime", "is_oom"]
+
+_DISCOVER_EVERY_S = 5.0
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (any backend) or Python's MemoryError."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+class NullRuntime:
+    """Stands in when stepwatch is disabled or failed to start: same verbs, no effect."""
+
+    active = False
+    run_dir: Path | None = None
+    session_id: str | None = None
+
+    def progress(self, step: int, **metrics: Any) -> None:
+        return None
+
+    def record_oom(self, exc: BaseException) -> Path | None:
+        return None
+
+    def stop(self, status: SessionStatus = "completed", timeout: float = 2.0) -> None:
+        return None
+
+
+def _shared_session_id(identity: DistributedIdentity) -> str | None:
+    """One session id for all ranks of a job started without ``stepwatch run``."""
+    if identity.world_size <= 1:
+        return None
+    if identity.job_id and identity.job_id != "none":
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{identity.job_id}"))
+    # same parent (the torchrun agent) on this node: its pid and start time name the job
+    try:
+        import psutil
+
+        parent = psutil.Process(os.getppid())
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{socket.gethostname()}:{parent.pid}:{parent.create_time()}"))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class Runtime:
+    """Started by ``stepwatch.init``; see ``RuntimeConfig`` for the options."""
+
+    active = True
+
+    def __init__(self, config: RuntimeConfig, *, launched: bool = False) -> None:
+        self.config = config
+        self.identity = resolve_distributed_identity(
+            job_id=config.job_id, rank=config.rank, local_rank=config.local_rank, world_size=config.world_size
+        )
+        self.started_ns = time.time_ns()
+        self.session_id = config.session_id or _shared_session_id(self.identity) or new_session_id()
+        self.run_dir = config.run_dir(self.session_id, self.started_ns)
+        self.launched = launched
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        rank = self.identity.rank
+        self.sink = TelemetrySink(self.run_dir / "telemetry" / f"rank{rank}", config.sink)
+        self.session = self.sink.start_session(
+            SessionSummary(
+                session_id=self.session_id, status="running", started_at_ns=self.started_ns, host=self.host,
+                pid=self.pid, job_id=self.identity.job_id, rank=rank, local_rank=self.identity.local_rank,
+                world_size=self.identity.world_size, source="stepwatch.runtime",
+            )
+        )
+        self.factory = EventFactory(
+            session_id=self.session_id, identity=self.identity, host=self.host, pid=self.pid,
+            interval_ms=int(round(config.interval * 1000)),
+        )
+        rows = config.table_rows
+        self.phase_rows: BoundedTable[PhaseRow] = BoundedTable("phases", rows)
+        self.progress_rows: BoundedTable[tuple[float, int, dict[str, Any]]] = BoundedTable("progress", rows)
+        self.error_events: BoundedTable[TelemetryEventV3] = BoundedTable("errors", 1024)
+        self.scopes = PhaseScopes(self.session_id, self.phase_rows.append)
+        self.collectors = [CollectorHealth(CpuCollector())]
+        with guarded:
+            nvml = discover_nvml()
+            if nvml is not None:
+                self.collectors.append(CollectorHealth(nvml))
+        self.heartbeat = HeartbeatWriter(self.run_dir, rank)
+        self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
+        self._recent_lock = threading.Lock()
+        self.step = 0
+        self.sink_dropped = 0
+        self._stop = threading.Event()
+        self._stopped = False
+        self._next_sample = 0.0
+        self._next_heartbeat = 0.0
+        self._next_discovery = time.monotonic() + _DISCOVER_EVERY_S
+        self._last_cuda_mb: tuple[int, int] | None = None
+        if rank == 0 and not launched:
+            write_run_manifest(
+                self.run_dir,
+                RunManifest(session_id=self.session_id, started_at_ns=self.started_ns, command_line=list(sys.argv),
+                            world_size=self.identity.world_size, pid=self.pid, versions=current_versions()),
+            )
+        # First sample now, so every later record carries real counters.
+        self._sample(time.time())
+        self._write(self.factory.point("start", context="stepwatch capture started",
+                                       metadata={"run_dir": str(self.run_dir)}))
+        self.heartbeat.write(self._heartbeat("boot", phase="start"))
+        self.heartbeat.flush()
+        self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
+        self._thread.start()
+
+    # -- calling-thread API (append only) ----------------------------------------------------
+
+    def progress(self, step: int, **metrics: Any) -> None:
+        """A ``progress`` heartbeat record (loss, toks_per_s, dt_fetch_s, grad_norm, ...)."""
+        self.step = step
+        self.progress_rows.append((time.time(), step, metrics))
+
+    def record_oom(self, exc: BaseException) -> Path | None:
+        """Records an OOM as an ``error`` event and writes a flight-recorder bundle."""
+        backend = "cuda" if type(exc).__name__ == "OutOfMemoryError" else "cpu"
+        reason = f"{type(exc).__name__}: {exc}"[:4000]
+        event = self.factory.point(
+            "error", context=reason.splitlines()[0][:500] if reason else None,
+            metadata={"oom_reason": reason, "exception_type": f"{type(exc).__module__}.{type(exc).__name__}",
+                      "step": self.step, "phase_path": list(self.scopes.current_path())},
+        )
+        self.error_events.append(event)
+        with self._recent_lock:
+            recent = list(self.recent)
+        return write_oom_bundle(
+            self.run_dir / "bundles", reason=reason, backend=backend, session=self.session,
+            events=[*recent, event],
+            metadata={"rank": self.identity.rank, "step": self.step, "exception": reason,
+                      "timestamp_ns": event.timestamp_ns, "phase_path": list(self.scopes.current_path())},
+        )
+
+    # -- background thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        period = min(self.config.interval, 1.0)  # heartbeat flush at least once a second
+        while not self._stop.wait(period):
+            with guarded:
+                self.tick()
+
+    def tick(self) -> None:
+        now = time.time()
+        mono = time.monotonic()
+        if mono >= self._next_discovery:
+            self._next_discovery = mono + _DISCOVER_EVERY_S
+            known = {h.collector.name for h in self.collectors}
+            for collector in discover_accelerators(known):
+                self.collectors.append(CollectorHealth(collector))
+        if mono >= self._next_sample:
+            self._next_sample = mono + self.config.interval
+            self._sample(now)
+        self._drain()
+        if mono >= self._next_heartbeat:
+            self._next_heartbeat = mono + self.config.heartbeat_interval
+            self.heartbeat.write(self._heartbeat("heartbeat"))
+        self.heartbeat.flush()
+        self._flush_sink()
+
+    def _sample(self, now: float) -> None:
+        timestamp_ns = int(now * 1e9)
+        accelerators = any(h.collector.backend not in ("cpu",) for h in self.collectors)
+        for health in self.collectors:
+            readings, transition = health.poll(now)
+            meta = health.metadata()
+            if transition is not None:
+                context = health.last_error if transition == "collector_degraded" else "collector works again"
+                self._write(self.factory.point(transition, context=context, metadata=meta,
+                                               timestamp_ns=timestamp_ns, collector=health.collector.name))
+            primary = health.collector.backend != "cpu" or not accelerators
+            for reading in readings:
+                self._write(self.factory.sample(health.collector.name, reading, meta, timestamp_ns, primary=primary))
+                if health.collector.backend in ("cuda", "rocm") and reading.device_id == 0:
+                    self._last_cuda_mb = (reading.allocated >> 20, reading.reserved >> 20)
+
+    def _drain(self) -> None:
+        for row in self.phase_rows.drain():
+            self._write(self.factory.phase(row))
+        for event in self.error_events.drain():
+            self._write(event)
+        for ts, step, metrics in self.progress_rows.drain():
+            self.heartbeat.write(self._heartbeat("progress", ts=ts, step=step, **metrics))
+
+    def _write(self, event: TelemetryEventV3) -> None:
+        with self._recent_lock:
+            self.recent.append(event)
+        try:
+            self.sink.append(event)
+        except OSError as exc:  # disk full or gone: keep memory bounded, count what is lost
+            self.sink_dropped += self.sink.discard_buffer()
+            report_internal(exc, "sink.append")
+
+    def _flush_sink(self) -> None:
+        try:
+            self.sink.maybe_flush()
+        except OSError as exc:
+            self.sink_dropped += self.sink.discard_buffer()
+            report_internal(exc, "sink.flush")
+
+    def _heartbeat(self, msg: str, *, ts: float | None = None, step: int | None = None, **fields: Any) -> dict[str, Any]:
+        if self._last_cuda_mb is not None:
+            fields.setdefault("gpu_mem_alloc", self._last_cuda_mb[0])
+            fields.setdefault("gpu_mem_reserved", self._last_cuda_mb[1])
+        return heartbeat_record(ts=ts or time.time(), pid=self.pid, rank=self.identity.rank,
+                                step=self.step if step is None else step, msg=msg, **fields)
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def drops(self) -> dict[str, int]:
+        return {
+            "phase_rows_evicted": self.phase_rows.evicted,
+            "progress_rows_evicted": self.progress_rows.evicted,
+            "error_events_evicted": self.error_events.evicted,
+            "sink_records_dropped": self.sink_dropped,
+        }
+
+    def stop(self, status: SessionStatus = "completed", timeout: float = 2.0, exit_code: int | None = None) -> None:
+        """Flushes to a deadline and closes the session with ``status``. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        with guarded:
+            self._sample(time.time())
+            self._drain()
+            self._write(self.factory.point(
+                "stop", context=f"stepwatch capture stopped ({status})",
+                metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
+                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors}},
+            ))
+        with guarded:
+            self.heartbeat.write(self._heartbeat("stop", status=status))
+            self.heartbeat.close()
+        with guarded:
+            self.session = self.sink.close(status) or self.session
+        if self.identity.rank == 0 and not self.launched:
+            with guarded:
+                manifest = read_run_manifest(self.run_dir)
+                manifest.status = status
+                manifest.ended_at_ns = time.time_ns()
+                manifest.exit_code = exit_code
+                write_run_manifest(self.run_dir, manifest)

@@ -1,0 +1,62 @@
+"""Bounded in-memory tables: the only thing the training thread touches.
+
+``append`` is one ``deque.append`` (atomic under the GIL, no lock); past ``maxlen`` the oldest
+row is evicted and counted. The background thread ``drain``s with ``popleft`` (also atomic), never
+by iterating or swapping the deque, which a concurrent append would break.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Generic, TypeVar
+
+__all__ = ["BoundedTable"]
+
+T = TypeVar("T")
+
+
+class BoundedTable(Generic[T]):
+    """A fixed-capacity FIFO whose overflow is counted, not raised.
+
+    Example::
+
+        table = BoundedTable[tuple](maxlen=10_000)
+        table.append(row)            # training thread
+        rows = table.drain()         # background thread
+    """
+
+    __slots__ = ("name", "maxlen", "_rows", "appended", "_drained")
+
+    def __init__(self, name: str, maxlen: int) -> None:
+        if maxlen < 1:
+            raise ValueError(f"table {name}: maxlen must be >= 1, got {maxlen}")
+        self.name = name
+        self.maxlen = maxlen
+        self._rows: deque[T] = deque(maxlen=maxlen)
+        self.appended = 0  # rows ever appended (approximate under races; only ever grows)
+        self._drained = 0
+
+    def append(self, row: T) -> None:
+        self._rows.append(row)
+        self.appended += 1
+
+    def drain(self) -> list[T]:
+        """Takes every row appended so far, oldest first."""
+        rows = self._rows
+        out: list[T] = []
+        pop = rows.popleft
+        for _ in range(len(rows)):
+            try:
+                out.append(pop())
+            except IndexError:
+                break
+        self._drained += len(out)
+        return out
+
+    @property
+    def evicted(self) -> int:
+        """Rows lost to the bound: appended but never drained."""
+        return max(0, self.appended - self._drained - len(self._rows))
+
+    def __len__(self) -> int:
+        return len(self._rows)
