@@ -72,6 +72,14 @@ class SinkConfig(msgspec.Struct, kw_only=True, frozen=True):
     retention_max_total_bytes: int = 512 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        # Types first, so a string from an environment variable fails with the option's name
+        # rather than as a TypeError from a comparison below.
+        for name in ("flush_every_events", "rollover_max_bytes", "rollover_max_events",
+                     "retention_max_files", "retention_max_total_bytes", "flush_every_seconds"):
+            value = getattr(self, name)
+            allowed = (int, float) if name == "flush_every_seconds" else (int,)
+            if isinstance(value, bool) or not isinstance(value, allowed):
+                raise ConfigError(f"SinkConfig.{name} must be a number, got {value!r}")
         checks = (
             ("flush_every_events", self.flush_every_events >= 1, ">= 1"),
             ("flush_every_seconds", self.flush_every_seconds > 0, "> 0"),
@@ -124,6 +132,11 @@ class TelemetrySink:
     def session(self) -> SessionSummary | None:
         return self._session
 
+    @property
+    def ledger(self) -> list[SessionSummary]:
+        """Every session this sink directory has recorded, oldest first."""
+        return list(self._manifest.sessions)
+
     def start_session(self, summary: SessionSummary | None = None) -> SessionSummary:
         """Registers the session that following records belong to (a new one when not given)."""
         with self._lock:
@@ -142,6 +155,7 @@ class TelemetrySink:
             self._closed = False
             self._manifest.sessions.append(summary)
             self._new_segment()
+            self._prune()  # a new session's segment counts against retention like a rollover's
             self._write_manifest()
             return summary
 
@@ -162,10 +176,21 @@ class TelemetrySink:
                     f"record of session {event.session_id} appended to session {session.session_id}",
                     field="$.session_id",
                 )
+            start = len(self._buffer)
             self._encoder.encode_into(event, self._buffer, -1)
             self._buffer.extend(b"\n")
-            self._buffered += 1
             segment = self._manifest.segments[-1]
+            if start + segment.size_bytes and segment.size_bytes + len(self._buffer) > self.config.rollover_max_bytes:
+                # This record would carry the segment past its byte bound: it starts the next one.
+                line = bytes(self._buffer[start:])
+                del self._buffer[start:]
+                self._flush_locked()
+                if self._manifest.segments[-1] is segment:
+                    self._rollover()
+                    self._write_manifest()
+                self._buffer += line
+                segment = self._manifest.segments[-1]
+            self._buffered += 1
             if (
                 self._buffered >= self.config.flush_every_events
                 # a segment never grows past its rollover bounds, whatever the flush cadence
@@ -238,6 +263,8 @@ class TelemetrySink:
             or segment.event_count >= self.config.rollover_max_events
         ):
             self._rollover()
+        else:
+            self._prune()  # the growing segment counts against the total-size bound too
         self._write_manifest()
 
     def _write_manifest(self, force_sync: bool = False) -> None:

@@ -201,6 +201,8 @@ def inspect(path: str, session_id: str | None, as_json: bool) -> None:
 
 
 def main() -> None:
+    from . import commands_capture  # noqa: F401 - registers track and diagnose
+
     cli()
 
 

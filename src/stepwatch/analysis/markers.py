@@ -1,0 +1,108 @@
+"""Timeline markers: a derived view that puts landmarks of a capture on one timeline.
+
+Not a new record type (spec: "Timeline markers"): lifecycle, collector-health, alert and OOM
+point markers are promoted from existing events; phases become interval markers by replaying
+``phase_enter``/``phase_exit`` pairs through ``PhaseReplayIndex``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from ..schema import TelemetryEventV3
+from .phase_replay import PhaseReplayIndex
+
+__all__ = [
+    "TimelineMarker",
+    "derive_session_timeline_markers",
+    "derive_timeline_markers",
+    "timeline_marker_to_dict",
+]
+
+MarkerKind = Literal["lifecycle", "collector", "alert", "oom", "phase"]
+Severity = Literal["info", "warning", "critical"]
+
+# event_type -> (kind, severity) for promoted point markers
+_PROMOTED: dict[str, tuple[MarkerKind, Severity]] = {
+    "start": ("lifecycle", "info"),
+    "stop": ("lifecycle", "info"),
+    "collector_degraded": ("collector", "warning"),
+    "collector_recovered": ("collector", "info"),
+    "warning": ("alert", "warning"),
+    "critical": ("alert", "critical"),
+    "error": ("alert", "critical"),
+}
+
+
+class TimelineMarker(msgspec.Struct, kw_only=True, frozen=True):
+    session_id: str
+    start_ns: int
+    end_ns: int | None
+    kind: MarkerKind
+    source: Literal["telemetry_event", "phase_replay", "annotation"]
+    severity: Severity
+    label: str
+    rank: int
+    local_rank: int
+    world_size: int
+    event_type: str
+    metadata: dict[str, Any]
+
+
+def _is_oom(event: TelemetryEventV3) -> bool:
+    return event.event_type == "error" and any(
+        key in event.metadata for key in ("oom_reason", "oom", "is_oom")
+    )
+
+
+def derive_timeline_markers(events: Iterable[TelemetryEventV3]) -> list[TimelineMarker]:
+    """Point markers for promoted events plus interval markers for replayed phases, by time."""
+    events = list(events)
+    markers: list[TimelineMarker] = []
+    for e in events:
+        promoted = _PROMOTED.get(e.event_type)
+        if promoted is None:
+            continue
+        kind, severity = ("oom", "critical") if _is_oom(e) else promoted
+        label = e.event_type.replace("_", " ")
+        if kind == "oom":
+            label = f"OOM: {str(e.metadata.get('oom_reason', e.context or ''))[:120]}"
+        elif e.context:
+            label = f"{label}: {e.context[:120]}"
+        markers.append(
+            TimelineMarker(
+                session_id=e.session_id, start_ns=e.timestamp_ns, end_ns=None, kind=kind,
+                source="telemetry_event", severity=severity, label=label, rank=e.rank,
+                local_rank=e.local_rank, world_size=e.world_size, event_type=e.event_type,
+                metadata=dict(e.metadata),
+            )
+        )
+    for interval in PhaseReplayIndex(events).intervals:
+        markers.append(
+            TimelineMarker(
+                session_id=interval.session_id, start_ns=interval.start_ns, end_ns=interval.end_ns,
+                kind="phase", source="phase_replay", severity="info", label=interval.label,
+                rank=interval.rank, local_rank=interval.local_rank, world_size=interval.world_size,
+                event_type="phase_enter",
+                metadata={
+                    "scope_id": interval.scope_id, "parent_scope_id": interval.parent_scope_id,
+                    "path": list(interval.path), "depth": len(interval.path),
+                    "thread_id": interval.thread_id, "thread_name": interval.thread_name,
+                    "attributes": interval.attributes or {}, "closed": interval.closed,
+                },
+            )
+        )
+    markers.sort(key=lambda m: (m.start_ns, m.end_ns is not None))
+    return markers
+
+
+def derive_session_timeline_markers(session: Any) -> list[TimelineMarker]:
+    """Markers of one loaded session (``LoadedTelemetrySession``)."""
+    return derive_timeline_markers(session.events)
+
+
+def timeline_marker_to_dict(marker: TimelineMarker) -> dict[str, Any]:
+    return msgspec.to_builtins(marker)

@@ -1,0 +1,169 @@
+"""``stepwatch track``: capture a command (in-process, through the env contract) or an existing
+process (from outside, by pid) into a run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest
+from ..artifacts.sink import TelemetrySink
+from ..schema import SessionStatus, SessionSummary, new_session_id
+from .collectors import CollectorHealth, CpuCollector, discover_nvml
+from .events import EventFactory
+from .identity import DistributedIdentity
+
+__all__ = ["default_run_dir", "sample_process", "track_command"]
+
+AUTOSTART_DIR = Path(__file__).parent / "_autostart"
+_RUNTIME_GRACE_S = 3.0
+
+
+def default_run_dir(session_id: str) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return Path("stepwatch_runs") / f"{stamp}-{session_id[:8]}"
+
+
+def _runs_python(command: list[str]) -> bool:
+    """Whether the command starts a Python interpreter (directly or through a shebang)."""
+    executable = shutil.which(command[0]) or command[0]
+    if os.path.basename(executable).startswith("python"):
+        return True
+    try:
+        with open(executable, "rb") as handle:
+            head = handle.readline(200)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"python" in head
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> tuple[int, Path, str]:
+    """Runs ``command`` with capture on; returns (exit code, run dir, session status)."""
+    session_id = new_session_id()
+    run_dir = out or default_run_dir(session_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = RunManifest(session_id=session_id, started_at_ns=time.time_ns(), command_line=command,
+                           launcher="track", versions=current_versions())
+    write_run_manifest(run_dir, manifest)
+    env = dict(os.environ)
+    env.update(
+        STEPWATCH_AUTOSTART="1", STEPWATCH_RUN_DIR=str(run_dir.resolve()), STEPWATCH_SESSION_ID=session_id,
+        STEPWATCH_INTERVAL_MS=str(interval_ms), STEPWATCH_LAUNCHER="track",
+        PYTHONPATH=os.pathsep.join(p for p in (str(AUTOSTART_DIR), env.get("PYTHONPATH")) if p),
+    )
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        manifest.status, manifest.exit_code, manifest.ended_at_ns = "incomplete", 127, time.time_ns()
+        write_run_manifest(run_dir, manifest)
+        raise FileNotFoundError(f"cannot start {command[0]!r}: {exc.strerror}") from exc
+
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        # SIGTERM goes straight on; SIGINT from a terminal already reached the child (same
+        # process group), so it is re-sent only if the child is still running a second later.
+        forwarded.append(signum)
+        if signum != signal.SIGINT and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = time.monotonic() + (_RUNTIME_GRACE_S if _runs_python(command) else 0)
+        while child.poll() is None and time.monotonic() < deadline and not (run_dir / ".autostart-claimed").exists():
+            time.sleep(0.02)
+        if child.poll() is None and not (run_dir / ".autostart-claimed").exists():
+            # not a Python program (or it never imported site): sample it from outside
+            sample_process(child.pid, run_dir=run_dir, interval_ms=interval_ms, session_id=session_id,
+                           stop_when=lambda: child.poll() is not None)
+        interrupted_at: float | None = None
+        while child.poll() is None:
+            if signal.SIGINT in forwarded and interrupted_at is None:
+                interrupted_at = time.monotonic()
+            if interrupted_at is not None and time.monotonic() - interrupted_at > 1.0:
+                child.send_signal(signal.SIGINT)
+                interrupted_at = float("inf")
+            time.sleep(0.05)
+        returncode = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    status = _close_child_session(run_dir)
+    manifest.status, manifest.exit_code, manifest.ended_at_ns = status, _exit_code(returncode), time.time_ns()
+    write_run_manifest(run_dir, manifest)
+    return _exit_code(returncode), run_dir, status
+
+
+def _close_child_session(run_dir: Path) -> SessionStatus:
+    """A child killed before it could close its session leaves it running: recover it."""
+    sink_dir = run_dir / "telemetry" / "rank0"
+    if not sink_dir.exists():
+        return "incomplete"
+    ledger = TelemetrySink(sink_dir).ledger  # opening recovers: running -> interrupted
+    return ledger[-1].status if ledger else "incomplete"
+
+
+def sample_process(
+    pid: int, *, run_dir: Path, interval_ms: int, session_id: str | None = None,
+    stop_when: object = None,
+) -> SessionStatus:
+    """Samples process ``pid`` from outside (RSS, and NVML per-process GPU memory) until it exits
+    or Ctrl-C; writes a session into ``run_dir/telemetry/rank0``."""
+    import psutil
+
+    session_id = session_id or new_session_id()
+    cpu = CpuCollector(pid)
+    collectors = [CollectorHealth(cpu)]
+    nvml = discover_nvml(pid)
+    if nvml is not None:
+        collectors.append(CollectorHealth(nvml))
+    sink = TelemetrySink(run_dir / "telemetry" / "rank0")
+    host = socket.gethostname()
+    sink.start_session(SessionSummary(session_id=session_id, status="running", started_at_ns=time.time_ns(),
+                                      host=host, pid=pid, source="stepwatch.track_pid"))
+    factory = EventFactory(session_id=session_id, identity=DistributedIdentity(), host=host, pid=pid,
+                           interval_ms=interval_ms)
+    status: SessionStatus = "completed"
+
+    def alive() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def sample() -> bool:
+        if not alive():
+            return False
+        now = time.time()
+        for health in collectors:
+            readings, transition = health.poll(now)
+            if transition:
+                sink.append(factory.point(transition, context=health.last_error, metadata=health.metadata(),
+                                          collector=health.collector.name))
+            for r in readings:
+                sink.append(factory.sample(health.collector.name, r, health.metadata(), int(now * 1e9),
+                                           primary=health.collector.backend != "cpu"))
+        return True
+
+    try:
+        if sample():
+            sink.append(factory.point("start", context=f"sampling pid {pid} from outside"))
+        while sample() and not (callable(stop_when) and stop_when()):
+            sink.maybe_flush()
+            time.sleep(interval_ms / 1000)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C ends sampling; the session still closes cleanly
+    sink.append(factory.point("stop", context=f"pid {pid} sampling ended"))
+    sink.close(status)
+    return status
+
