@@ -1,0 +1,5 @@
+"""``python -m stepwatch`` is the ``stepwatch`` command."""
+
+from .ui.cli import main
+
+main()
