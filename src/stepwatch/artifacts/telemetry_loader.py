@@ -161,7 +161,12 @@ def _load_sink(
             group.events.append(event)
             if not group.sources or group.sources[-1] != str(path):
                 group.sources.append(str(path))
-        target = groups.get(hint) or (groups[next(iter(groups))] if groups else None)
+        target = groups.get(hint)
+        if target is None and path.name in owner and owner[path.name] and (segment.skipped or segment.torn):
+            # nothing of the segment loaded, but the manifest names its session: count it there
+            target = groups[hint] = _empty(hint)
+        if target is None and groups:
+            target = groups[next(iter(groups))]
         if target is not None:
             target.skipped_records += segment.skipped
             target.torn_lines += segment.torn
@@ -327,12 +332,14 @@ def _summarise(
         "ranks": ranks,
     }
     if ledger is None:
-        # No ledger entry: nothing proves a clean or recovered stop (spec: `incomplete`).
+        # No ledger entry: only a `stop` event proves a clean stop (as Stormlog's reader infers);
+        # otherwise nothing proves a clean or recovered stop (spec: `incomplete`).
+        stops = [e.timestamp_ns for e in events if e.event_type == "stop"]
         return SessionSummary(
             session_id=session_id,
-            status="incomplete",
+            status="completed" if stops else "incomplete",
             started_at_ns=first.timestamp_ns if first else 0,
-            ended_at_ns=None,
+            ended_at_ns=stops[-1] if stops else None,
             host=first.host if first else "unknown",
             pid=first.pid if first else -1,
             job_id=first.job_id if first else None,
@@ -353,7 +360,7 @@ def _writer_alive(summary: SessionSummary) -> bool:
         return False
     try:
         os.kill(summary.pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a pid no process can have
         return False
     except PermissionError:
         return True

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..schema import SessionStatus
-from . import phases
+from . import phases, training
 from .config import RuntimeConfig
 from .guard import guarded, report_internal
 from .runtime import NullRuntime, Runtime, is_oom
@@ -77,6 +77,7 @@ def init(
             return _runtime
         _runtime = runtime
         phases.activate(runtime.scopes)
+        training.activate(runtime.training)
         _install_hooks(config)
         return runtime
 
@@ -87,6 +88,7 @@ def shutdown(status: SessionStatus = "completed", timeout: float = 2.0) -> None:
     with _lock:
         runtime, _runtime = _runtime, NullRuntime()
         phases.activate(None)
+        training.activate(None)
     with guarded:
         runtime.stop(status, timeout)
 
@@ -178,6 +180,7 @@ def _after_fork() -> None:
     global _runtime
     _runtime = NullRuntime()
     phases.activate(None)
+    training.activate(None)
 
 
 def run_dir() -> Path | None:

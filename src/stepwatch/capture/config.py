@@ -43,6 +43,11 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
     local_rank: int | None = None
     world_size: int | None = None
     sink: SinkConfig = msgspec.field(default_factory=SinkConfig)
+    auto_instrument: bool = True
+    spool_interval: float = 2.0
+    spool_max_bytes: int = 256 * 1024 * 1024
+    endpoint: str | None = None
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.interval, (int, float)) and 0.01 <= self.interval <= 3600):
@@ -53,6 +58,12 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"table_rows must be an integer >= 16, got {self.table_rows!r}")
         if not isinstance(self.oom_ring, int) or self.oom_ring < 1:
             raise ConfigError(f"oom_ring must be an integer >= 1, got {self.oom_ring!r}")
+        if not (isinstance(self.spool_interval, (int, float)) and 0.05 <= self.spool_interval <= 3600):
+            raise ConfigError(f"spool_interval must be between 0.05 and 3600 s, got {self.spool_interval!r}")
+        if not isinstance(self.spool_max_bytes, int) or self.spool_max_bytes < 64 * 1024:
+            raise ConfigError(f"spool_max_bytes must be an integer >= 65536, got {self.spool_max_bytes!r}")
+        if self.endpoint is not None and not str(self.endpoint).startswith(("http://", "https://")):
+            raise ConfigError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
         if self.out is not None and not isinstance(self.out, (str, os.PathLike)):
             raise ConfigError(f"out must be a path, got {type(self.out).__name__}")
 
@@ -69,6 +80,10 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
                 values["interval"] = int(env["STEPWATCH_INTERVAL_MS"]) / 1000
             except ValueError:
                 raise ConfigError(f"STEPWATCH_INTERVAL_MS={env['STEPWATCH_INTERVAL_MS']!r} is not an integer") from None
+        if env.get("STEPWATCH_ENDPOINT"):
+            values["endpoint"] = env["STEPWATCH_ENDPOINT"]
+        if env.get("STEPWATCH_API_KEY"):
+            values["api_key"] = env["STEPWATCH_API_KEY"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**values)  # type: ignore[arg-type]

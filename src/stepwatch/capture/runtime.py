@@ -22,6 +22,7 @@ from ..artifacts.bundles import write_oom_bundle
 from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
 from ..artifacts.sink import TelemetrySink
+from ..artifacts.spool import SpoolWriter
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
@@ -29,7 +30,9 @@ from .events import EventFactory
 from .guard import guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseRow, PhaseScopes
+from .spans import ClosedSpan, MarkRow, SpanRecorder
 from .tables import BoundedTable
+from .training import TrainingState, pre_init_marks
 
 __all__ = ["NullRuntime", "Runtime", "is_oom"]
 
@@ -39,6 +42,25 @@ _DISCOVER_EVERY_S = 5.0
 def is_oom(exc: BaseException) -> bool:
     """torch's OutOfMemoryError (any backend) or Python's MemoryError."""
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def _json_safe(value: Any) -> Any:
+    """Attrs as strict JSON: non-finite floats become "nan"/"inf"/"-inf", unknown types str()."""
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item"):
+        return _json_safe(value.item())
+    return str(value)
 
 
 class NullRuntime:
@@ -114,6 +136,24 @@ class Runtime:
             if nvml is not None:
                 self.collectors.append(CollectorHealth(nvml))
         self.heartbeat = HeartbeatWriter(self.run_dir, rank)
+        self.spans = SpanRecorder(rank=rank, rows=rows)
+        for row in pre_init_marks():
+            self.spans.marks.append(row)
+        self.snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]] = BoundedTable("snapshots", 1024)
+        self.training = TrainingState(self.spans, snapshot_sink=self._snapshot_sink, blob_uri=self._blob_uri,
+                                      on_step=self._on_step)
+        from .. import __version__
+
+        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes)
+        self.exporter: Any = None
+        if config.endpoint and config.api_key:
+            from ..transport.http_exporter import HttpExporter
+
+            self.exporter = HttpExporter(config.endpoint, config.api_key, sdk_version=__version__,
+                                         spool_root=self.run_dir)
+        self.patches: Any = None
+        self._deferred: list[ClosedSpan] = []
+        self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
         self._recent_lock = threading.Lock()
         self.step = 0
@@ -136,6 +176,9 @@ class Runtime:
                                        metadata={"run_dir": str(self.run_dir)}))
         self.heartbeat.write(self._heartbeat("boot", phase="start"))
         self.heartbeat.flush()
+        if config.auto_instrument:
+            with guarded:
+                self.install_patches()
         self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
         self._thread.start()
 
@@ -181,10 +224,16 @@ class Runtime:
             known = {h.collector.name for h in self.collectors}
             for collector in discover_accelerators(known):
                 self.collectors.append(CollectorHealth(collector))
+            self._enable_gpu_timing()
+        if self.patches is None and self.config.auto_instrument:
+            self.install_patches()
         if mono >= self._next_sample:
             self._next_sample = mono + self.config.interval
             self._sample(now)
         self._drain()
+        if mono >= self._next_seal:
+            self._next_seal = mono + self.config.spool_interval
+            self._seal_spool()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
             self.heartbeat.write(self._heartbeat("heartbeat"))
@@ -238,6 +287,82 @@ class Runtime:
         return heartbeat_record(ts=ts or time.time(), pid=self.pid, rank=self.identity.rank,
                                 step=self.step if step is None else step, msg=msg, **fields)
 
+    # -- spans, spool, torch ---------------------------------------------------------------------
+
+    def install_patches(self) -> bool:
+        """Torch auto-instrumentation, once torch is fully imported (also when it comes later)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "optim") or not hasattr(getattr(torch, "utils", None), "data"):
+            return False
+        from .torch_patches import TorchPatches
+
+        patches = TorchPatches(self.training)
+        self.patches = patches  # set first: a failing install is not retried every tick
+        patches.install()
+        return True
+
+    def _enable_gpu_timing(self) -> None:
+        torch = sys.modules.get("torch")
+        if self.training.gpu_timer is None and torch is not None and torch.cuda.is_initialized():
+            from .gpu_timing import GpuTimer
+
+            self.training.gpu_timer = GpuTimer(lambda: torch.cuda.Event(enable_timing=True))
+
+    def _on_step(self, step: int) -> None:
+        self.step = step
+
+    def _blob_uri(self, span_id: str, kind: str) -> str:
+        return (self.run_dir / "snapshots" / span_id / f"{kind}.safetensors").resolve().as_uri()
+
+    def _snapshot_sink(self, records: list[dict[str, Any]], job: Any) -> None:
+        self.snapshot_rows.append((records, job))
+
+    def _span_record(self, closed: ClosedSpan) -> dict[str, Any]:
+        span = closed.span
+        return {
+            "id": span.id, "name": span.name, "parent_id": span.parent_id, "index": span.index,
+            "start_ns": span.start_ns, "end_ns": closed.end_ns, "cpu_ns": None,
+            "gpu_ns": span.gpu if isinstance(span.gpu, int) else None, "memory_peak_bytes": None,
+            "thread_id": span.thread_id, "pid": self.pid, "rank": self.identity.rank,
+            "attrs": _json_safe(span.attrs or {}), "mark_ids": list(span.mark_ids),
+        }
+
+    @staticmethod
+    def _mark_record(row: MarkRow) -> dict[str, Any]:
+        record = {"id": row.id, "span_id": row.span_id, "name": row.name, "value_type": row.value_type,
+                  "value": row.value, "attrs": _json_safe(row.attrs or {}), "ts_ns": row.ts_ns, "kind": row.kind}
+        if row.nonfinite is not None:
+            record["value_nonfinite"] = row.nonfinite
+        return record
+
+    def _seal_spool(self, final: bool = False) -> None:
+        """Writes closed spans (those whose GPU time is resolved), marks and snapshots as a batch."""
+        timer = self.training.gpu_timer
+        if timer is not None:
+            timer.resolve()
+        ready: list[ClosedSpan] = []
+        waiting: list[ClosedSpan] = []
+        for closed in [*self._deferred, *self.spans.closed.drain()]:
+            gpu = closed.span.gpu
+            if gpu is not None and not isinstance(gpu, int) and not final and timer is not None and timer.outstanding(closed.span):
+                waiting.append(closed)
+            else:
+                ready.append(closed)
+        self._deferred = waiting
+        spans = [self._span_record(c) for c in ready]
+        marks = [self._mark_record(m) for m in self.spans.marks.drain()]
+        snapshots: list[dict[str, Any]] = []
+        for records, job in self.snapshot_rows.drain():
+            snapshots.extend(records)
+            if job is not None:
+                from .snapshots import write_blobs
+
+                with guarded:
+                    write_blobs(job, self.run_dir / "snapshots" / job.span_id)
+        for path in self.spool.write(spans, marks, snapshots):
+            if self.exporter is not None:
+                self.exporter.submit(path)
+
     # -- stop ----------------------------------------------------------------------------------
 
     def drops(self) -> dict[str, int]:
@@ -246,6 +371,15 @@ class Runtime:
             "progress_rows_evicted": self.progress_rows.evicted,
             "error_events_evicted": self.error_events.evicted,
             "sink_records_dropped": self.sink_dropped,
+            "span_rows_evicted": self.spans.closed.evicted,
+            "mark_rows_evicted": self.spans.marks.evicted,
+            "snapshot_rows_evicted": self.snapshot_rows.evicted,
+            "spans_over_depth_cap": self.spans.depth_dropped,
+            "spool_batches_evicted": self.spool.evicted_batches,
+            "spool_records_evicted": self.spool.evicted_records,
+            "spool_records_dropped": self.spool.dropped_records,
+            "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
+            "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
         }
 
     def stop(self, status: SessionStatus = "completed", timeout: float = 2.0, exit_code: int | None = None) -> None:
@@ -256,6 +390,15 @@ class Runtime:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self.patches is not None:
+            with guarded:
+                self.patches.uninstall()
+        with guarded:
+            self.spans.close_all()
+            self._seal_spool(final=True)
+        if self.exporter is not None:
+            with guarded:
+                self.exporter.close(timeout)
         with guarded:
             self._sample(time.time())
             self._drain()

@@ -1,0 +1,103 @@
+"""Tensor snapshots (spool-format-v1.md "snapshots[]"): per-parameter statistics, and
+safetensors blobs for ``sampled``/``full`` modes written off the training thread.
+
+Statistics are computed where the tensor lives with one host transfer per tensor; blobs are
+CPU copies handed to the background thread, which writes
+``<run>/snapshots/<span_id>/{weights,gradients}.safetensors`` keyed by the tensor name.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+__all__ = ["HISTOGRAM_BINS", "SnapshotJob", "snapshot_model", "tensor_stats"]
+
+HISTOGRAM_BINS = 16
+MODES = ("stats", "sampled", "full")
+
+
+def tensor_stats(tensor: Any) -> dict[str, Any]:
+    """mean, population std, min, max, L2 norm and a 16-bin histogram over 17 even edges.
+
+    A constant tensor has 17 equal edges and all its values in the last (closed) bin; an empty
+    tensor has null moments, zero norm and zero counts.
+    """
+    import torch
+
+    t = tensor.detach()
+    numel = t.numel()
+    if numel == 0:
+        return {"mean": None, "std": None, "min": None, "max": None, "norm": 0.0,
+                "histogram": {"bins": [0.0] * (HISTOGRAM_BINS + 1), "counts": [0] * HISTOGRAM_BINS}}
+    t = t.float() if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16) else t
+    lo, hi = torch.aminmax(t)
+    moments = torch.stack([t.mean(), t.std(unbiased=False) if numel > 1 else t.new_zeros(()), lo, hi,
+                           torch.linalg.vector_norm(t)])
+    mean, std, low, high, norm = moments.double().tolist()
+    if low == high:
+        counts = [0] * (HISTOGRAM_BINS - 1) + [numel]
+    else:
+        counts = [int(c) for c in torch.histc(t, bins=HISTOGRAM_BINS, min=low, max=high).tolist()]
+        counts[-1] += numel - sum(counts)  # histc drops nothing in range; guard float edge cases
+    step = (high - low) / HISTOGRAM_BINS
+    bins = [low + step * i for i in range(HISTOGRAM_BINS)] + [high]
+    return {"mean": mean, "std": std, "min": low, "max": high, "norm": norm,
+            "histogram": {"bins": bins, "counts": counts}}
+
+
+class SnapshotJob:
+    """Blobs to write for one span: name -> CPU tensor, per kind ("weights" or "gradients")."""
+
+    __slots__ = ("span_id", "weights", "gradients")
+
+    def __init__(self, span_id: str) -> None:
+        self.span_id = span_id
+        self.weights: dict[str, Any] = {}
+        self.gradients: dict[str, Any] = {}
+
+
+def snapshot_model(
+    model: Any, *, span_id: str, mode: str, sample_rate: float, blob_uri: Any, ts_ns: int,
+    attrs: dict[str, Any] | None, new_id: Any,
+) -> tuple[list[dict[str, Any]], SnapshotJob | None]:
+    """Records for every parameter (and its ``.grad``), plus the blob job when this one keeps blobs.
+
+    ``blob_uri(span_id, kind)`` gives the URI written in records that carry a blob.
+    """
+    if mode not in MODES:
+        raise ValueError(f"snapshot mode must be one of {', '.join(MODES)}, got {mode!r}")
+    keep_blobs = mode == "full" or (mode == "sampled" and random.random() < sample_rate)
+    job = SnapshotJob(span_id) if keep_blobs else None
+    records: list[dict[str, Any]] = []
+    for name, param in model.named_parameters():
+        entries = [(name, param, "weights")]
+        if param.grad is not None:
+            entries.append((f"{name}.grad", param.grad, "gradients"))
+        for tensor_name, tensor, kind in entries:
+            if job is not None:
+                getattr(job, kind)[tensor_name] = tensor.detach().to("cpu", copy=True).contiguous()
+            records.append({
+                "id": new_id(),
+                "span_id": span_id,
+                "tensor_name": tensor_name,
+                "shape": list(tensor.shape),
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "mode": mode if job is not None else "stats",
+                "stats": tensor_stats(tensor),
+                "blob_uri": blob_uri(span_id, kind) if job is not None else None,
+                "ts_ns": ts_ns,
+                "attrs": attrs or {},
+            })
+    return records, job
+
+
+def write_blobs(job: SnapshotJob, directory: Any) -> None:
+    """Background thread: one safetensors file per kind, keyed by the tensor name verbatim."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for kind in ("weights", "gradients"):
+        tensors = getattr(job, kind)
+        if tensors:
+            save_file(tensors, str(directory / f"{kind}.safetensors"))

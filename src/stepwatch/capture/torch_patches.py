@@ -1,0 +1,243 @@
+"""Torch auto-instrumentation: forward, backward, optimizer_step, data_load and h2d spans with
+no code change, installed at init and removed at shutdown.
+
+Every wrapper follows one rule (STYLE habit 13): do stepwatch's work inside a guard, call the
+original outside it, and never catch what the user's code raises. Optimizer steps use torch's
+own global optimizer hooks; the rest keep the original and restore it on uninstall.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any
+
+from .guard import report_internal
+from .training import TrainingState
+
+__all__ = ["TorchPatches"]
+
+_MARK = "__stepwatch_original__"
+
+
+class TorchPatches:
+    """Installs and removes the patches for one runtime. Idempotent both ways."""
+
+    def __init__(self, state: TrainingState) -> None:
+        import torch
+
+        self.torch = torch
+        self.state = state
+        self._originals: list[tuple[Any, str, Any]] = []
+        self._hooks: list[Any] = []
+        self._lock = threading.Lock()
+        self.installed = False
+
+    def install(self) -> None:
+        with self._lock:
+            if self.installed:
+                return
+            torch = self.torch
+            try:
+                from torch.optim import optimizer
+                from torch.utils.data import DataLoader
+
+                self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
+                self._patch(torch.Tensor, "backward", self._wrap_backward)
+                self._patch(torch.autograd, "backward", self._wrap_backward)
+                self._patch(DataLoader, "__iter__", self._wrap_loader_iter)
+                self._patch(torch.Tensor, "to", self._wrap_to)
+                self._patch(torch.Tensor, "cuda", self._wrap_cuda)
+                self._hooks.append(optimizer.register_optimizer_step_pre_hook(self._optimizer_pre))
+                self._hooks.append(optimizer.register_optimizer_step_post_hook(self._optimizer_post))
+            except BaseException:
+                self._restore()  # all or nothing: never leave half the patches in place
+                raise
+            self.installed = True
+
+    def uninstall(self) -> None:
+        with self._lock:
+            self._restore()
+
+    def _restore(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.installed = False
+
+    def _patch(self, owner: Any, name: str, make: Any) -> None:
+        original = getattr(owner, name)
+        if hasattr(original, _MARK):  # another runtime's patch still in place: wrap the original
+            original = getattr(original, _MARK)
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(wrapper, _MARK, original)
+        setattr(owner, name, wrapper)
+        self._originals.append((owner, name, original))
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _wrap_module_call(self, original: Any) -> Any:
+        state = self.state
+        local = state.local
+        loss_type = self.torch.nn.modules.loss._Loss
+
+        def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
+            if local.in_forward:
+                return original(module, *args, **kwargs)
+            model = local.model
+            if (model is not None and module is not model) or isinstance(module, loss_type):
+                return original(module, *args, **kwargs)  # not the traced model / a loss function
+            span = None
+            try:
+                span = state.begin_phase("forward")
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "patch.forward")
+            local.in_forward = True
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                local.in_forward = False
+                try:
+                    state.end_phase(span)
+                except Exception as exc:  # noqa: BLE001
+                    report_internal(exc, "patch.forward.end")
+
+        return __call__
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _wrap_backward(self, original: Any) -> Any:
+        state = self.state
+        local = state.local
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if local.in_backward:  # Tensor.backward calls torch.autograd.backward
+                return original(*args, **kwargs)
+            span = None
+            try:
+                span = state.begin_phase("backward")
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "patch.backward")
+            local.in_backward = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.in_backward = False
+                try:
+                    state.end_phase(span)
+                except Exception as exc:  # noqa: BLE001
+                    report_internal(exc, "patch.backward.end")
+
+        return backward
+
+    # -- optimizer (torch's own global hooks) -------------------------------------------------
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self.state.local.optimizer_token = self.state.begin_phase("optimizer_step")
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "patch.optimizer")
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            local = self.state.local
+            token, local.optimizer_token = local.optimizer_token, None
+            self.state.end_phase(token)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "patch.optimizer.end")
+
+    # -- data loading -------------------------------------------------------------------------
+
+    def _wrap_loader_iter(self, original: Any) -> Any:
+        state = self.state
+
+        def __iter__(loader: Any) -> Any:
+            return _TimedIterator(original(loader), state)
+
+        return __iter__
+
+    # -- host to device -----------------------------------------------------------------------
+
+    def _wrap_to(self, original: Any) -> Any:
+        state = self.state
+        torch = self.torch
+
+        def to(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if tensor.device.type != "cpu" or not _targets_accelerator(torch, args, kwargs):
+                return original(tensor, *args, **kwargs)
+            return _timed_copy(state, original, tensor, args, kwargs)
+
+        return to
+
+    def _wrap_cuda(self, original: Any) -> Any:
+        state = self.state
+
+        def cuda(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if tensor.device.type != "cpu":
+                return original(tensor, *args, **kwargs)
+            return _timed_copy(state, original, tensor, args, kwargs)
+
+        return cuda
+
+
+def _targets_accelerator(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    target = kwargs.get("device")
+    if target is None and args:
+        target = args[0]
+    if target is None:
+        return False
+    if isinstance(target, torch.Tensor):
+        return target.device.type not in ("cpu", "meta")
+    if isinstance(target, torch.device):
+        return target.type not in ("cpu", "meta")
+    if isinstance(target, str):
+        return not target.startswith(("cpu", "meta"))
+    return isinstance(target, int) and not isinstance(target, bool)
+
+
+def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwargs: Any) -> Any:
+    span = None
+    try:
+        span = state.begin_phase("h2d")
+    except Exception as exc:  # noqa: BLE001
+        report_internal(exc, "patch.h2d")
+    try:
+        return original(tensor, *args, **kwargs)
+    finally:
+        try:
+            state.end_phase(span)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "patch.h2d.end")
+
+
+class _TimedIterator:
+    """Wraps a DataLoader iterator: each ``next`` is a fetch, timed from call to return."""
+
+    __slots__ = ("_it", "_state")
+
+    def __init__(self, iterator: Any, state: TrainingState) -> None:
+        self._it = iterator
+        self._state = state
+
+    def __iter__(self) -> _TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.time_ns()
+        batch = next(self._it)  # StopIteration and user errors pass through untouched
+        try:
+            self._state.record_fetch(start, time.time_ns())
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "patch.data_load")
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
