@@ -1,4 +1,5 @@
-"""The main job: a demo training run under stepwatch, then its summary and where to look."""
+"""The main job: a 2-rank demo training run under ``stepwatch run`` on the embedded SQLite
+store, then the final summary and where to look."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     run_dir = Path("stepwatch_runs") / f"demo-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     stepwatch = [sys.executable, "-m", "stepwatch"]
-    print(f"== training under stepwatch (run directory {run_dir})", flush=True)
-    code = subprocess.call([*stepwatch, "track", "--interval", "200", "--out", str(run_dir), "--",
-                            sys.executable, str(HERE / "train_demo.py"), "--steps", "300"])
+    print(f"== training 2 ranks under stepwatch run (run directory {run_dir})", flush=True)
+    code = subprocess.call([*stepwatch, "run", "--nproc-per-node", "2", "--interval", "250", "--out", str(run_dir),
+                            str(HERE / "train_demo.py"), "--steps", "300"])
     if code != 0:
         print(f"demo training failed with exit code {code}", file=sys.stderr)
         return code
     print("\n== sessions", flush=True)
     subprocess.call([*stepwatch, "sessions", str(run_dir)])
-    print("\n== summary of the default session", flush=True)
-    subprocess.call([*stepwatch, "inspect", str(run_dir)])
     print(f"\nWhere to look: {run_dir.resolve()}")
-    print(f"  run.json, telemetry/rank0/ (manifest + segments), heartbeat_rank0.jsonl")
-    print(f"  stepwatch validate {run_dir}    stepwatch inspect {run_dir} --json")
+    print("  final_summary.txt / final_summary.json   the summary above")
+    print("  history.sqlite                            every rank's rows (sqlite3 history.sqlite '.tables')")
+    print("  telemetry/rank*/, spool/, heartbeat_rank*.jsonl, run.json   the raw, crash-safe artifacts")
+    print(f"  stepwatch inspect {run_dir}      stepwatch validate {run_dir}")
     return 0
 
 

@@ -6,6 +6,8 @@
     ├── ConfigError                 invalid options, raised before anything is installed
     ├── ValidationError (ValueError)  a record breaks its schema; names the field and the rule
     │   └── UnsupportedSchemaVersion  a present `schema_version` stepwatch does not read
+    ├── StoreError                  the history store cannot be opened, written or queried
+    ├── TransportError              a frame or HTTP body cannot be accepted; says why
     └── ArtifactError (ValueError)  a file on disk cannot be read as what it claims to be;
                                     names the file and, where known, the line and the field
 
@@ -18,6 +20,8 @@ __all__ = [
     "ArtifactError",
     "ConfigError",
     "StepwatchError",
+    "StoreError",
+    "TransportError",
     "UnsupportedSchemaVersion",
     "ValidationError",
 ]
@@ -47,6 +51,22 @@ class ValidationError(StepwatchError, ValueError):
 
 class UnsupportedSchemaVersion(ValidationError):
     """`schema_version` is present but is not a version stepwatch reads (no legacy fallback)."""
+
+
+class StoreError(StepwatchError):
+    """The history store failed; the message names the store."""
+
+
+class TransportError(StepwatchError, ValueError):
+    """A frame or request body was rejected.
+
+    Attributes:
+        reason: a short machine-readable reason (``oversize``, ``not_msgpack``, ``bad_shape``...).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
 
 
 class ArtifactError(StepwatchError, ValueError):

@@ -48,6 +48,7 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
     spool_max_bytes: int = 256 * 1024 * 1024
     endpoint: str | None = None
     api_key: str | None = None
+    aggregator: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.interval, (int, float)) and 0.01 <= self.interval <= 3600):
@@ -80,6 +81,8 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
                 values["interval"] = int(env["STEPWATCH_INTERVAL_MS"]) / 1000
             except ValueError:
                 raise ConfigError(f"STEPWATCH_INTERVAL_MS={env['STEPWATCH_INTERVAL_MS']!r} is not an integer") from None
+        if env.get("STEPWATCH_AGGREGATOR"):
+            values["aggregator"] = env["STEPWATCH_AGGREGATOR"]
         if env.get("STEPWATCH_ENDPOINT"):
             values["endpoint"] = env["STEPWATCH_ENDPOINT"]
         if env.get("STEPWATCH_API_KEY"):

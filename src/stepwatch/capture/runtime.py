@@ -152,6 +152,16 @@ class Runtime:
             self.exporter = HttpExporter(config.endpoint, config.api_key, sdk_version=__version__,
                                          spool_root=self.run_dir)
         self.patches: Any = None
+        self.sender: Any = None
+        self._wire: dict[str, list[Any]] = {"telemetry": [], "spans": [], "marks": [], "snapshots": [], "heartbeat": []}
+        if config.aggregator:
+            from ..transport.sender import FrameSender, parse_address
+
+            self.sender = FrameSender(parse_address(config.aggregator), {
+                "session_id": self.session_id, "rank": rank, "local_rank": self.identity.local_rank,
+                "world_size": self.identity.world_size, "job_id": self.identity.job_id, "host": self.host,
+                "pid": self.pid, "started_ns": self.started_ns,
+            })
         self._deferred: list[ClosedSpan] = []
         self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
@@ -174,7 +184,7 @@ class Runtime:
         self._sample(time.time())
         self._write(self.factory.point("start", context="stepwatch capture started",
                                        metadata={"run_dir": str(self.run_dir)}))
-        self.heartbeat.write(self._heartbeat("boot", phase="start"))
+        self._heartbeat_write(self._heartbeat("boot", phase="start"))
         self.heartbeat.flush()
         if config.auto_instrument:
             with guarded:
@@ -236,9 +246,10 @@ class Runtime:
             self._seal_spool()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
-            self.heartbeat.write(self._heartbeat("heartbeat"))
+            self._heartbeat_write(self._heartbeat("heartbeat"))
         self.heartbeat.flush()
         self._flush_sink()
+        self._ship()
 
     def _sample(self, now: float) -> None:
         timestamp_ns = int(now * 1e9)
@@ -262,9 +273,24 @@ class Runtime:
         for event in self.error_events.drain():
             self._write(event)
         for ts, step, metrics in self.progress_rows.drain():
-            self.heartbeat.write(self._heartbeat("progress", ts=ts, step=step, **metrics))
+            self._heartbeat_write(self._heartbeat("progress", ts=ts, step=step, **metrics))
+
+    def _heartbeat_write(self, record: dict[str, Any]) -> None:
+        self.heartbeat.write(record)
+        if self.sender is not None:
+            self._wire["heartbeat"].append(record)
+
+    def _ship(self) -> None:
+        """Sends the rows new since the last tick to the aggregator (when there is one)."""
+        if self.sender is None:
+            return
+        wire, self._wire = self._wire, {name: [] for name in self._wire}
+        with guarded:
+            self.sender.ship(wire)
 
     def _write(self, event: TelemetryEventV3) -> None:
+        if self.sender is not None:
+            self._wire["telemetry"].append(event)
         with self._recent_lock:
             self.recent.append(event)
         try:
@@ -359,6 +385,10 @@ class Runtime:
 
                 with guarded:
                     write_blobs(job, self.run_dir / "snapshots" / job.span_id)
+        if self.sender is not None:
+            self._wire["spans"].extend(spans)
+            self._wire["marks"].extend(marks)
+            self._wire["snapshots"].extend(snapshots)
         for path in self.spool.write(spans, marks, snapshots):
             if self.exporter is not None:
                 self.exporter.submit(path)
@@ -380,6 +410,7 @@ class Runtime:
             "spool_records_dropped": self.spool.dropped_records,
             "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
             "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
+            "wire_rows_dropped": self.sender.rows_dropped if self.sender is not None else 0,
         }
 
     def stop(self, status: SessionStatus = "completed", timeout: float = 2.0, exit_code: int | None = None) -> None:
@@ -393,6 +424,8 @@ class Runtime:
         if self.patches is not None:
             with guarded:
                 self.patches.uninstall()
+        with guarded:
+            self.training.finish()
         with guarded:
             self.spans.close_all()
             self._seal_spool(final=True)
@@ -408,8 +441,12 @@ class Runtime:
                           "collector_failures": {h.collector.name: h.failures_total for h in self.collectors}},
             ))
         with guarded:
-            self.heartbeat.write(self._heartbeat("stop", status=status))
+            self._heartbeat_write(self._heartbeat("stop", status=status))
             self.heartbeat.close()
+        if self.sender is not None:
+            with guarded:
+                self._ship()
+                self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session
         if self.identity.rank == 0 and not self.launched:

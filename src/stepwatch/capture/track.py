@@ -80,9 +80,9 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         deadline = time.monotonic() + (_RUNTIME_GRACE_S if _runs_python(command) else 0)
-        while child.poll() is None and time.monotonic() < deadline and not (run_dir / ".autostart-claimed").exists():
+        while child.poll() is None and time.monotonic() < deadline and not any(run_dir.glob(".autostart-rank*")):
             time.sleep(0.02)
-        if child.poll() is None and not (run_dir / ".autostart-claimed").exists():
+        if child.poll() is None and not any(run_dir.glob(".autostart-rank*")):
             # not a Python program (or it never imported site): sample it from outside
             sample_process(child.pid, run_dir=run_dir, interval_ms=interval_ms, session_id=session_id,
                            stop_when=lambda: child.poll() is not None)

@@ -54,6 +54,7 @@ class _Local(threading.local):
         self.in_forward = False
         self.in_backward = False
         self.optimizer_token: Any = None
+        self.implicit = False  # the open step was opened by the patches, not by trace_step
 
 
 class TrainingState:
@@ -71,6 +72,11 @@ class TrainingState:
         self.steps = itertools.count()
         self.epoch: OpenSpan | None = None
         self.owners: set[str] = set()
+        # With no trace_step and no framework integration, steps are inferred: a step opens at
+        # the first phase after a fetch and closes when optimizer.step() returns. Forward-only
+        # iterations (evaluation) become `eval_step` spans, kept out of the step statistics.
+        self.auto_steps = True
+        self.eval_steps = itertools.count()
 
     # -- ownership --------------------------------------------------------------------------
 
@@ -86,6 +92,9 @@ class TrainingState:
     # -- phases (torch patches) -------------------------------------------------------------
 
     def begin_phase(self, name: str, *, timed: bool = True) -> OpenSpan | None:
+        local = self.local
+        if local.step is None and self.auto_steps and not self.owners:
+            self.open_step(None, {"implicit": True}, implicit=True)
         span = self.recorder.open(name)
         if span is not None and timed and self.gpu_timer is not None:
             span.gpu = self.gpu_timer.begin(span)
@@ -98,13 +107,18 @@ class TrainingState:
         if self.gpu_timer is not None and span.gpu is not None:
             self.gpu_timer.end(span.gpu)
         self.recorder.close(span, end_ns)
-        step = self.local.step
+        local = self.local
+        step = local.step
         if step is not None and step.phase_ns is not None and span.name in step.phase_ns:
             step.phase_ns[span.name] += end_ns - span.start_ns
+            if span.name == "optimizer_step" and local.implicit:
+                self.close_step(step, None)
 
     def record_fetch(self, start_ns: int, end_ns: int) -> None:
         """A batch fetch: a child of the open step, else held for the next step to adopt."""
         local = self.local
+        if local.step is not None and local.implicit:
+            self.close_step(local.step, None, end_ns=start_ns)  # an inferred step ends at the next fetch
         if local.step is not None:
             self._data_load_span(start_ns, end_ns)
             return
@@ -122,26 +136,34 @@ class TrainingState:
 
     # -- steps and epochs -------------------------------------------------------------------
 
-    def open_step(self, model: Any, attrs: dict[str, Any] | None) -> OpenSpan | None:
+    def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False) -> OpenSpan | None:
         local = self.local
+        if not implicit:
+            self.auto_steps = False  # the program marks its own steps from now on
+            if local.step is not None and local.implicit:
+                self.close_step(local.step, None)
         fetch, local.pending_fetch = local.pending_fetch, None
-        span = self.recorder.open("step", index=next(self.steps), attrs=attrs,
+        span = self.recorder.open("step", index=None if implicit else next(self.steps), attrs=attrs,
                                   start_ns=fetch[0] if fetch else None)
         if span is None:
             return None
         span.phase_ns = dict.fromkeys(PHASES, 0)
-        local.step, local.model = span, model
+        local.step, local.model, local.implicit = span, model, implicit
         if fetch is not None:
             self._data_load_span(*fetch)
         return span
 
-    def close_step(self, span: OpenSpan | None, error: BaseException | None) -> None:
+    def close_step(self, span: OpenSpan | None, error: BaseException | None, *, end_ns: int | None = None) -> None:
         local = self.local
         if span is None or local.step is not span:
             return
-        end_ns = time.time_ns()
-        local.step, local.model = None, None
+        end_ns = end_ns or time.time_ns()
+        implicit, local.step, local.model, local.implicit = local.implicit, None, None, False
         times = span.phase_ns or {}
+        if implicit:
+            trained = times["backward"] or times["optimizer_step"]
+            span.name = "step" if trained else "eval_step"
+            span.index = next(self.steps) if trained else next(self.eval_steps)
         step_ns = end_ns - span.start_ns
         busy = times["h2d"] + times["forward"] + times["backward"] + times["optimizer_step"]
         span.attrs = {
@@ -155,6 +177,11 @@ class TrainingState:
         self.recorder.close(span, end_ns)
         if self.on_step is not None and span.index is not None:
             self.on_step(span.index + 1)
+
+    def finish(self) -> None:
+        """At shutdown: an inferred step still open on this thread closes as what it was."""
+        if self.local.step is not None and self.local.implicit:
+            self.close_step(self.local.step, None)
 
     def open_epoch(self, index: int) -> OpenSpan | None:
         if self.epoch is not None and not self.epoch.closed:

@@ -73,9 +73,13 @@ legacy_option = click.option(
 def validate(path: str, strict: bool, as_json: bool) -> None:
     """Check every telemetry record under PATH; list each invalid one with file, line and reason."""
     from ..artifacts.record_check import check_artifact
+    from ..errors import ArtifactError
 
     report = check_artifact(path, permissive_legacy=not strict)
-    failed = bool(report.errors) or report.files == 0
+    if report.files == 0:
+        # Nothing there to check (no such path, no telemetry in it): unreadable, not invalid.
+        raise ArtifactError(path, report.problems[0].reason if report.problems else "no telemetry artifacts found")
+    failed = bool(report.errors)
     if as_json:
         _print_json({**msgspec.to_builtins(report), "ok": not failed})
     else:
@@ -201,7 +205,7 @@ def inspect(path: str, session_id: str | None, as_json: bool) -> None:
 
 
 def main() -> None:
-    from . import commands_capture  # noqa: F401 - registers track and diagnose
+    from . import commands_capture, commands_run  # noqa: F401 - register their commands
 
     cli()
 

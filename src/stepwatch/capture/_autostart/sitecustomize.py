@@ -9,9 +9,13 @@ import sys
 
 
 def _claim(run_dir: str) -> bool:
-    # Only the first Python process of the tracked command captures (not its spawned workers).
+    # Only the first Python process of each rank captures (not the launcher's own Python, not
+    # spawned DataLoader workers, which inherit the rank's environment).
+    if os.environ.get("STEPWATCH_LAUNCHER") == "run" and not (os.environ.get("RANK") or os.environ.get("STEPWATCH_RANK")):
+        return False  # the torchrun agent itself, not a rank
+    rank = os.environ.get("RANK") or os.environ.get("STEPWATCH_RANK") or "0"
     try:
-        fd = os.open(os.path.join(run_dir, ".autostart-claimed"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(os.path.join(run_dir, f".autostart-rank{rank}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError:
         return False
     os.write(fd, str(os.getpid()).encode())

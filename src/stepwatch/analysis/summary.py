@@ -1,0 +1,169 @@
+"""The final summary of a run: step-time statistics per rank and overall, phase shares,
+throughput, memory peaks, drops, collector health and session status.
+
+Built from the history store, so ``stepwatch run``, ``stepwatch summary`` and the importers all
+give the same numbers. ``final_summary.json`` carries ``schema_version``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ..store.base import HistoryStore
+
+__all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "percentile", "render_summary_text"]
+
+SUMMARY_SCHEMA_VERSION = "1.0"
+PHASES = ("data_load", "h2d", "forward", "backward", "optimizer", "wait")
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default), on pre-sorted values."""
+    if not sorted_values:
+        return None
+    position = (len(sorted_values) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    times = sorted(r["step_ns"] / 1e6 for r in rows if r["step_ns"] is not None)
+    total = sum(times)
+    shares = {}
+    for phase in PHASES:
+        spent = sum((r.get(f"{phase}_ns") or 0) for r in rows) / 1e6
+        shares[phase] = round(spent / total, 4) if total > 0 else None
+    span_s = (max(r["end_ns"] for r in rows) - min(r["start_ns"] for r in rows)) / 1e9 if rows else 0.0
+    return {
+        "steps": len(times),
+        "step_ms": {"median": percentile(times, 0.5), "p90": percentile(times, 0.9), "p99": percentile(times, 0.99),
+                    "mean": total / len(times) if times else None, "max": times[-1] if times else None},
+        "phase_share": shares,
+        "throughput_steps_per_s": round(len(times) / span_s, 3) if span_s > 0 else None,
+    }
+
+
+def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+    """Summary of ``session_id`` (default: the newest session in the store)."""
+    sessions = store.sessions()
+    if session_id is None:
+        if not sessions:
+            raise ValueError("the store holds no session")
+        session = sessions[0]
+        session_id = session["session_id"]
+    else:
+        session = next((s for s in sessions if s["session_id"] == session_id), {"session_id": session_id})
+    steps = store.step_rows(session_id)
+    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in steps:
+        by_rank[row["rank"]].append(row)
+    stops = store.query(
+        "SELECT rank, metadata FROM telemetry WHERE session_id = ? AND event_type = 'stop' ORDER BY timestamp_ns",
+        (session_id,),
+    )
+    drops: dict[str, dict[str, int]] = {}
+    for row in stops:
+        metadata = json.loads(row["metadata"] or "{}")
+        dropped = metadata.get("dropped")
+        if isinstance(dropped, dict):
+            drops[str(row["rank"])] = {k: v for k, v in dropped.items() if isinstance(v, int) and v}
+    health = store.query(
+        "SELECT rank, collector, event_type, COUNT(*) AS n FROM telemetry WHERE session_id = ? "
+        "AND event_type IN ('collector_degraded', 'collector_recovered') GROUP BY rank, collector, event_type",
+        (session_id,),
+    )
+    aggregator_stats: dict[str, Any] = {}
+    if run_dir is not None and (run_dir / "aggregator_stats.json").is_file():
+        aggregator_stats = json.loads((run_dir / "aggregator_stats.json").read_text())
+    ranks_seen = sorted({r["rank"] for r in store.query(
+        "SELECT DISTINCT rank FROM telemetry WHERE session_id = ? UNION SELECT DISTINCT rank FROM steps WHERE session_id = ?",
+        (session_id, session_id))})
+    return {
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "session_id": session_id,
+        "status": session.get("status"),
+        "started_at_ns": session.get("started_at_ns"),
+        "ended_at_ns": session.get("ended_at_ns"),
+        "world_size": session.get("world_size") or (len(ranks_seen) or None),
+        "ranks": ranks_seen,
+        "overall": _step_stats(steps),
+        "per_rank": {str(rank): _step_stats(rows) for rank, rows in sorted(by_rank.items())},
+        "memory_peaks": [
+            {"rank": p["rank"], "collector": p["collector"], "device_id": p["device_id"],
+             "peak_allocated_bytes": p["peak_allocated"], "peak_reserved_bytes": p["peak_reserved"],
+             "total_bytes": p["total"]}
+            for p in store.memory_peaks(session_id)
+        ],
+        "drops": drops,
+        "collector_health": [dict(h) for h in health],
+        "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted")
+                       if k in aggregator_stats},
+        "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def render_summary_text(summary: dict[str, Any]) -> str:
+    lines = [
+        f"stepwatch summary  session {summary['session_id']}  status {summary.get('status')}",
+        f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}",
+    ]
+    overall = summary["overall"]
+    lines.append(
+        f"steps {overall['steps']}  step time median {_ms(overall['step_ms']['median'])}  "
+        f"p90 {_ms(overall['step_ms']['p90'])}  p99 {_ms(overall['step_ms']['p99'])}  "
+        f"throughput {overall['throughput_steps_per_s'] or '-'} steps/s"
+    )
+    shares = overall["phase_share"]
+    if any(v is not None for v in shares.values()):
+        lines.append("phase share  " + "  ".join(f"{k} {v * 100:.1f}%" for k, v in shares.items() if v is not None))
+    for rank, stats in summary["per_rank"].items():
+        lines.append(
+            f"  rank {rank}: {stats['steps']} steps, median {_ms(stats['step_ms']['median'])}, "
+            f"p90 {_ms(stats['step_ms']['p90'])}, p99 {_ms(stats['step_ms']['p99'])}, "
+            f"{stats['throughput_steps_per_s'] or '-'} steps/s"
+        )
+    for peak in summary["memory_peaks"]:
+        device = "cpu" if peak["device_id"] < 0 else f"device {peak['device_id']}"
+        lines.append(f"  memory peak rank {peak['rank']} {device} ({peak['collector']}): "
+                     f"{(peak['peak_allocated_bytes'] or 0) / 2**20:.1f} MiB allocated, "
+                     f"{(peak['peak_reserved_bytes'] or 0) / 2**20:.1f} MiB reserved")
+    dropped = {rank: d for rank, d in summary["drops"].items() if d}
+    lines.append(f"drops: {dropped if dropped else 'none'}")
+    degraded = [h for h in summary["collector_health"] if h["event_type"] == "collector_degraded"]
+    lines.append("collector health: " + (", ".join(f"rank {h['rank']} {h['collector']} degraded x{h['n']}" for h in degraded)
+                                         if degraded else "all healthy"))
+    if summary.get("aggregator", {}).get("rejected"):
+        lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
+    return "\n".join(lines) + "\n"
+
+
+def compare_summaries(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """Metric-by-metric differences of two summaries (B relative to A)."""
+    def metrics(s: dict[str, Any]) -> dict[str, float | None]:
+        o = s["overall"]
+        out: dict[str, float | None] = {
+            "steps": o["steps"], "step_ms.median": o["step_ms"]["median"], "step_ms.p90": o["step_ms"]["p90"],
+            "step_ms.p99": o["step_ms"]["p99"], "throughput_steps_per_s": o["throughput_steps_per_s"],
+        }
+        for phase, share in o["phase_share"].items():
+            out[f"phase_share.{phase}"] = share
+        peak = max((p["peak_allocated_bytes"] or 0 for p in s["memory_peaks"]), default=None)
+        out["memory_peak_allocated_bytes"] = peak
+        return out
+
+    ma, mb = metrics(a), metrics(b)
+    rows = []
+    for key in ma:
+        va, vb = ma[key], mb.get(key)
+        delta = (vb - va) if isinstance(va, (int, float)) and isinstance(vb, (int, float)) else None
+        relative = (delta / va) if delta is not None and va else None
+        rows.append({"metric": key, "a": va, "b": vb, "delta": delta, "relative": relative})
+    return rows

@@ -1,0 +1,156 @@
+"""``stepwatch run``: the aggregator as its own process, then the training ranks (through
+torchrun for several), an env contract between them, signals forwarded, the final summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest
+from ..schema import SessionStatus, new_session_id
+
+__all__ = ["LaunchOptions", "launch"]
+
+AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
+_STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
+
+
+class LaunchOptions:
+    def __init__(self, *, script: Sequence[str], nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int = 29500, use_torchrun: bool = False,
+                 host: str = "127.0.0.1", port: int = 0, http_port: int | None = None, aggregator: str | None = None,
+                 session_id: str | None = None, out: Path | None = None, interval_ms: int = 1000,
+                 token_env: str | None = None) -> None:
+        self.script = list(script)
+        self.nproc_per_node = nproc_per_node
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.use_torchrun = use_torchrun or nproc_per_node > 1 or nnodes > 1
+        self.host = host
+        self.port = port
+        self.http_port = http_port
+        self.aggregator = aggregator
+        self.session_id = session_id or new_session_id()
+        self.out = out
+        self.interval_ms = interval_ms
+        self.token_env = token_env
+
+
+def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    command = [sys.executable, "-m", "stepwatch.server", "--out", str(run_dir), "--host", options.host,
+               "--port", str(options.port)]
+    if options.http_port is not None:
+        command += ["--http-port", str(options.http_port)]
+    if options.token_env:
+        command += ["--token-env", options.token_env]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()  # the ready line (or EOF if it failed to start)
+    if not line:
+        process.wait(5)
+        raise RuntimeError(f"the aggregator did not start (exit code {process.returncode})")
+    return process, json.loads(line)
+
+
+def _training_command(options: LaunchOptions) -> list[str]:
+    if not options.use_torchrun:
+        return [sys.executable, *options.script]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={options.nproc_per_node}",
+        f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", f"--master-addr={options.master_addr}",
+        f"--master-port={options.master_port}", *options.script,
+    ]
+
+
+def _close_rank_sessions(run_dir: Path) -> SessionStatus:
+    """Recovers any rank session a killed process left running; returns the run's status."""
+    from ..artifacts.sink import TelemetrySink
+
+    statuses: list[str] = []
+    for sink_dir in sorted((run_dir / "telemetry").glob("rank*")):
+        ledger = TelemetrySink(sink_dir).ledger
+        if ledger:
+            statuses.append(ledger[-1].status)
+    if not statuses:
+        return "incomplete"
+    return max(statuses, key=lambda s: _STATUS_WEIGHT.get(s, 9))  # type: ignore[return-value]
+
+
+def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dict[str, Any] | None]:
+    """Runs the whole job; returns (training exit code, run dir, summary or None)."""
+    run_dir = options.out or Path("stepwatch_runs") / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{options.session_id[:8]}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = RunManifest(session_id=options.session_id, started_at_ns=time.time_ns(), command_line=options.script,
+                           launcher="run", world_size=options.nproc_per_node * options.nnodes,
+                           versions=current_versions(), extra={"nnodes": options.nnodes, "node_rank": options.node_rank})
+    write_run_manifest(run_dir, manifest)
+    aggregator_process = None
+    address = options.aggregator
+    if address is None:
+        aggregator_process, ready = _start_aggregator(run_dir, options)
+        host, _, port = ready["tcp"].rpartition(":")
+        address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        echo(f"[stepwatch] aggregator on {ready['tcp']}" + (f", HTTP on {ready['http']}" if ready.get("http") else ""))
+    env = dict(os.environ)
+    env.update(
+        STEPWATCH_AUTOSTART="1", STEPWATCH_RUN_DIR=str(run_dir.resolve()), STEPWATCH_SESSION_ID=options.session_id,
+        STEPWATCH_AGGREGATOR=address, STEPWATCH_LAUNCHER="run", STEPWATCH_INTERVAL_MS=str(options.interval_ms),
+        PYTHONPATH=os.pathsep.join(p for p in (str(AUTOSTART_DIR), env.get("PYTHONPATH")) if p),
+    )
+    if not options.use_torchrun:
+        env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
+    training = subprocess.Popen(_training_command(options), env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        if training.poll() is None:
+            training.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        returncode = training.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    code = 128 - returncode if returncode < 0 else returncode
+    if aggregator_process is not None:
+        aggregator_process.send_signal(signal.SIGTERM)
+        try:
+            aggregator_process.wait(60)
+        except subprocess.TimeoutExpired:
+            aggregator_process.kill()
+            aggregator_process.wait()
+    status = _close_rank_sessions(run_dir)
+    manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
+    write_run_manifest(run_dir, manifest)
+    summary = None
+    if aggregator_process is not None:
+        summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
+                                      options.nproc_per_node * options.nnodes, options.script)
+    return code, run_dir, summary
+
+
+def write_final_summary(run_dir: Path, session_id: str | None, status: str | None, ended_at_ns: int | None,
+                        world_size: int | None, command_line: list[str] | None) -> dict[str, Any]:
+    """Writes final_summary.json and final_summary.txt from the run's history store."""
+    from ..analysis.summary import build_summary, render_summary_text
+    from ..store.sqlite import SqliteStore
+
+    with SqliteStore(run_dir / "history.sqlite") as store:
+        if session_id is not None and status is not None:
+            store.upsert_session({"session_id": session_id, "status": status, "started_at_ns": None,
+                                  "ended_at_ns": ended_at_ns, "host": None, "world_size": world_size,
+                                  "source": None, "command_line": command_line})
+        summary = build_summary(store, session_id, run_dir)
+    (run_dir / "final_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "final_summary.txt").write_text(render_summary_text(summary))
+    return summary

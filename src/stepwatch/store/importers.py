@@ -1,0 +1,99 @@
+"""``stepwatch import``: artifacts written offline (by stepwatch or the tools it replaces) into a
+history store, through the same row converters the aggregator uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import ArtifactError
+from ..schema import synthetic_session_id
+from .base import HistoryStore
+from .rows import heartbeat_row, to_rows
+
+__all__ = ["import_path"]
+
+
+def _run_session(path: Path) -> str | None:
+    manifest = path / "run.json"
+    if manifest.is_file():
+        try:
+            value = msgspec.json.decode(manifest.read_bytes()).get("session_id")
+        except (msgspec.DecodeError, AttributeError):
+            return None
+        return value if isinstance(value, str) else None
+    return None
+
+
+def import_path(path: str | Path, store: HistoryStore) -> dict[str, int]:
+    """Imports every artifact found at ``path``; returns rows written per table.
+
+    Accepts a run directory, a telemetry sink (or its manifest/segment), a JSON export, a spool
+    directory (ours or ``.cirron/spool``), or heartbeat ``*.jsonl`` files.
+    """
+    from ..artifacts.heartbeat import read_heartbeat
+    from ..artifacts.spool import find_spool_dir, read_spool
+    from ..artifacts.telemetry_loader import find_sink_dirs, load_telemetry_sessions
+
+    root = Path(path)
+    if not root.exists():
+        raise ArtifactError(root, "no such file or directory")
+    written: dict[str, int] = {}
+    run_session = _run_session(root) if root.is_dir() else None
+    found = False
+
+    def put(session_id: str, rank: int, tables: dict[str, list[Any]], source: str, meta: dict[str, Any] | None = None) -> None:
+        store.upsert_session({"session_id": session_id, "status": (meta or {}).get("status"),
+                              "started_at_ns": (meta or {}).get("started_at_ns"), "ended_at_ns": (meta or {}).get("ended_at_ns"),
+                              "host": (meta or {}).get("host"), "world_size": (meta or {}).get("world_size"),
+                              "source": source, "command_line": None})
+        rows = to_rows(tables, session_id, rank)
+        store.append_many(rows)
+        for table, items in rows.items():
+            written[table] = written.get(table, 0) + len(items)
+
+    is_heartbeat = root.is_file() and root.name.startswith("heartbeat_rank")
+    has_telemetry = not is_heartbeat and (root.is_file() or bool(find_sink_dirs(root)))
+    if has_telemetry:
+        found = True
+        for session in load_telemetry_sessions(root):
+            s = session.summary
+            by_rank: dict[int, list[Any]] = {}
+            for event in session.events:
+                by_rank.setdefault(event.rank, []).append(msgspec.to_builtins(event))
+            for rank, events in by_rank.items():
+                put(s.session_id, rank, {"telemetry": events}, f"import:{s.source}",
+                    {"status": s.status, "started_at_ns": s.started_at_ns, "ended_at_ns": s.ended_at_ns,
+                     "host": s.host, "world_size": s.world_size})
+    spool_dir = find_spool_dir(root) if root.is_dir() else None
+    if spool_dir is not None:
+        found = True
+        spool = read_spool(spool_dir)
+        session_id = run_session or synthetic_session_id(str(spool_dir.resolve()), "spool")
+        by_rank_spans: dict[int, dict[str, list[Any]]] = {}
+        for span in spool.spans:
+            by_rank_spans.setdefault(int(span.get("rank") or 0), {"spans": [], "marks": [], "snapshots": []})["spans"].append(span)
+        span_rank = {s["id"]: int(s.get("rank") or 0) for s in spool.spans}
+        for mark in spool.marks:
+            rank = span_rank.get(mark.get("span_id"), 0)
+            by_rank_spans.setdefault(rank, {"spans": [], "marks": [], "snapshots": []})["marks"].append(mark)
+        for snap in spool.snapshots:
+            rank = span_rank.get(snap.get("span_id"), 0)
+            by_rank_spans.setdefault(rank, {"spans": [], "marks": [], "snapshots": []})["snapshots"].append(snap)
+        for rank, tables in by_rank_spans.items():
+            put(session_id, rank, tables, "import:spool")
+    heartbeat_files = [root] if is_heartbeat else sorted(root.glob("heartbeat_rank*.jsonl")) if root.is_dir() else []
+    for file in heartbeat_files:
+        found = True
+        session_id = run_session or _run_session(file.parent) or synthetic_session_id(str(file.resolve()), "heartbeat")
+        records = read_heartbeat(file)
+        rows = [heartbeat_row(r, session_id) for r in records]
+        store.upsert_session({"session_id": session_id, "status": None, "started_at_ns": None, "ended_at_ns": None,
+                              "host": None, "world_size": None, "source": "import:heartbeat", "command_line": None})
+        store.append_many({"heartbeats": rows})
+        written["heartbeats"] = written.get("heartbeats", 0) + len(rows)
+    if not found:
+        raise ArtifactError(root, "nothing to import (no telemetry, spool or heartbeat files)")
+    return written

@@ -1,0 +1,1 @@
+"""Transport: frames to the aggregator, and the HTTP trace exporter."""

@@ -1,0 +1,169 @@
+"""History commands of the CLI: ``run``, ``serve``, ``summary``, ``compare``, ``import``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .cli import _console, _print_json, _reports_errors, cli
+
+__all__: list[str] = []
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="Ranks on this node (through torchrun when > 1).")
+@click.option("--nnodes", type=click.IntRange(1, 100_000), default=1, show_default=True)
+@click.option("--node-rank", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--master-addr", default="127.0.0.1", show_default=True)
+@click.option("--master-port", type=int, default=29500, show_default=True)
+@click.option("--torchrun", "use_torchrun", is_flag=True, help="Use torchrun even for one rank.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Aggregator bind address (0.0.0.0 for multi-node).")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, help="Aggregator TCP port (0: any free).")
+@click.option("--http-port", type=click.IntRange(0, 65535), default=None, help="Also serve trace ingestion over HTTP.")
+@click.option("--aggregator", help="Use a running aggregator at HOST:PORT (other nodes of a multi-node run).")
+@click.option("--session-id", help="Session id (give the same one on every node).")
+@click.option("--out", type=click.Path(path_type=Path), help="Run directory.")
+@click.option("--interval", "interval_ms", type=click.IntRange(10, 3_600_000), default=1000, show_default=True,
+              help="Memory sampling interval in milliseconds.")
+@click.option("--quiet", is_flag=True, help="Do not print the summary.")
+@click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
+@_reports_errors
+def run(script: tuple[str, ...], quiet: bool, **options: Any) -> None:
+    """Run SCRIPT [ARGS]... on every rank under stepwatch, with the aggregator and final summary.
+
+    The training script needs no change. Exits with the training's exit code.
+    """
+    from ..server.launcher import LaunchOptions, launch
+
+    console = _console(stderr=True)
+    code, run_dir, summary = launch(LaunchOptions(script=list(script), **options),
+                                    echo=lambda line: console.print(line, markup=False))
+    if summary is not None and not quiet:
+        sys.stdout.write((run_dir / "final_summary.txt").read_text())
+    console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
+    console.print(f"[stepwatch] look at: {run_dir}/final_summary.txt, stepwatch inspect {run_dir}", markup=False)
+    sys.exit(code)
+
+
+@cli.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("stepwatch_server"), show_default=True,
+              help="Directory of the history store (history.sqlite) and uploaded blobs.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=0, help="TCP port for rank frames (0: any free).")
+@click.option("--http-port", type=click.IntRange(0, 65535), default=None, help="HTTP port for trace ingestion.")
+@click.option("--token-env", help="Name of the environment variable holding the bearer token.")
+@_reports_errors
+def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None) -> None:
+    """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
+
+    Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
+    """
+    from ..server.serve import serve as run_server
+
+    token = None
+    if token_env:
+        token = os.environ.get(token_env)
+        if not token:
+            raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
+    stats = run_server(out, host=host, port=port, http_port=http_port, token=token)
+    _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
+
+
+def _summary_of(target: Path, session_id: str | None) -> dict[str, Any]:
+    from ..analysis.summary import build_summary
+    from ..store.sqlite import SqliteStore
+
+    if target.is_file() and target.suffix == ".json":
+        return json.loads(target.read_text())
+    if target.is_dir() and (target / "final_summary.json").is_file() and session_id is None:
+        return json.loads((target / "final_summary.json").read_text())
+    store_path = target / "history.sqlite" if target.is_dir() else target
+    if store_path.is_file():
+        with SqliteStore(store_path, read_only=True) as store:
+            return build_summary(store, session_id, target if target.is_dir() else None)
+    # no store: import the run directory's artifacts into a temporary one
+    import tempfile
+
+    from ..store.importers import import_path
+
+    with tempfile.TemporaryDirectory() as tmp, SqliteStore(Path(tmp) / "history.sqlite") as store:
+        import_path(target, store)
+        return build_summary(store, session_id, target if target.is_dir() else None)
+
+
+@cli.command()
+@click.argument("target", type=click.Path(path_type=Path, exists=True))
+@click.option("--session", "session_id", help="Session id (default: the newest).")
+@click.option("--write", is_flag=True, help="(Re)write final_summary.json/.txt into the run directory.")
+@click.option("--json", "as_json", is_flag=True)
+@_reports_errors
+def summary(target: Path, session_id: str | None, write: bool, as_json: bool) -> None:
+    """Final summary of a run directory, a history store, or a final_summary.json."""
+    from ..analysis.summary import render_summary_text
+
+    if write and target.is_dir() and (target / "history.sqlite").is_file():
+        from ..server.launcher import write_final_summary
+
+        data = write_final_summary(target, session_id, None, None, None, None)
+    else:
+        data = _summary_of(target, session_id)
+    if as_json:
+        _print_json(data)
+    else:
+        sys.stdout.write(render_summary_text(data))
+
+
+@cli.command()
+@click.argument("a", type=click.Path(path_type=Path, exists=True))
+@click.argument("b", type=click.Path(path_type=Path, exists=True))
+@click.option("--json", "as_json", is_flag=True)
+@_reports_errors
+def compare(a: Path, b: Path, as_json: bool) -> None:
+    """Differences of two runs' summaries (B relative to A)."""
+    from rich.table import Table
+
+    from ..analysis.summary import compare_summaries
+
+    rows = compare_summaries(_summary_of(a, None), _summary_of(b, None))
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table(title=f"{b} vs {a}", title_justify="left")
+    for column in ("metric", "A", "B", "delta", "change"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+
+    def fmt(value: Any) -> str:
+        return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+
+    for row in rows:
+        change = "-" if row["relative"] is None else f"{row['relative'] * 100:+.1f}%"
+        table.add_row(row["metric"], fmt(row["a"]), fmt(row["b"]), fmt(row["delta"]), change)
+    _console().print(table)
+
+
+@cli.command("import")
+@click.argument("path", type=click.Path(path_type=Path, exists=True))
+@click.option("--into", "into", type=click.Path(path_type=Path), required=True,
+              help="History store: a .sqlite file or a run directory (its history.sqlite).")
+@click.option("--json", "as_json", is_flag=True)
+@_reports_errors
+def import_command(path: Path, into: Path, as_json: bool) -> None:
+    """Import artifacts (sink, JSON export, spool, heartbeat files, a whole run) into a store."""
+    from ..store import open_store
+    from ..store.importers import import_path
+
+    store = open_store(into)
+    try:
+        written = import_path(path, store)
+    finally:
+        store.close()
+    if as_json:
+        _print_json(written)
+    else:
+        _console().print(f"imported into {into}: " + ", ".join(f"{n} {t}" for t, n in sorted(written.items())))
