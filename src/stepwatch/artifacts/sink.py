@@ -42,6 +42,8 @@ from .manifest import (
 
 __all__ = ["SinkConfig", "TelemetrySink"]
 
+_monotonic = time.monotonic
+
 FsyncPolicy = Literal["flush", "close", "never"]
 
 
@@ -122,6 +124,9 @@ class TelemetrySink:
         self._fd: int | None = None
         self._session: SessionSummary | None = None
         self._closed = False
+        self._bytes_room = 0
+        self._events_room = 0
+        self._flush_deadline = 0.0
         self.recovered_sessions: list[str] = []
         self.torn_bytes_cut = 0
         self._manifest = self._recover()
@@ -176,29 +181,55 @@ class TelemetrySink:
                     f"record of session {event.session_id} appended to session {session.session_id}",
                     field="$.session_id",
                 )
-            start = len(self._buffer)
-            self._encoder.encode_into(event, self._buffer, -1)
-            self._buffer.extend(b"\n")
-            segment = self._manifest.segments[-1]
-            if start + segment.size_bytes and segment.size_bytes + len(self._buffer) > self.config.rollover_max_bytes:
-                # This record would carry the segment past its byte bound: it starts the next one.
-                line = bytes(self._buffer[start:])
-                del self._buffer[start:]
-                self._flush_locked()
-                if self._manifest.segments[-1] is segment:
-                    self._rollover()
-                    self._write_manifest()
-                self._buffer += line
-                segment = self._manifest.segments[-1]
+            buffer = self._buffer
+            start = len(buffer)
+            self._encoder.encode_into(event, buffer, -1)
+            buffer.append(10)  # b"\n"
             self._buffered += 1
+            # Fast path: one comparison per bound; the exact checks run only near a bound
+            # (bench/bench_sink_write.py: the per-record checks were a third of append's cost).
             if (
-                self._buffered >= self.config.flush_every_events
-                # a segment never grows past its rollover bounds, whatever the flush cadence
-                or segment.event_count + self._buffered >= self.config.rollover_max_events
-                or segment.size_bytes + len(self._buffer) >= self.config.rollover_max_bytes
-                or time.monotonic() - self._last_flush >= self.config.flush_every_seconds
+                len(buffer) >= self._bytes_room
+                or self._buffered >= self._events_room
+                or _monotonic() >= self._flush_deadline
             ):
-                self._flush_locked()
+                self._near_bound_locked(start)
+
+    def _near_bound_locked(self, start: int) -> None:
+        segment = self._manifest.segments[-1]
+        if start + segment.size_bytes and segment.size_bytes + len(self._buffer) > self.config.rollover_max_bytes:
+            # This record would carry the segment past its byte bound: it starts the next one.
+            line = bytes(self._buffer[start:])
+            del self._buffer[start:]
+            self._buffered -= 1
+            self._flush_locked()
+            if self._manifest.segments[-1] is segment:
+                self._rollover()
+                self._write_manifest()
+            self._buffer += line
+            self._buffered += 1
+            segment = self._manifest.segments[-1]
+        if (
+            self._buffered >= self.config.flush_every_events
+            # a segment never grows past its rollover bounds, whatever the flush cadence
+            or segment.event_count + self._buffered >= self.config.rollover_max_events
+            or segment.size_bytes + len(self._buffer) >= self.config.rollover_max_bytes
+            or time.monotonic() - self._last_flush >= self.config.flush_every_seconds
+        ):
+            self._flush_locked()
+        self._update_rooms()
+
+    def _update_rooms(self) -> None:
+        """Buffer sizes at which ``append`` must look closer (flush or roll over)."""
+        segments = self._manifest.segments
+        if not segments:
+            self._bytes_room = self._events_room = 0
+            return
+        segment = segments[-1]
+        self._flush_deadline = self._last_flush + self.config.flush_every_seconds
+        self._bytes_room = max(1, self.config.rollover_max_bytes - segment.size_bytes)
+        self._events_room = max(1, min(self.config.flush_every_events,
+                                       self.config.rollover_max_events - segment.event_count))
 
     def flush(self) -> None:
         """Writes the buffer to the segment (and syncs, per policy) before returning."""
@@ -246,6 +277,7 @@ class TelemetrySink:
 
     def _flush_locked(self) -> None:
         self._last_flush = time.monotonic()
+        self._flush_deadline = self._last_flush + self.config.flush_every_seconds
         if not self._buffer or self._fd is None:
             return
         data = memoryview(self._buffer)
@@ -266,6 +298,7 @@ class TelemetrySink:
         else:
             self._prune()  # the growing segment counts against the total-size bound too
         self._write_manifest()
+        self._update_rooms()
 
     def _write_manifest(self, force_sync: bool = False) -> None:
         sync = force_sync and self.config.fsync != "never" or self.config.fsync == "flush"
@@ -277,6 +310,7 @@ class TelemetrySink:
         entry = SegmentEntry(filename=segment_filename(index), session_id=self._session.session_id)  # type: ignore[union-attr]
         self._fd = os.open(self.root / entry.filename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._manifest.segments.append(entry)
+        self._update_rooms()
 
     def _rollover(self) -> None:
         assert self._fd is not None

@@ -154,13 +154,21 @@ def _load_sink(
     for path in paths:
         hint = owner.get(path.name) or fallback
         segment = _read_jsonl(path, hint, permissive_legacy)
-        for event in segment.events:
-            group = groups.get(event.session_id)
-            if group is None:
-                group = groups[event.session_id] = _empty(event.session_id)
-            group.events.append(event)
-            if not group.sources or group.sources[-1] != str(path):
-                group.sources.append(str(path))
+        source = str(path)
+        owners = {e.session_id for e in segment.events}
+        if len(owners) == 1:  # the usual case: one segment, one session - no per-event grouping
+            session_id = owners.pop()
+            group = groups.get(session_id) or groups.setdefault(session_id, _empty(session_id))
+            group.events.extend(segment.events)
+            group.sources.append(source)
+        else:
+            for event in segment.events:
+                group = groups.get(event.session_id)
+                if group is None:
+                    group = groups[event.session_id] = _empty(event.session_id)
+                group.events.append(event)
+                if not group.sources or group.sources[-1] != source:
+                    group.sources.append(source)
         target = groups.get(hint)
         if target is None and path.name in owner and owner[path.name] and (segment.skipped or segment.torn):
             # nothing of the segment loaded, but the manifest names its session: count it there
