@@ -4,6 +4,7 @@
 
     StepwatchError
     ├── ConfigError                 invalid options, raised before anything is installed
+    ├── IntegrationUnavailable (ImportError)  a framework integration's library is missing or too old
     ├── ValidationError (ValueError)  a record breaks its schema; names the field and the rule
     │   └── UnsupportedSchemaVersion  a present `schema_version` stepwatch does not read
     ├── StoreError                  the history store cannot be opened, written or queried
@@ -19,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "ArtifactError",
     "ConfigError",
+    "IntegrationUnavailable",
     "StepwatchError",
     "StoreError",
     "TransportError",
@@ -33,6 +35,18 @@ class StepwatchError(Exception):
 
 class ConfigError(StepwatchError, ValueError):
     """An option given to stepwatch is invalid."""
+
+
+class IntegrationUnavailable(StepwatchError, ImportError):
+    """A ``stepwatch.capture.integrations`` module cannot work: its library is missing or too old.
+
+    Attributes:
+        library: the distribution that is missing or too old (``transformers``, ``lightning``).
+    """
+
+    def __init__(self, library: str, reason: str) -> None:
+        self.library = library
+        super().__init__(f"{library}: {reason}", name=library)
 
 
 class ValidationError(StepwatchError, ValueError):

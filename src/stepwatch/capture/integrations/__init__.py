@@ -1,0 +1,251 @@
+"""Framework integrations: one self-gating module per training library (STYLE habit 3).
+
+``stepwatch.capture.integrations.huggingface`` (``transformers.Trainer``) and
+``stepwatch.capture.integrations.lightning`` (``lightning.pytorch.Trainer``) import their library
+at the top and raise ``IntegrationUnavailable`` when it is missing or too old; nothing else in
+stepwatch imports them, so ``import stepwatch`` stays light.
+
+What the callbacks share lives here: ``FrameworkLink`` claims epoch/step ownership for its
+framework (spool-format-v1.md, "Canonical scope shape": transformers > lightning > torch, the
+others yield), starts stepwatch when nobody did, and opens and closes the ``epoch`` and ``step``
+spans through the ``TrainingState``, so phase times from the torch patches are summed onto the
+steps exactly as under ``trace_step``. Every method is fail-open: errors are reported through
+``report_internal`` and swallowed, never raised into the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import IntegrationUnavailable
+from .. import training
+from ..guard import report_internal
+from ..spans import OpenSpan
+from ..training import TrainingState
+
+__all__ = ["FrameworkLink", "require_version", "validate_init_kwargs"]
+
+
+def require_version(library: str, version: str, minimum: tuple[int, ...]) -> None:
+    """Raises ``IntegrationUnavailable`` when ``version`` (``"4.57.1"``, ``"2.6.0rc1"``) is below
+    ``minimum``; a version that cannot be parsed is accepted."""
+    parts = []
+    for piece in str(version).split(".")[: len(minimum)]:
+        match = re.match(r"\d+", piece)
+        if match is None:
+            return
+        parts.append(int(match.group()))
+    if tuple(parts) < minimum:
+        wanted = ".".join(map(str, minimum))
+        raise IntegrationUnavailable(library, f"version {version} is too old; stepwatch needs {library}>={wanted}")
+
+
+def validate_init_kwargs(init_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options a callback passes to ``stepwatch.init``, checked now so that a typo raises
+    ``ConfigError`` where the callback is built, not inside the trainer."""
+    from ..config import RuntimeConfig
+
+    kwargs = dict(init_kwargs or {})
+    options = {k: v for k, v in kwargs.items() if k != "enabled"}
+    if options.get("out") is not None:
+        options["out"] = os.fspath(options["out"])
+    RuntimeConfig.from_env({}, **options)  # raises ConfigError; the environment is read at init
+    return kwargs
+
+
+class FrameworkLink:
+    """One callback's hold on the running stepwatch: its claim, the epoch and step it opened,
+    and whether it started stepwatch itself (then it also stops it).
+
+    Example::
+
+        link = FrameworkLink("lightning", init_kwargs=None)
+        link.start()                 # train begins: init if needed, claim epoch/step
+        link.open_epoch(0); link.open_step()
+        ...                          # torch patches time forward / backward / optimizer_step
+        link.mark("loss", 0.25, step=1)
+        link.close_step(); link.close_epoch()
+        link.stop()                  # train ends: close leftovers, release, shut down if ours
+    """
+
+    __slots__ = ("framework", "init_kwargs", "state", "started", "epoch", "step", "step_end_ns")
+
+    def __init__(self, framework: str, init_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.framework = framework
+        self.init_kwargs = validate_init_kwargs(init_kwargs)
+        self.state: TrainingState | None = None  # the state the open spans belong to
+        self.started: Any = None  # the runtime this link started, to stop only that one
+        self.epoch: OpenSpan | None = None
+        self.step: OpenSpan | None = None
+        self.step_end_ns: int | None = None  # a step that ended but waits for its logs
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def current(self) -> TrainingState | None:
+        """The active ``TrainingState`` when it is the one this link started with, else None
+        (stepwatch was shut down or restarted under us: nothing of ours is open there)."""
+        state = training._state
+        if state is None or state is not self.state:
+            return None
+        return state
+
+    def start(self) -> TrainingState | None:
+        """Starts stepwatch unless it runs, then claims epoch and step for the framework."""
+        try:
+            from ..api import current_runtime, init
+
+            if not current_runtime().active:
+                runtime = init(**self.init_kwargs)
+                self.started = runtime if runtime.active else None
+            state = training._state
+            if state is not self.state:
+                self.state, self.epoch, self.step, self.step_end_ns = state, None, None, None
+            else:
+                self._close_leftovers()
+            if state is not None:
+                state.claim(self.framework)
+            return state
+        except Exception as exc:  # noqa: BLE001 - start-up failed: the trainer runs on without us
+            report_internal(exc, f"{self.framework}.start")
+            return None
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """Closes what this link has open, gives up the claim, and shuts stepwatch down if this
+        link started it (and only then, and only on a clean end)."""
+        try:
+            state = self.current()
+            if state is not None:
+                self.close_step(error)
+                self.close_epoch(error)
+                # Ownership lasts while the framework's loop runs; a plain torch loop after it
+                # marks its own steps again. TrainingState has no release(): see the owners set.
+                state.owners.discard(self.framework)
+            self.state, self.epoch, self.step, self.step_end_ns = None, None, None, None
+            started, self.started = self.started, None
+            if started is not None and error is None:
+                from ..api import current_runtime, shutdown
+
+                if current_runtime() is started:
+                    shutdown()
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.stop")
+
+    def _close_leftovers(self) -> None:
+        """A previous run of this callback ended without its end event (the Trainer raised and
+        transformers has no exception event): its spans close now, flagged like at shutdown."""
+        for span in (self.step, self.epoch):
+            if span is not None and not span.closed:
+                span.attrs = {**(span.attrs or {}), "unclosed": True}
+        self.settle()
+        self.close_step()
+        self.close_epoch()
+
+    def owns(self) -> TrainingState | None:
+        """The state, when this framework may open epochs and steps in it (nobody above it claimed)."""
+        state = self.current()
+        if state is None or state.yields(self.framework):
+            return None
+        return state
+
+    # -- epochs -------------------------------------------------------------------------------
+
+    def open_epoch(self, index: int) -> None:
+        try:
+            state = self.owns()
+            if state is None:
+                return
+            self.settle()
+            self.close_step()
+            if self.epoch is not None and not self.epoch.closed:
+                state.recorder.close(self.epoch)
+            foreign = state.epoch
+            if foreign is not None and not foreign.closed and foreign is not self.epoch:
+                # An epoch a lower-priority hook opened before this framework claimed ownership
+                # (``for _ in stepwatch.epochs(1): trainer.train()``): take it over as this
+                # epoch rather than close it and open a duplicate (spool-format-v1.md).
+                foreign.index = index
+                self.epoch = foreign
+            else:
+                self.epoch = state.open_epoch(index)
+            if self.epoch is not None:
+                self.epoch.attrs = {**(self.epoch.attrs or {}), "framework": self.framework}
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.open_epoch")
+
+    def close_epoch(self, error: BaseException | None = None) -> None:
+        try:
+            state = self.current()
+            epoch, self.epoch = self.epoch, None
+            if state is None or epoch is None or epoch.closed:
+                return
+            self.settle()
+            self.close_step(error)
+            if error is not None:
+                epoch.attrs = {**(epoch.attrs or {}), "error": type(error).__name__}
+            state.recorder.close(epoch)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.close_epoch")
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def open_step(self) -> OpenSpan | None:
+        """Opens this framework's step unless one of ours is open already (gradient accumulation)
+        or a higher-priority framework owns steps."""
+        try:
+            state = self.owns()
+            if state is None:
+                return None
+            self.settle()
+            local = state.local
+            if self.step is not None and local.step is self.step:
+                return self.step
+            if local.step is not None and not local.implicit:
+                return None  # a step someone opened before the claim: never nest steps
+            # model=None: the outermost module call in the step is its forward, whatever wraps
+            # the model (DDP, torch.compile, accelerate); loss modules are still skipped.
+            self.step = state.open_step(None, {"framework": self.framework})
+            self.step_end_ns = None
+            return self.step
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.open_step")
+            return None
+
+    def close_step(self, error: BaseException | None = None, *, end_ns: int | None = None) -> None:
+        try:
+            step, self.step = self.step, None
+            end_ns = end_ns or self.step_end_ns
+            self.step_end_ns = None
+            state = self.current()
+            if state is not None and step is not None and not step.closed:
+                state.close_step(step, error, end_ns=end_ns)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.close_step")
+
+    def end_step_later(self) -> None:
+        """The step ended now, but the framework logs its values right after: keep the span open
+        for those marks (so they count in its ``mark_ids``) and close it at ``settle``."""
+        if self.step is not None:
+            self.step_end_ns = time.time_ns()
+
+    def settle(self) -> None:
+        """Closes a step that ended earlier and was kept open for its logs."""
+        if self.step_end_ns is not None:
+            self.close_step()
+
+    # -- marks --------------------------------------------------------------------------------
+
+    def mark(self, name: str, value: Any, **attrs: Any) -> None:
+        """A point mark on this link's open step, else on the innermost open span."""
+        try:
+            state = self.current() or training._state
+            if state is None:
+                return
+            step = self.step if self.step is not None and not self.step.closed and state is self.state else None
+            target = step if step is not None else state.recorder.current()
+            state.recorder.mark_on(target, name, value, "point", attrs or None)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.mark")
