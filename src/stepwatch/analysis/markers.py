@@ -53,8 +53,9 @@ class TimelineMarker(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def _is_oom(event: TelemetryEventV3) -> bool:
+    # a flag set to false ("oom": false) says the opposite: only a present, truthy value counts
     return event.event_type == "error" and any(
-        key in event.metadata for key in ("oom_reason", "oom", "is_oom")
+        event.metadata.get(key) for key in ("oom_reason", "oom", "is_oom")
     )
 
 

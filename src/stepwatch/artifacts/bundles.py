@@ -49,7 +49,7 @@ def environment_info() -> dict[str, Any]:
     }
     torch = sys.modules.get("torch")
     if torch is not None:
-        info["torch"] = torch.__version__
+        info["torch"] = str(torch.__version__)  # a TorchVersion (str subclass) msgspec cannot encode
         info["cuda_available"] = bool(torch.cuda.is_available())
         if info["cuda_available"]:
             for index in range(torch.cuda.device_count()):

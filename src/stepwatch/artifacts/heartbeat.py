@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from ..errors import ArtifactError
+from ._files import cut_torn_tail
 
 __all__ = ["HeartbeatWriter", "heartbeat_filename", "heartbeat_record", "read_heartbeat"]
 
@@ -35,13 +36,18 @@ def heartbeat_filename(rank: int) -> str:
 def heartbeat_record(
     *, ts: float, pid: int, rank: int, step: int, msg: str, **fields: Any
 ) -> dict[str, Any]:
-    """A record in the spec's field order; None-valued extras are left out, non-finite floats
-    become null so every line stays strict JSON."""
+    """A record in the spec's field order; None-valued extras are left out, numpy/torch scalars
+    become numbers and non-finite floats null, so every line stays strict JSON."""
     iso = datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
     record: dict[str, Any] = {"ts": round(ts, 6), "iso": iso, "pid": pid, "rank": rank, "step": step, "msg": msg}
     for key, value in fields.items():
         if value is None:
             continue
+        if type(value) not in (bool, int, float, str) and callable(getattr(value, "item", None)):
+            try:
+                value = value.item()  # a numpy scalar or 0-d tensor (``loss=loss.detach()``): its number
+            except (TypeError, ValueError, RuntimeError):  # not a scalar after all
+                value = str(value)
         if isinstance(value, float) and not math.isfinite(value):
             value = None
         record[key] = value
@@ -58,6 +64,10 @@ class HeartbeatWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.keep = keep
+        if self.path.exists():
+            # a run resumed after a crash appends here: a line torn by the crash would otherwise
+            # be glued to the first new record and make the whole file unreadable
+            cut_torn_tail(self.path)
         self._file = self.path.open("ab", buffering=64 * 1024)
         self._size = self._file.tell()
         self._last_flush = time.monotonic()

@@ -62,7 +62,11 @@ def init(
         if _runtime.active:
             return _runtime
         env = os.environ
-        overrides = {"out": os.fspath(out) if out is not None else None, **options}
+        try:
+            path = os.fspath(out) if out is not None else None
+        except TypeError:
+            raise ConfigError(f"out must be a path, got {type(out).__name__}") from None
+        overrides = {"out": path, **options}
         if interval != 1.0 or not env.get("STEPWATCH_INTERVAL_MS"):
             overrides["interval"] = interval
         config = RuntimeConfig.from_env(env, **overrides)  # raises ConfigError: nothing installed yet

@@ -2,11 +2,13 @@
 
 The calling thread only reads two clocks and appends one tuple to a bounded table; the
 ``phase_enter``/``phase_exit`` records with their ``phase_scope`` payload (spec: "Structured
-phase metadata") are built later on the background thread. Scopes nest per thread.
+phase metadata") are built later on the background thread. Scopes nest per thread and per
+asyncio task.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import itertools
@@ -45,46 +47,46 @@ class _Open(NamedTuple):
 
 
 class PhaseScopes:
-    """Per-runtime scope state: sequence numbers and each thread's stack of open scopes."""
+    """Per-runtime scope state: sequence numbers and each thread's (each task's) open scopes."""
 
     def __init__(self, session_id: str, append: Callable[[PhaseRow], None]) -> None:
         self._prefix = f"{session_id}:"
         self._append = append
         self._sequence = itertools.count(1)  # next() is atomic under the GIL
-        self._local = threading.local()
-
-    def _stack(self) -> list[_Open]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+        # The open scopes live in a ContextVar, not a threading.local: asyncio tasks sharing one
+        # thread each keep their own stack (a task never nests under, or closes, another task's
+        # scope), and a new thread starts with an empty one (STYLE habit 4).
+        self._open: contextvars.ContextVar[tuple[_Open, ...]] = contextvars.ContextVar(
+            "stepwatch_phase_scopes", default=()
+        )
 
     def current_path(self) -> tuple[str, ...]:
-        stack = self._stack()
+        stack = self._open.get()
         return stack[-1].path if stack else ()
 
     def enter(self, name: str, attributes: dict[str, Any] | None) -> None:
-        stack = self._stack()
+        stack = self._open.get()
         parent = stack[-1] if stack else None
         sequence = next(self._sequence)
         path = (*parent.path, name) if parent else (name,)
         scope_id = f"{self._prefix}{sequence}"
         thread = threading.current_thread()
-        stack.append(_Open(name, path, scope_id, attributes))
+        self._open.set((*stack, _Open(name, path, scope_id, attributes)))
         self._append(
             PhaseRow("enter", time.time_ns(), name, path, scope_id, parent.scope_id if parent else None,
                      thread.ident or 0, thread.name, sequence, attributes)
         )
 
     def exit(self) -> None:
-        stack = self._stack()
+        stack = self._open.get()
         if not stack:
             return
-        scope = stack.pop()
+        scope, rest = stack[-1], stack[:-1]
+        self._open.set(rest)
         thread = threading.current_thread()
         self._append(
             PhaseRow("exit", time.time_ns(), scope.name, scope.path, scope.scope_id,
-                     stack[-1].scope_id if stack else None, thread.ident or 0, thread.name,
+                     rest[-1].scope_id if rest else None, thread.ident or 0, thread.name,
                      next(self._sequence), scope.attributes)
         )
 

@@ -40,8 +40,13 @@ _DISCOVER_EVERY_S = 5.0
 
 
 def is_oom(exc: BaseException) -> bool:
-    """torch's OutOfMemoryError (any backend) or Python's MemoryError."""
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    """torch's OutOfMemoryError (any backend, or a subclass of it) or Python's MemoryError."""
+    return isinstance(exc, MemoryError) or _is_torch_oom(exc)
+
+
+def _is_torch_oom(exc: BaseException) -> bool:
+    # by name, so torch need not be imported; along the MRO, so subclasses count too
+    return any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
 
 
 def _json_safe(value: Any) -> Any:
@@ -172,7 +177,9 @@ class Runtime:
         self._stopped = False
         self._next_sample = 0.0
         self._next_heartbeat = 0.0
-        self._next_discovery = time.monotonic() + _DISCOVER_EVERY_S
+        # The first tick looks right away: a device the program set up before init() (or early
+        # in a short run) must not wait _DISCOVER_EVERY_S for its first sample.
+        self._next_discovery = 0.0
         self._last_cuda_mb: tuple[int, int] | None = None
         if rank == 0 and not launched:
             write_run_manifest(
@@ -196,12 +203,13 @@ class Runtime:
 
     def progress(self, step: int, **metrics: Any) -> None:
         """A ``progress`` heartbeat record (loss, toks_per_s, dt_fetch_s, grad_norm, ...)."""
+        step = int(step)  # a numpy or tensor step number must still encode as a JSON integer
         self.step = step
         self.progress_rows.append((time.time(), step, metrics))
 
     def record_oom(self, exc: BaseException) -> Path | None:
         """Records an OOM as an ``error`` event and writes a flight-recorder bundle."""
-        backend = "cuda" if type(exc).__name__ == "OutOfMemoryError" else "cpu"
+        backend = "cuda" if _is_torch_oom(exc) else "cpu"
         reason = f"{type(exc).__name__}: {exc}"[:4000]
         event = self.factory.point(
             "error", context=reason.splitlines()[0][:500] if reason else None,
@@ -221,7 +229,8 @@ class Runtime:
     # -- background thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        period = min(self.config.interval, 1.0)  # heartbeat flush at least once a second
+        # wake for whichever comes first: a sample, a heartbeat, or the once-a-second flush
+        period = min(self.config.interval, self.config.heartbeat_interval, 1.0)
         while not self._stop.wait(period):
             with guarded:
                 self.tick()

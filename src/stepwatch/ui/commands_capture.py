@@ -33,6 +33,10 @@ def track(interval_ms: int, out: Path | None, pid: int | None, command: tuple[st
     if pid is not None:
         if command:
             raise click.UsageError("give either --pid or a command, not both")
+        import psutil
+
+        if not psutil.pid_exists(pid):
+            raise click.BadParameter(f"no process with pid {pid}", param_hint="'--pid'")
         run_dir = out or default_run_dir(new_session_id())
         console.print(f"[stepwatch] sampling pid {pid} into {run_dir} (Ctrl-C to stop)", markup=False)
         status = sample_process(pid, run_dir=run_dir, interval_ms=interval_ms)

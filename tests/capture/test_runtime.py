@@ -1,0 +1,442 @@
+"""The capture runtime's lifecycle: ``stepwatch.init`` / ``stepwatch.shutdown`` in real processes.
+
+The runtime installs process hooks (atexit, SIGTERM, excepthook, fork), so every lifecycle test
+runs its program in a fresh interpreter and reads the run directory back from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import stepwatch
+from stepwatch.artifacts.heartbeat import read_heartbeat
+from stepwatch.artifacts.sink import TelemetrySink
+from stepwatch.capture import api
+from stepwatch.capture.guard import reset_swallowed, swallowed
+from stepwatch.errors import ConfigError
+from stepwatch.schema import validate_telemetry_record
+from stepwatch.telemetry import load_telemetry_sessions
+
+
+def clean_env() -> dict[str, str]:
+    """The test's environment without any STEPWATCH_* contract variable leaking in."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+
+
+def run_py(code: str, cwd: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def start_py(code: str, cwd: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_line(proc: subprocess.Popen[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+    raise AssertionError(f"no {prefix!r} line; stderr: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 15) -> str:
+    """Waits for the process (killing it past ``timeout``); returns its stderr."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err
+
+
+def only_session(run: Path) -> Any:
+    sessions = load_telemetry_sessions(run)
+    assert len(sessions) == 1, [s.summary for s in sessions]
+    return sessions[0]
+
+
+def event_types(session: Any) -> list[str]:
+    return [e.event_type for e in session.events]
+
+
+LIFECYCLE = """
+import sys, time, stepwatch
+rt = stepwatch.init(out=sys.argv[1], interval=0.05)
+print("SESSION", rt.session_id, flush=True)
+with stepwatch.phase("work"):
+    time.sleep(0.15)
+"""
+
+
+# -- layout and lifecycle ------------------------------------------------------------------------
+
+
+def test_run_directory_layout_and_lifecycle_events(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(LIFECYCLE + "stepwatch.shutdown()\nprint('AFTER', flush=True)\n", tmp_path, str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    assert "AFTER" in proc.stdout
+    session_id = proc.stdout.split()[1]
+
+    assert (run / "run.json").is_file()
+    rank_dir = run / "telemetry" / "rank0"
+    assert (rank_dir / "manifest.json").is_file()
+    assert sorted(p.name for p in rank_dir.glob("segment-*.jsonl")) == ["segment-000001.jsonl"]
+    assert (run / "heartbeat_rank0.jsonl").is_file()
+
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["session_id"] == session_id
+    assert manifest["status"] == "completed"
+    assert manifest["ended_at_ns"] >= manifest["started_at_ns"]
+    sink_manifest = json.loads((rank_dir / "manifest.json").read_text())
+    assert sink_manifest["schema_version"] == 2
+    assert [s["session_id"] for s in sink_manifest["sessions"]] == [session_id]
+    assert sink_manifest["sessions"][0]["status"] == "completed"
+    assert all(seg["closed"] for seg in sink_manifest["segments"])
+
+    session = only_session(run)
+    assert session.summary.session_id == session_id
+    assert session.summary.status == "completed"
+    types = event_types(session)
+    assert types.count("start") == 1 and types.count("stop") == 1
+    starts = [e for e in session.events if e.event_type == "start"]
+    stops = [e for e in session.events if e.event_type == "stop"]
+    assert starts[0].timestamp_ns < stops[0].timestamp_ns
+    # nothing of the session after its stop record
+    assert max(e.timestamp_ns for e in session.events) == stops[0].timestamp_ns
+    assert "stopped (completed)" in (stops[0].context or "")
+    assert types.count("phase_enter") == 1 and types.count("phase_exit") == 1
+    for line in (rank_dir / "segment-000001.jsonl").read_bytes().splitlines():
+        validate_telemetry_record(json.loads(line))
+
+
+def test_interpreter_exit_without_shutdown_completes_the_session(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(LIFECYCLE, tmp_path, str(run))  # no shutdown(): the atexit hook closes it
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    session = only_session(run)
+    assert session.summary.status == "completed"
+    assert event_types(session).count("stop") == 1
+    assert json.loads((run / "run.json").read_text())["status"] == "completed"
+
+
+def test_sigterm_completes_the_session_and_still_ends_the_process_by_sigterm(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_py(LIFECYCLE + "print('READY', flush=True)\ntime.sleep(30)\n", tmp_path, str(run))
+    with proc:
+        wait_line(proc, "READY")
+        proc.send_signal(signal.SIGTERM)
+        finish(proc)
+    assert proc.returncode == -signal.SIGTERM
+    session = only_session(run)
+    assert session.summary.status == "completed"
+    assert event_types(session)[-1] == "stop"
+    assert json.loads((run / "run.json").read_text())["status"] == "completed"
+
+
+def test_sigterm_chains_to_the_programs_own_handler(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code = textwrap.dedent("""
+        import json, signal, sys, time
+        def on_term(signum, frame):
+            manifest = json.load(open(sys.argv[1] + "/run.json"))
+            print("USER HANDLER", manifest["status"], flush=True)  # stepwatch closed its session first
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+    """) + LIFECYCLE + "print('READY', flush=True)\ntime.sleep(30)\n"
+    proc = start_py(code, tmp_path, str(run))
+    with proc:
+        wait_line(proc, "READY")
+        proc.send_signal(signal.SIGTERM)
+        assert wait_line(proc, "USER HANDLER") == "completed"
+        finish(proc)
+    assert proc.returncode == 0
+    assert only_session(run).summary.status == "completed"
+
+
+def test_sigkill_leaves_the_session_incomplete_until_recovery_marks_it_interrupted(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_py(LIFECYCLE + "print('READY', flush=True)\ntime.sleep(30)\n", tmp_path, str(run))
+    with proc:
+        session_id = wait_line(proc, "SESSION")
+        wait_line(proc, "READY")
+        proc.send_signal(signal.SIGKILL)
+        finish(proc)
+    assert proc.returncode == -signal.SIGKILL
+
+    before = only_session(run)
+    assert before.summary.session_id == session_id
+    assert before.summary.status == "incomplete"
+    assert "stop" not in event_types(before)
+
+    sink = TelemetrySink(run / "telemetry" / "rank0")  # opening it recovers the dead writer's session
+    assert sink.recovered_sessions == [session_id]
+    after = only_session(run)
+    assert after.summary.session_id == session_id
+    assert after.summary.status == "interrupted"
+
+
+# -- options -------------------------------------------------------------------------------------
+
+
+def test_enabled_false_writes_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, time, stepwatch
+        rt = stepwatch.init(out=sys.argv[1], interval=0.05, enabled=False)
+        assert not rt.active and rt.run_dir is None, rt
+        with stepwatch.phase("work"):
+            stepwatch.progress(1, loss=0.5)
+            time.sleep(0.1)
+        stepwatch.shutdown()
+        print("OK")
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    assert proc.stdout.strip() == "OK"
+    assert not run.exists()
+    assert list(tmp_path.iterdir()) == []  # and no default ./stepwatch_runs either
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"interval": 0},
+        {"interval": 0.001},
+        {"heartbeat_interval": -1},
+        {"table_rows": 3},
+        {"oom_ring": 0},
+        {"endpoint": "ftp://example"},
+        {"no_such_option": 1},
+        {"out": 123},
+        {"rank": 3, "world_size": 2},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_invalid_options_raise_config_error_before_anything_is_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    reset_swallowed()
+    with pytest.raises(ConfigError):
+        stepwatch.init(**{"out": tmp_path / "run", **options})
+    assert list(tmp_path.iterdir()) == []
+    assert api.current_runtime().active is False
+    assert swallowed() == {}
+
+
+def test_invalid_interval_env_raises_config_error(tmp_path: Path) -> None:
+    proc = run_py(
+        """
+        import os, sys, stepwatch
+        from stepwatch.errors import ConfigError
+        os.environ["STEPWATCH_INTERVAL_MS"] = "fast"
+        try:
+            stepwatch.init(out=sys.argv[1])
+        except ConfigError as exc:
+            print("CONFIG", exc)
+        """,
+        tmp_path, str(tmp_path / "run"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    assert "CONFIG" in proc.stdout and "STEPWATCH_INTERVAL_MS" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_twice_returns_the_same_runtime_and_second_cycle_works(tmp_path: Path) -> None:
+    proc = run_py(
+        """
+        import sys, time, stepwatch
+        first = stepwatch.init(out=sys.argv[1], interval=0.05)
+        again = stepwatch.init(out=sys.argv[2], interval=0.05)
+        assert again is first
+        with stepwatch.phase("one"):
+            time.sleep(0.06)
+        stepwatch.shutdown()
+        stepwatch.shutdown()  # idempotent
+        second = stepwatch.init(out=sys.argv[2], interval=0.05)
+        assert second is not first and second.active
+        assert second.session_id != first.session_id
+        with stepwatch.phase("two"):
+            time.sleep(0.06)
+        stepwatch.shutdown()
+        print(first.session_id, second.session_id)
+        """,
+        tmp_path, str(tmp_path / "a"), str(tmp_path / "b"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    first_id, second_id = proc.stdout.split()
+    assert "[stepwatch]" not in proc.stderr
+    for run, session_id, name in ((tmp_path / "a", first_id, "one"), (tmp_path / "b", second_id, "two")):
+        session = only_session(run)
+        assert session.summary.session_id == session_id
+        assert session.summary.status == "completed"
+        assert event_types(session).count("start") == 1
+        assert event_types(session).count("stop") == 1
+        names = {e.metadata["phase_scope"]["name"] for e in session.events if e.event_type == "phase_enter"}
+        assert names == {name}
+        assert json.loads((run / "run.json").read_text())["status"] == "completed"
+
+
+def test_start_up_failure_falls_back_to_a_null_runtime_and_the_program_runs_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = run_py(
+        """
+        import sys, stepwatch
+        rt = stepwatch.init(out=sys.argv[1], interval=0.05)
+        assert rt.active is False, rt
+        with stepwatch.phase("still works"):
+            stepwatch.progress(1, loss=1.0)
+        stepwatch.shutdown()
+        print("USER CODE RAN")
+        """,
+        tmp_path, str(blocker / "run"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "USER CODE RAN"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("[stepwatch]")
+    assert blocker.read_text() == "not a directory"
+
+
+# -- bounded tables ------------------------------------------------------------------------------
+
+
+def test_phase_rows_past_the_table_bound_are_evicted_and_counted(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, threading, stepwatch
+        rt = stepwatch.init(out=sys.argv[1], interval=0.05, table_rows=16)
+        gate, writing = threading.Event(), threading.Event()
+        original = rt.sink.append
+        def slow_append(event):
+            writing.set()
+            gate.wait(10)  # the disk is slow: the sampler thread is stuck in this write
+            original(event)
+        rt.sink.append = slow_append
+        assert writing.wait(5)
+        for i in range(100):
+            with stepwatch.phase(f"p{i}"):
+                pass
+        gate.set()
+        stepwatch.shutdown()
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    session = only_session(run)
+    phases = [e for e in session.events if e.event_type in ("phase_enter", "phase_exit")]
+    assert len(phases) == 16  # the bound: the newest rows survive
+    assert [e.metadata["phase_scope"]["name"] for e in phases] == [f"p{i}" for i in range(92, 100) for _ in (0, 1)]
+    stop = [e for e in session.events if e.event_type == "stop"][0]
+    assert stop.metadata["dropped"]["phase_rows_evicted"] == 200 - 16
+    assert stop.metadata["dropped"]["sink_records_dropped"] == 0
+
+
+# -- fork ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("child_exit", ["os._exit", "interpreter_exit"])
+def test_forked_child_does_not_write_into_the_parents_session(tmp_path: Path, child_exit: str) -> None:
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import os, sys, time, stepwatch
+        rt = stepwatch.init(out=sys.argv[1], interval=0.05, heartbeat_interval=0.05)
+        with stepwatch.phase("parent"):
+            stepwatch.progress(1, loss=1.0)
+            time.sleep(0.12)
+        pid = os.fork()
+        if pid == 0:  # a DataLoader-style worker
+            with stepwatch.phase("child-phase"):
+                stepwatch.progress(99, loss=9.0)
+                time.sleep(0.3)
+            assert not stepwatch.current_runtime().active
+            if sys.argv[2] == "os._exit":
+                os._exit(0)
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        with stepwatch.phase("parent-after"):
+            time.sleep(0.06)
+        stepwatch.shutdown()
+        print("PARENT", os.getpid(), "CHILD", pid)
+        """,
+        tmp_path, str(run), child_exit,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    _, parent_pid, _, child_pid = proc.stdout.split()
+    session = only_session(run)
+    assert session.summary.status == "completed"
+    assert {e.pid for e in session.events} == {int(parent_pid)}
+    names = {e.metadata["phase_scope"]["name"] for e in session.events if e.event_type == "phase_enter"}
+    assert names == {"parent", "parent-after"}
+    assert event_types(session).count("stop") == 1
+    beats = read_heartbeat(run / "heartbeat_rank0.jsonl")
+    assert {b["pid"] for b in beats} == {int(parent_pid)}
+    assert [b["msg"] for b in beats].count("boot") == 1
+    assert [b["msg"] for b in beats].count("stop") == 1
+    assert 99 not in {b["step"] for b in beats}
+    ts = [b["ts"] for b in beats]
+    assert ts == sorted(ts)  # no duplicated stale buffer flushed by the child
+    assert not (tmp_path / "stepwatch_runs").exists()
+
+
+# -- sampler cadence -----------------------------------------------------------------------------
+
+
+def test_sampler_samples_at_the_configured_sub_second_interval(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, time, stepwatch
+        stepwatch.init(out=sys.argv[1], interval=0.05)
+        time.sleep(1.0)
+        stepwatch.shutdown()
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    session = only_session(run)
+    samples = [e for e in session.events if e.event_type == "sample"]
+    assert {e.sampling_interval_ms for e in samples} == {50}
+    # 1 s at 20 Hz: about 20 (+ one at start, one at stop); loose for a busy 2-core machine
+    assert 10 <= len(samples) <= 30, len(samples)
+    stamps = [e.timestamp_ns for e in samples]
+    gaps = [(b - a) / 1e9 for a, b in zip(stamps, stamps[1:])]
+    assert min(gaps) >= 0  # time-ordered
+    assert sorted(gaps)[len(gaps) // 2] < 0.2  # the median gap is sub-second, near 0.05 s
+    for event in samples:
+        validate_telemetry_record(msgspec.to_builtins(event))
+        assert event.metadata["backend"] == "cpu" and event.metadata["sampling_source"] == "psutil"
+        assert event.metadata["supports_device_total"] is True and event.metadata["supports_device_free"] is True
+        assert event.metadata["collector_health_status"] == "healthy"
