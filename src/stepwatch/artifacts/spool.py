@@ -62,10 +62,14 @@ class SpoolWriter:
             return []
         batch_id = uuid.uuid4().hex
         created_ns = time.time_ns()
-        body = _encoder.encode({
+        batch = {
             "schema_version": SPOOL_SCHEMA_VERSION, "sdk_version": self.sdk_version, "batch_id": batch_id,
             "created_ns": created_ns, "spans": spans, "marks": marks, "snapshots": snapshots,
-        })
+        }
+        try:
+            body = _encoder.encode(batch)
+        except UnicodeEncodeError:  # a lone surrogate in some attr must not cost the whole batch
+            body = _encoder.encode(_valid_text(batch))
         records = len(spans) + len(marks) + len(snapshots)
         if len(body) > self.max_bytes:
             if records == 1:
@@ -93,6 +97,17 @@ class SpoolWriter:
             self._total -= size
             self.evicted_batches += 1
             self.evicted_records += records
+
+
+def _valid_text(value: Any) -> Any:
+    """``value`` with every string made encodable as UTF-8 (lone surrogates become "?")."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_valid_text(v) for v in value]
+    return value
 
 
 Lists = tuple[list[Any], list[Any], list[Any]]
@@ -181,17 +196,29 @@ def read_spool(path: str | os.PathLike[str], *, strict: bool = False) -> LoadedS
     versions: set[str] = set()
     skipped: list[str] = []
     batches = 0
+    seen_batches: set[str] = set()
+    seen_records: set[str] = set()
     for file, batch in _iter_batches(root, strict):
         if batch is None:
             skipped.append(str(file))
             continue
+        batch_id = batch.get("batch_id")
+        if isinstance(batch_id, str):
+            if batch_id in seen_batches:
+                continue  # the same batch re-sent (spool-format-v1.md: idempotent by batch_id)
+            seen_batches.add(batch_id)
         batches += 1
         versions.add(str(batch.get("sdk_version", "?")))
         for span in batch.get("spans", []):
             if "id" in span:
                 spans[str(span["id"])] = span  # a re-sent batch must not duplicate spans
-        marks.extend(batch.get("marks", []))
-        snapshots.extend(batch.get("snapshots", []))
+        for kind, out in (("marks", marks), ("snapshots", snapshots)):
+            for record in batch.get(kind, []):
+                key = f"{kind}:{record.get('id')}"
+                if record.get("id") is not None and key in seen_records:
+                    continue  # nor marks and snapshots (re-split under another batch id)
+                seen_records.add(key)
+                out.append(record)
     marks.sort(key=lambda m: m.get("ts_ns") or 0)
     return LoadedSpool(root=str(root), batches=batches, spans=_children_first(spans), marks=marks,
                        snapshots=snapshots, sdk_versions=sorted(versions), skipped_files=skipped)

@@ -13,7 +13,6 @@ from typing import Any
 from ..schema import SCHEMA_VERSION_V3, TelemetryEventV3
 from .collectors.base import Reading
 from .identity import DistributedIdentity
-from .phases import PhaseRow
 
 __all__ = ["EventFactory"]
 
@@ -93,22 +92,24 @@ class EventFactory:
             collector=collector or last_collector, reading=reading, change=0, context=context, metadata=meta,
         )
 
-    def phase(self, row: PhaseRow) -> TelemetryEventV3:
+    def phase(self, row: tuple[Any, ...], prefix: str) -> TelemetryEventV3:
+        """A ``phase_enter``/``phase_exit`` record from a row in ``PhaseRow`` order."""
+        action, timestamp_ns, name, path, scope_seq, parent_seq, thread_id, thread_name, sequence, attributes = row
         scope: dict[str, Any] = {
-            "action": row.action,
-            "name": row.name,
-            "path": list(row.path),
-            "depth": len(row.path),
-            "scope_id": row.scope_id,
-            "parent_scope_id": row.parent_scope_id,
-            "thread_id": row.thread_id,
-            "thread_name": row.thread_name,
-            "sequence": row.sequence,
+            "action": action,
+            "name": name,
+            "path": list(path),
+            "depth": len(path),
+            "scope_id": f"{prefix}{scope_seq}",
+            "parent_scope_id": None if parent_seq is None else f"{prefix}{parent_seq}",
+            "thread_id": thread_id,
+            "thread_name": thread_name,
+            "sequence": sequence,
         }
-        if row.attributes:
-            scope["attributes"] = row.attributes
-        verb = "entered" if row.action == "enter" else "exited"
+        if attributes:
+            scope["attributes"] = attributes
+        verb = "entered" if action == "enter" else "exited"
         return self.point(
-            f"phase_{row.action}", context=f"Phase {verb}: {' / '.join(row.path)}",
-            metadata={"phase_scope": scope}, timestamp_ns=row.timestamp_ns,
+            f"phase_{action}", context=f"Phase {verb}: {' / '.join(path)}",
+            metadata={"phase_scope": scope}, timestamp_ns=timestamp_ns,
         )

@@ -78,7 +78,10 @@ class GpuTimer:
         self._pending.append(pending)
 
     def outstanding(self, span: Any) -> bool:
-        return any(p.span is span for p in self._pending)
+        # From the span, not by scanning ``_pending``: the training thread appends to it while
+        # the spool thread asks, and iterating a deque being appended to raises RuntimeError.
+        pending = span.gpu
+        return isinstance(pending, PendingTiming) and pending.end is not None and pending.span is span
 
     def resolve(self) -> int:
         """Fills ``span.gpu_ns`` of every finished pair, oldest first; returns how many."""

@@ -25,70 +25,75 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class PhaseRow(NamedTuple):
-    """One boundary as appended by the calling thread."""
+    """One boundary as the background thread reads it. The calling thread appends a plain tuple
+    in this field order (a NamedTuple costs a Python-level ``__new__`` per row); scope ids are
+    sequence numbers there, formatted as ``<session>:<n>`` only when the record is built."""
 
     action: str  # "enter" | "exit"
     timestamp_ns: int
     name: str
     path: tuple[str, ...]
-    scope_id: str
-    parent_scope_id: str | None
+    scope_seq: int
+    parent_seq: int | None
     thread_id: int
     thread_name: str
     sequence: int
     attributes: dict[str, Any] | None
 
 
-class _Open(NamedTuple):
-    name: str
-    path: tuple[str, ...]
-    scope_id: str
-    attributes: dict[str, Any] | None
-
-
 class PhaseScopes:
     """Per-runtime scope state: sequence numbers and each thread's (each task's) open scopes."""
 
-    def __init__(self, session_id: str, append: Callable[[PhaseRow], None]) -> None:
-        self._prefix = f"{session_id}:"
+    def __init__(self, session_id: str, append: Callable[[tuple[Any, ...]], None]) -> None:
+        self.prefix = f"{session_id}:"
         self._append = append
         self._sequence = itertools.count(1)  # next() is atomic under the GIL
+        self._threads = threading.local()  # (ident, name) of the thread, looked up once
         # The open scopes live in a ContextVar, not a threading.local: asyncio tasks sharing one
         # thread each keep their own stack (a task never nests under, or closes, another task's
         # scope), and a new thread starts with an empty one (STYLE habit 4).
-        self._open: contextvars.ContextVar[tuple[_Open, ...]] = contextvars.ContextVar(
+        # A stack entry is (name, path, seq, attributes).
+        self._open: contextvars.ContextVar[tuple[tuple[Any, ...], ...]] = contextvars.ContextVar(
             "stepwatch_phase_scopes", default=()
         )
 
+    def scope_id(self, seq: int | None) -> str | None:
+        return None if seq is None else f"{self.prefix}{seq}"
+
+    def _thread(self) -> tuple[int, str]:
+        info = getattr(self._threads, "info", None)
+        if info is None:
+            thread = threading.current_thread()
+            info = self._threads.info = (thread.ident or 0, thread.name)
+        return info
+
     def current_path(self) -> tuple[str, ...]:
         stack = self._open.get()
-        return stack[-1].path if stack else ()
+        return stack[-1][1] if stack else ()
 
     def enter(self, name: str, attributes: dict[str, Any] | None) -> None:
         stack = self._open.get()
-        parent = stack[-1] if stack else None
         sequence = next(self._sequence)
-        path = (*parent.path, name) if parent else (name,)
-        scope_id = f"{self._prefix}{sequence}"
-        thread = threading.current_thread()
-        self._open.set((*stack, _Open(name, path, scope_id, attributes)))
-        self._append(
-            PhaseRow("enter", time.time_ns(), name, path, scope_id, parent.scope_id if parent else None,
-                     thread.ident or 0, thread.name, sequence, attributes)
-        )
+        if stack:
+            parent = stack[-1]
+            path, parent_seq = (*parent[1], name), parent[2]
+        else:
+            path, parent_seq = (name,), None
+        self._open.set((*stack, (name, path, sequence, attributes)))
+        ident, thread_name = self._thread()
+        self._append(("enter", time.time_ns(), name, path, sequence, parent_seq, ident, thread_name,
+                      sequence, attributes))
 
     def exit(self) -> None:
         stack = self._open.get()
         if not stack:
             return
-        scope, rest = stack[-1], stack[:-1]
+        name, path, seq, attributes = stack[-1]
+        rest = stack[:-1]
         self._open.set(rest)
-        thread = threading.current_thread()
-        self._append(
-            PhaseRow("exit", time.time_ns(), scope.name, scope.path, scope.scope_id,
-                     rest[-1].scope_id if rest else None, thread.ident or 0, thread.name,
-                     next(self._sequence), scope.attributes)
-        )
+        ident, thread_name = self._thread()
+        self._append(("exit", time.time_ns(), name, path, seq, rest[-1][2] if rest else None, ident,
+                      thread_name, next(self._sequence), attributes))
 
 
 _active: PhaseScopes | None = None  # the running runtime's scopes; None when stepwatch is off

@@ -29,7 +29,7 @@ from .config import RuntimeConfig
 from .events import EventFactory
 from .guard import guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
-from .phases import PhaseRow, PhaseScopes
+from .phases import PhaseScopes
 from .spans import ClosedSpan, MarkRow, SpanRecorder
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
@@ -131,7 +131,7 @@ class Runtime:
             interval_ms=int(round(config.interval * 1000)),
         )
         rows = config.table_rows
-        self.phase_rows: BoundedTable[PhaseRow] = BoundedTable("phases", rows)
+        self.phase_rows: BoundedTable[tuple[Any, ...]] = BoundedTable("phases", rows)
         self.progress_rows: BoundedTable[tuple[float, int, dict[str, Any]]] = BoundedTable("progress", rows)
         self.error_events: BoundedTable[TelemetryEventV3] = BoundedTable("errors", 1024)
         self.scopes = PhaseScopes(self.session_id, self.phase_rows.append)
@@ -170,10 +170,13 @@ class Runtime:
         self._deferred: list[ClosedSpan] = []
         self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
-        self._recent_lock = threading.Lock()
+        self._recent_lock = threading.RLock()  # re-entered if SIGTERM lands inside record_oom
         self.step = 0
         self.sink_dropped = 0
         self._stop = threading.Event()
+        # Held for each tick and for the final drain: the last records are never written by two
+        # threads at once, and the sink is never closed under a tick still appending.
+        self._tick_lock = threading.Lock()
         self._stopped = False
         self._next_sample = 0.0
         self._next_heartbeat = 0.0
@@ -232,8 +235,11 @@ class Runtime:
         # wake for whichever comes first: a sample, a heartbeat, or the once-a-second flush
         period = min(self.config.interval, self.config.heartbeat_interval, 1.0)
         while not self._stop.wait(period):
-            with guarded:
-                self.tick()
+            with self._tick_lock:
+                if self._stop.is_set():
+                    break
+                with guarded:
+                    self.tick()
 
     def tick(self) -> None:
         now = time.time()
@@ -278,7 +284,7 @@ class Runtime:
 
     def _drain(self) -> None:
         for row in self.phase_rows.drain():
-            self._write(self.factory.phase(row))
+            self._write(self.factory.phase(row, self.scopes.prefix))
         for event in self.error_events.drain():
             self._write(event)
         for ts, step, metrics in self.progress_rows.drain():
@@ -430,6 +436,10 @@ class Runtime:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        with self._tick_lock:
+            self._stop_locked(status, timeout, exit_code)
+
+    def _stop_locked(self, status: SessionStatus, timeout: float, exit_code: int | None) -> None:
         if self.patches is not None:
             with guarded:
                 self.patches.uninstall()

@@ -8,6 +8,7 @@ CPU copies handed to the background thread, which writes
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -31,15 +32,36 @@ def tensor_stats(tensor: Any) -> dict[str, Any]:
         return {"mean": None, "std": None, "min": None, "max": None, "norm": 0.0,
                 "histogram": {"bins": [0.0] * (HISTOGRAM_BINS + 1), "counts": [0] * HISTOGRAM_BINS}}
     t = t.float() if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16) else t
-    lo, hi = torch.aminmax(t)
-    moments = torch.stack([t.mean(), t.std(unbiased=False) if numel > 1 else t.new_zeros(()), lo, hi,
-                           torch.linalg.vector_norm(t)])
-    mean, std, low, high, norm = moments.double().tolist()
-    if low == high:
-        counts = [0] * (HISTOGRAM_BINS - 1) + [numel]
+    values = t
+    low, high = torch.stack(torch.aminmax(t)).double().tolist()
+    if not (math.isfinite(low) and math.isfinite(high)):
+        # A diverged tensor (nan/inf): range and histogram over its finite values. histc rejects
+        # a non-finite range, and that error used to lose the snapshot of every parameter.
+        values = t[torch.isfinite(t)]
+        if values.numel() == 0:
+            moments = torch.stack([t.mean(), t.std(unbiased=False), torch.linalg.vector_norm(t)])
+            mean, std, norm = moments.double().tolist()
+            return {"mean": mean, "std": std, "min": None, "max": None, "norm": norm,
+                    "histogram": {"bins": [0.0] * (HISTOGRAM_BINS + 1), "counts": [0] * HISTOGRAM_BINS}}
+        low, high = torch.stack(torch.aminmax(values)).double().tolist()
+    # Past 2**32 in magnitude float32 sums of values and squares overflow (mean, std and norm
+    # became inf, histc's range too); below 2**-32 squares underflow (the norm of vanishing
+    # gradients became 0): compute on the tensor divided by its largest magnitude.
+    scale = max(abs(low), abs(high))
+    if scale > 2.0 ** 32 or 0.0 < scale < 2.0 ** -32:
+        t, values = t / scale, values / scale
     else:
-        counts = [int(c) for c in torch.histc(t, bins=HISTOGRAM_BINS, min=low, max=high).tolist()]
-        counts[-1] += numel - sum(counts)  # histc drops nothing in range; guard float edge cases
+        scale = 1.0
+    moments = torch.stack([t.mean(), t.std(unbiased=False) if numel > 1 else t.new_zeros(()),
+                           torch.linalg.vector_norm(t)])
+    mean, std, norm = (m * scale for m in moments.double().tolist())
+    finite = values.numel()
+    if low == high:
+        counts = [0] * (HISTOGRAM_BINS - 1) + [finite]
+    else:
+        lo, hi = (low, high) if scale == 1.0 else torch.stack(torch.aminmax(values)).double().tolist()
+        counts = [int(c) for c in torch.histc(values, bins=HISTOGRAM_BINS, min=lo, max=hi).tolist()]
+        counts[-1] += finite - sum(counts)  # histc drops nothing in range; guard float edge cases
     step = (high - low) / HISTOGRAM_BINS
     bins = [low + step * i for i in range(HISTOGRAM_BINS)] + [high]
     return {"mean": mean, "std": std, "min": low, "max": high, "norm": norm,

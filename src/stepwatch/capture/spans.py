@@ -26,7 +26,11 @@ SESSION_SPAN = "stepwatch.session"
 
 def cut_utf8(text: str, limit: int = MAX_STRING_BYTES) -> str:
     """``text`` cut to ``limit`` UTF-8 bytes, never splitting a code point."""
-    raw = text.encode("utf-8")
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (os.fsdecode of bad bytes): not encodable, replace them
+        text = text.encode("utf-8", errors="replace").decode("utf-8")
+        raw = text.encode("utf-8")
     if len(raw) <= limit:
         return text
     return raw[:limit].decode("utf-8", errors="ignore")
@@ -97,6 +101,7 @@ class SpanRecorder:
         self._counter = itertools.count(1)
         self._local = threading.local()
         self._stacks: dict[int, list[OpenSpan]] = {}  # thread id -> its stack, to close leftovers
+        self._orphans: list[list[OpenSpan]] = []  # stacks of exited threads whose ident was reused
         self.closed: BoundedTable[ClosedSpan] = BoundedTable("spans", rows)
         self.marks: BoundedTable[MarkRow] = BoundedTable("marks", rows)
         self.depth_dropped = 0
@@ -109,7 +114,11 @@ class SpanRecorder:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
-            self._stacks[threading.get_ident()] = stack
+            ident = threading.get_ident()
+            left = self._stacks.get(ident)
+            if left:  # a finished thread's ident, reused: keep what it left open for close_all
+                self._orphans.append(left)
+            self._stacks[ident] = stack
         return stack
 
     def current(self) -> OpenSpan:
@@ -168,9 +177,11 @@ class SpanRecorder:
         """At shutdown: closes spans left open on any thread (flagged), then the session."""
         now = time.time_ns()
         left = 0
-        for stack in list(self._stacks.values()):
+        for stack in [*self._orphans, *self._stacks.values()]:
             while stack:
                 span = stack.pop()
+                if span.closed:  # closed from another thread: already recorded once
+                    continue
                 span.attrs = {**(span.attrs or {}), "unclosed": True}
                 span.closed = True
                 self.closed.append(ClosedSpan(span, now))

@@ -29,7 +29,7 @@ class TorchPatches:
 
         self.torch = torch
         self.state = state
-        self._originals: list[tuple[Any, str, Any]] = []
+        self._originals: list[tuple[Any, str, Any, bool]] = []
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self.installed = False
@@ -61,8 +61,11 @@ class TorchPatches:
             self._restore()
 
     def _restore(self) -> None:
-        for owner, name, original in reversed(self._originals):
-            setattr(owner, name, original)
+        for owner, name, original, own in reversed(self._originals):
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited (Tensor.to lives on TensorBase): leave the class as it was
+                delattr(owner, name)
         self._originals.clear()
         for handle in self._hooks:
             handle.remove()
@@ -71,13 +74,14 @@ class TorchPatches:
 
     def _patch(self, owner: Any, name: str, make: Any) -> None:
         original = getattr(owner, name)
+        own = name in vars(owner)
         if hasattr(original, _MARK):  # another runtime's patch still in place: wrap the original
             original = getattr(original, _MARK)
         wrapper = make(original)
         functools.update_wrapper(wrapper, original)
         setattr(wrapper, _MARK, original)
         setattr(owner, name, wrapper)
-        self._originals.append((owner, name, original))
+        self._originals.append((owner, name, original, own))
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -139,13 +143,24 @@ class TorchPatches:
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            self.state.local.optimizer_token = self.state.begin_phase("optimizer_step")
+            local = self.state.local
+            token = local.optimizer_token
+            if token is not None and not token.closed:
+                # an optimizer step inside another (a subclass calling super().step(), a wrapper
+                # stepping its inner optimizer): one optimizer_step phase, not a nested one
+                local.optimizer_depth += 1
+                return
+            local.optimizer_depth = 0
+            local.optimizer_token = self.state.begin_phase("optimizer_step")
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, "patch.optimizer")
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             local = self.state.local
+            if local.optimizer_depth > 0:
+                local.optimizer_depth -= 1
+                return
             token, local.optimizer_token = local.optimizer_token, None
             self.state.end_phase(token)
         except Exception as exc:  # noqa: BLE001
@@ -229,7 +244,14 @@ class _TimedIterator:
 
     def __next__(self) -> Any:
         start = time.time_ns()
-        batch = next(self._it)  # StopIteration and user errors pass through untouched
+        try:
+            batch = next(self._it)  # StopIteration and user errors pass through untouched
+        except StopIteration:
+            try:
+                self._state.end_inferred_step(start)
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "patch.data_load.end")
+            raise
         try:
             self._state.record_fetch(start, time.time_ns())
         except Exception as exc:  # noqa: BLE001

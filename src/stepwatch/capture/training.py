@@ -54,6 +54,7 @@ class _Local(threading.local):
         self.in_forward = False
         self.in_backward = False
         self.optimizer_token: Any = None
+        self.optimizer_depth = 0  # optimizer steps nested in the open one (super().step(), wrappers)
         self.implicit = False  # the open step was opened by the patches, not by trace_step
 
 
@@ -93,7 +94,8 @@ class TrainingState:
 
     def begin_phase(self, name: str, *, timed: bool = True) -> OpenSpan | None:
         local = self.local
-        if local.step is None and self.auto_steps and not self.owners:
+        # Only after a fetch: a warm-up forward before the loop hangs under the session, not a step.
+        if local.step is None and self.auto_steps and not self.owners and local.pending_fetch is not None:
             self.open_step(None, {"implicit": True}, implicit=True)
         span = self.recorder.open(name)
         if span is not None and timed and self.gpu_timer is not None:
@@ -125,6 +127,12 @@ class TrainingState:
         if local.pending_fetch is not None:  # never adopted (no trace_step): keep it where it ran
             self._data_load_span(*local.pending_fetch)
         local.pending_fetch = (start_ns, end_ns)
+
+    def end_inferred_step(self, end_ns: int | None = None) -> None:
+        """Closes an inferred step open on this thread: when its loader is exhausted (not at the
+        next epoch's fetch) and at epoch boundaries (it must not enclose, then close, an epoch)."""
+        if self.local.step is not None and self.local.implicit:
+            self.close_step(self.local.step, None, end_ns=end_ns)
 
     def _data_load_span(self, start_ns: int, end_ns: int) -> None:
         span = self.recorder.open("data_load", start_ns=start_ns)
@@ -179,11 +187,21 @@ class TrainingState:
             self.on_step(span.index + 1)
 
     def finish(self) -> None:
-        """At shutdown: an inferred step still open on this thread closes as what it was."""
-        if self.local.step is not None and self.local.implicit:
-            self.close_step(self.local.step, None)
+        """At shutdown: a step still open on this thread closes as what it was, with its
+        breakdown; one that ``trace_step`` opened (cut by SIGTERM or exit) is flagged unclosed."""
+        step = self.local.step
+        if step is None:
+            return
+        if not self.local.implicit:
+            step.attrs = {**(step.attrs or {}), "unclosed": True}
+        self.close_step(step, None)
+
+    def close_epoch(self, span: OpenSpan) -> None:
+        self.end_inferred_step()  # closed as a step with its breakdown, not as an "unclosed" child
+        self.recorder.close(span)
 
     def open_epoch(self, index: int) -> OpenSpan | None:
+        self.end_inferred_step()
         if self.epoch is not None and not self.epoch.closed:
             self.recorder.close(self.epoch)
         self.epoch = self.recorder.open("epoch", index=index, parent_id=self.recorder.session.id)
@@ -342,7 +360,7 @@ def epochs(n: int, *, framework: str = "torch") -> Iterator[int]:
         finally:
             if state is not None and span is not None:
                 try:
-                    state.recorder.close(span)
+                    state.close_epoch(span)
                 except Exception as exc:  # noqa: BLE001
                     report_internal(exc, "epochs.close")
 

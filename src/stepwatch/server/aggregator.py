@@ -8,14 +8,15 @@ connection that sent them is dropped only when the stream cannot continue (overs
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import TransportError
+from ..errors import StoreError, TransportError
 from ..store.base import HistoryStore
-from ..store.rows import to_rows
+from ..store.rows import check_rows, to_rows
 from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, decode_body
 
 __all__ = ["Aggregator"]
@@ -46,6 +47,9 @@ class Aggregator:
         self.connections = 0
         self.write_batches: list[tuple[int, float]] = []  # (rows, seconds) of recent ticks
         self.ranks: set[tuple[str, int]] = set()
+        self.write_errors = 0
+        self.rows_lost = 0
+        self._writers: set[asyncio.StreamWriter] = set()
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -54,18 +58,32 @@ class Aggregator:
         return self._pending_rows >= self.max_pending_rows
 
     def accept(self, message: Message, source: str = "tcp") -> int:
-        """Queues the rows of one message for the next write; returns how many."""
+        """Queues the rows of one message for the next write; returns how many.
+
+        Raises TransportError ("bad_meta", "bad_rows") for a message whose rows or sender fields
+        the store cannot take, before anything of it is queued.
+        """
         meta = message.meta
         session_id, rank = str(meta["session_id"]), int(meta.get("rank", 0))
-        if session_id not in self._sessions_seen:
-            self._sessions_seen.add(session_id)
-            self.store.upsert_session({
+        try:
+            tables = to_rows(message.tables, session_id, rank)
+            for table, rows in tables.items():
+                check_rows(table, rows)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise TransportError("bad_rows", f"{type(exc).__name__}: {exc}") from None
+        if (session_id, rank) not in self.ranks:  # each rank's start counts: the session keeps the earliest
+            session = {
                 "session_id": session_id, "status": "running", "started_at_ns": meta.get("started_ns") or time.time_ns(),
                 "host": meta.get("host"), "world_size": meta.get("world_size"), "source": f"stepwatch.{source}",
                 "command_line": None, "ended_at_ns": None,
-            })
+            }
+            try:
+                check_rows("sessions", [session])
+            except ValueError as exc:
+                raise TransportError("bad_meta", str(exc)) from None
+            self._sessions_seen.add(session_id)
+            self.store.upsert_session(session)
         self.ranks.add((session_id, rank))
-        tables = to_rows(message.tables, session_id, rank)
         count = 0
         for table, rows in tables.items():
             self._pending.setdefault(table, []).extend(rows)
@@ -80,6 +98,7 @@ class Aggregator:
 
     async def handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(writer)
         decoder = FrameDecoder(self.max_frame)
         try:
             while True:
@@ -95,16 +114,16 @@ class Aggregator:
                     break  # cannot resynchronise after a bad length prefix
                 for body in bodies:
                     try:
-                        message = decode_body(body)
+                        self.accept(decode_body(body))
                     except TransportError as exc:
                         self.rejected[exc.reason] += 1
                         continue
-                    self.accept(message)
                     while self.full and not self._stopping.is_set():
                         await asyncio.sleep(self.tick_s)  # backpressure: stop reading this rank
         except (ConnectionError, asyncio.IncompleteReadError):
             self.rejected["connection_reset"] += 1
         finally:
+            self._writers.discard(writer)
             writer.close()
             try:
                 await writer.wait_closed()
@@ -122,7 +141,13 @@ class Aggregator:
         if not batch:
             return 0
         started = time.perf_counter()
-        written = await asyncio.to_thread(self.store.append_many, batch)
+        try:
+            written = await asyncio.to_thread(self.store.append_many, batch)
+        except StoreError as exc:  # the single writer must outlive one failed write
+            self.write_errors += 1
+            self.rows_lost += sum(len(rows) for rows in batch.values())
+            print(f"[stepwatch] aggregator: a write failed, its rows are lost: {exc}", file=sys.stderr, flush=True)
+            return 0
         self.write_batches.append((written, time.perf_counter() - started))
         del self.write_batches[:-1000]
         self.rows_written += written
@@ -140,12 +165,18 @@ class Aggregator:
     def stop(self) -> None:
         self._stopping.set()
 
+    def close_connections(self) -> None:
+        """Hangs up on every rank still connected (Server.wait_closed() waits for them on 3.12+)."""
+        for writer in list(self._writers):
+            writer.close()
+
     def stats(self) -> dict[str, Any]:
         batches = self.write_batches[-100:]
         return {
             "connections": self.connections, "frames_accepted": self.frames_accepted,
             "rows_accepted": self.rows_accepted, "rows_written": self.rows_written,
             "rejected": dict(self.rejected), "ranks": len(self.ranks),
+            "write_errors": self.write_errors, "rows_lost": self.rows_lost,
             "last_batch_rows": batches[-1][0] if batches else 0,
             "mean_batch_seconds": sum(s for _, s in batches) / len(batches) if batches else 0.0,
         }

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ..errors import TransportError
 from .aggregator import Aggregator
 
 __all__ = ["IngestApp", "OPENAPI"]
@@ -79,12 +80,15 @@ OPENAPI: dict[str, Any] = {
                 "security": [{"bearer": []}],
                 "parameters": [{"name": "key", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                "responses": {"201": {"description": "Stored"}, "400": {"description": "Bad key"},
+                "responses": {"201": {"description": "Stored; Location is the stored blob's URI",
+                                      "headers": {"Location": {"schema": {"type": "string"}}}},
+                              "400": {"description": "Bad key"},
                               "401": {"description": "Auth"}, "403": {"description": "Forbidden"},
                               "413": {"description": "Too large"}},
             }
         },
         "/healthz": {"get": {"summary": "Liveness and counters", "responses": {"200": {"description": "OK"}}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3"}}}},
     },
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -126,7 +130,9 @@ class IngestApp:
     def build(self) -> Any:
         from aiohttp import web
 
-        app = web.Application(client_max_size=self.max_body + 1024)
+        # auto_decompress off: this app inflates gzip itself, bounded by max_body (aiohttp would
+        # inflate first, so the body read here would no longer be gzip, nor bounded).
+        app = web.Application(client_max_size=self.max_body + 1024, handler_args={"auto_decompress": False})
         app.router.add_post("/v1/traces", self._traces)
         app.router.add_post("/api/traces", self._traces)
         app.router.add_put("/api/traces/blobs/{key:.+}", self._blob)
@@ -154,12 +160,22 @@ class IngestApp:
         length = request.content_length
         if length is not None and length > self.max_body:
             raise _Reject(413, f"body of {length} bytes over the {self.max_body}-byte limit")
+        chunks: list[bytes] = []
+        size = 0
         try:
-            raw = await request.content.read(self.max_body + 1)
+            while True:  # read() returns what has arrived so far, not the whole body: loop to EOF
+                chunk = await request.content.read(1 << 16)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > self.max_body:
+                    raise _Reject(413, f"body over the {self.max_body}-byte limit")
+                chunks.append(chunk)
+        except _Reject:
+            raise
         except Exception as exc:  # noqa: BLE001 - aiohttp raises its own errors for oversize bodies
             raise _Reject(413, f"body over the {self.max_body}-byte limit ({type(exc).__name__})") from None
-        if len(raw) > self.max_body:
-            raise _Reject(413, f"body over the {self.max_body}-byte limit")
+        raw = b"".join(chunks)
         encoding = request.headers.get("Content-Encoding", "identity").lower()
         if encoding == "gzip":
             try:
@@ -167,6 +183,8 @@ class IngestApp:
                 raw = inflater.decompress(raw, self.max_body + 1)
                 if len(raw) > self.max_body or inflater.unconsumed_tail:
                     raise _Reject(413, f"decompressed body over the {self.max_body}-byte limit")
+                if not inflater.eof:
+                    raise _Reject(400, "body is not valid gzip: the stream is truncated")
             except (zlib.error, EOFError, gzip.BadGzipFile) as exc:
                 raise _Reject(400, f"body is not valid gzip: {exc}") from None
         elif encoding not in ("identity", ""):
@@ -177,8 +195,10 @@ class IngestApp:
     def _batch(raw: bytes) -> dict[str, Any]:
         try:
             batch = _decoder.decode(raw)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise _Reject(400, f"body is not JSON: {exc}") from None
+        except RecursionError:
+            raise _Reject(400, "body is not JSON: nested too deeply") from None
         if not isinstance(batch, dict):
             raise _Reject(400, "body must be a JSON object (a spool batch)")
         if batch.get("schema_version") != 1:
@@ -207,7 +227,8 @@ class IngestApp:
     def _session_of(self, request: Any, batch: dict[str, Any]) -> tuple[str, int]:
         """Which session a batch belongs to: the header if given, else one per uploading process."""
         spans = batch.get("spans") or [{}]
-        rank = spans[0].get("rank", 0) if isinstance(spans[0].get("rank", 0), int) else 0
+        rank = spans[0].get("rank", 0)
+        rank = rank if type(rank) is int and 0 <= rank < 1 << 31 else 0
         given = request.headers.get("X-Stepwatch-Session-Id")
         if given:
             return given, rank
@@ -239,7 +260,10 @@ class IngestApp:
             tables = {k: batch.get(k, []) for k in ("spans", "marks", "snapshots")}
             meta = {"session_id": session_id, "rank": rank, "sdk_version": batch.get("sdk_version"),
                     "batch_id": batch_id}
-            self.aggregator.accept_tables(meta, tables, source="http")
+            try:
+                self.aggregator.accept_tables(meta, tables, source="http")
+            except TransportError as exc:
+                raise _Reject(400, f"batch cannot be stored: {exc}") from None
             self._seen[batch_id] = time.monotonic()
             self.accepted += 1
             return web.json_response({"batch_id": batch_id}, status=202)
@@ -261,7 +285,10 @@ class IngestApp:
             tmp = target.with_name(f".{target.name}.tmp")
             tmp.write_bytes(raw)
             tmp.replace(target)
-            return web.json_response({"key": key, "bytes": len(raw)}, status=201)
+            # The SDK records the Location header (else the whole response body) as the blob_uri.
+            uri = target.resolve().as_uri()
+            return web.json_response({"key": key, "bytes": len(raw), "uri": uri}, status=201,
+                                     headers={"Location": uri})
         except _Reject as exc:
             self.rejected[exc.status] = self.rejected.get(exc.status, 0) + 1
             return web.json_response({"error": exc.reason}, status=exc.status, headers=exc.headers)

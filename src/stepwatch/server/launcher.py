@@ -123,12 +123,17 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             signal.signal(s, handler)
     code = 128 - returncode if returncode < 0 else returncode
     if aggregator_process is not None:
+        died = aggregator_process.poll()  # before our SIGTERM: did it die during the run?
         aggregator_process.send_signal(signal.SIGTERM)
         try:
             aggregator_process.wait(60)
         except subprocess.TimeoutExpired:
             aggregator_process.kill()
             aggregator_process.wait()
+        if died is not None:
+            echo(f"[stepwatch] the aggregator died during the run (exit code {died}); "
+                 "rebuilding history.sqlite from the local artifacts")
+            _rebuild_history(run_dir, echo)
     status = _close_rank_sessions(run_dir)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
     write_run_manifest(run_dir, manifest)
@@ -137,6 +142,32 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
                                       options.nproc_per_node * options.nnodes, options.script)
     return code, run_dir, summary
+
+
+def _rebuild_history(run_dir: Path, echo: Any) -> None:
+    """The history a dead aggregator left holds only what arrived before it died; the ranks'
+    local artifacts hold everything. Import them into a new history.sqlite, keeping the partial
+    one beside it as history.partial.sqlite."""
+    import sqlite3
+
+    from ..errors import StepwatchError
+    from ..store.importers import import_path
+    from ..store.sqlite import SqliteStore
+
+    history = run_dir / "history.sqlite"
+    partial = run_dir / "history.partial.sqlite"
+    try:
+        if history.exists():
+            db = sqlite3.connect(history)  # the last connection's clean close folds the WAL into the file
+            db.execute("PRAGMA user_version").fetchall()
+            db.close()
+            for suffix in ("", "-wal", "-shm"):
+                if Path(f"{history}{suffix}").exists():
+                    os.replace(f"{history}{suffix}", f"{partial}{suffix}")
+        with SqliteStore(history) as store:
+            import_path(run_dir, store)
+    except (StepwatchError, OSError, sqlite3.Error) as exc:
+        echo(f"[stepwatch] could not rebuild the history from the local artifacts: {exc}")
 
 
 def write_final_summary(run_dir: Path, session_id: str | None, status: str | None, ended_at_ns: int | None,

@@ -48,10 +48,12 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     ready.flush()
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
     tcp.close()
+    aggregator.close_connections()
     await tcp.wait_closed()
     if runner is not None:
         await runner.cleanup()
     await writer
+    await aggregator.flush()  # rows accepted while the listeners were closing
     stats = aggregator.stats()
     store.close()
     return stats

@@ -8,7 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["heartbeat_row", "mark_row", "snapshot_row", "span_row", "step_row", "telemetry_row", "to_rows"]
+import msgspec
+
+from .base import COLUMNS
+
+__all__ = ["check_rows", "heartbeat_row", "mark_row", "snapshot_row", "span_row", "step_row", "telemetry_row",
+           "to_rows"]
 
 
 def telemetry_row(e: Mapping[str, Any]) -> dict[str, Any]:
@@ -96,3 +101,32 @@ def to_rows(tables: Mapping[str, list[Mapping[str, Any]]], session_id: str, rank
     if tables.get("heartbeat"):
         out["heartbeats"] = [heartbeat_row(h, session_id) for h in tables["heartbeat"]]
     return out
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_json = msgspec.json.Encoder()
+_NUMBER = {type(None), int, float, bool}
+_ALLOWED = {"text": _NUMBER | {str}, "int": _NUMBER, "real": _NUMBER}
+
+
+def check_rows(table: str, rows: list[dict[str, Any]]) -> None:
+    """Raises ValueError, naming the column, for a row the store cannot take: an integer over 64
+    bits, text in a numeric column, a map or list outside a JSON column, a JSON column that does
+    not encode. Checked where rows come in, so one sender's bad row never fails a shared write.
+    Column at a time, so the common case costs a few C-level passes."""
+    for name, kind in COLUMNS[table]:
+        values = [row.get(name) for row in rows]
+        if kind == "json":
+            try:
+                _json.encode(values)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"{table}.{name}: not encodable as JSON ({exc})") from None
+            continue
+        kinds = set(map(type, values))
+        if not kinds <= _ALLOWED[kind]:
+            bad = next(type(v).__name__ for v in values if type(v) not in _ALLOWED[kind])
+            raise ValueError(f"{table}.{name}: a {bad} cannot be stored in a {kind} column")
+        if int in kinds:
+            ints = [v for v in values if type(v) is int]
+            if min(ints) < _INT64_MIN or max(ints) > _INT64_MAX:
+                raise ValueError(f"{table}.{name}: an integer outside the 64-bit range")

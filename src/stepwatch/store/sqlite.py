@@ -111,8 +111,13 @@ class SqliteStore:
                         self._db.executemany(self._inserts[table][0], self._params(table, rows))
                         total += len(rows)
                 self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._db.execute("ROLLBACK")
+            except BaseException as exc:
+                # Any failure (a bad table, a value SQLite or JSON cannot take, an interrupt) must
+                # undo the whole batch: an open transaction would swallow later writes.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, StoreError) or not isinstance(exc, Exception):
+                    raise
                 raise StoreError(f"{self.path}: write failed: {exc}") from exc
         return total
 
@@ -121,30 +126,43 @@ class SqliteStore:
         params = self._params("sessions", [row])[0]
         cols = self._inserts["sessions"][1]
         updates = ", ".join(
-            f"{c} = COALESCE(excluded.{c}, {c})" for c in cols if c not in ("session_id", "started_at_ns")
+            f"{c} = COALESCE(excluded.{c}, {c})" for c in cols if c not in ("session_id", "started_at_ns", "status")
         )
+        if self.read_only:
+            raise StoreError(f"{self.path}: store opened read-only")
         with self._lock:
-            self._db.execute(
-                f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)}) "
-                f"ON CONFLICT(session_id) DO UPDATE SET {updates}, "
-                f"started_at_ns = MIN(COALESCE(started_at_ns, excluded.started_at_ns), "
-                f"COALESCE(excluded.started_at_ns, started_at_ns))",
-                params,
-            )
+            try:
+                self._db.execute(
+                    f"INSERT INTO sessions ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)}) "
+                    f"ON CONFLICT(session_id) DO UPDATE SET {updates}, "
+                    # a final status is never turned back into "running"
+                    f"status = CASE WHEN excluded.status = 'running' AND status IS NOT NULL THEN status "
+                    f"ELSE COALESCE(excluded.status, status) END, "
+                    f"started_at_ns = MIN(COALESCE(started_at_ns, excluded.started_at_ns), "
+                    f"COALESCE(excluded.started_at_ns, started_at_ns))",
+                    params,
+                )
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: session write failed: {exc}") from exc
 
     def apply_retention(self, window_ns: int, now_ns: int | None = None) -> int:
         """Deletes rows older than ``window_ns`` before the newest row of their session and rank."""
         removed = 0
+        if self.read_only:
+            raise StoreError(f"{self.path}: store opened read-only")
         with self._lock:
-            for table, time_column in (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"),
-                                       ("marks", "ts_ns"), ("spans", "start_ns"), ("steps", "start_ns")):
-                cursor = self._db.execute(
-                    f"DELETE FROM {table} WHERE {time_column} < "
-                    f"(SELECT MAX(t.{time_column}) FROM {table} t WHERE t.session_id = {table}.session_id "
-                    f"AND t.rank = {table}.rank) - ?",
-                    (window_ns,),
-                )
-                removed += cursor.rowcount
+            try:
+                for table, time_column in (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"),
+                                           ("marks", "ts_ns"), ("spans", "start_ns"), ("steps", "start_ns")):
+                    cursor = self._db.execute(
+                        f"DELETE FROM {table} WHERE {time_column} < "
+                        f"(SELECT MAX(t.{time_column}) FROM {table} t WHERE t.session_id = {table}.session_id "
+                        f"AND t.rank = {table}.rank) - ?",
+                        (window_ns,),
+                    )
+                    removed += cursor.rowcount
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: retention failed: {exc}") from exc
         return removed
 
     # -- reading -----------------------------------------------------------------------------

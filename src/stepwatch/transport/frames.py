@@ -40,8 +40,10 @@ def decode_body(body: bytes) -> Message:
     """Validates one frame body; raises TransportError with a reason on anything malformed."""
     try:
         payload = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec raises the latter on bad UTF-8
         raise TransportError("not_msgpack", str(exc)) from None
+    except RecursionError:  # msgspec's nesting limit: a hostile frame, not a crash of the receiver
+        raise TransportError("not_msgpack", "frame body nested too deeply") from None
     if not isinstance(payload, dict):
         raise TransportError("bad_shape", f"frame body must be a map, got {type(payload).__name__}")
     if "meta" in payload and "body" in payload:

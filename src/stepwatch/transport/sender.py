@@ -62,6 +62,11 @@ class FrameSender:
 
     def flush(self) -> bool:
         """Sends queued frames; False when the aggregator cannot be reached right now."""
+        if self._queue and self._sock is not None and self._peer_closed():
+            # The aggregator never writes to us, so a readable socket means it hung up (or died):
+            # a frame sent now would vanish into the dead connection yet count as sent.
+            self._fail(ConnectionResetError("the aggregator closed the connection"))
+            return False
         while self._queue:
             if self._sock is None and not self._connect():
                 return False
@@ -75,6 +80,22 @@ class FrameSender:
             self.frames_sent += 1
             self.rows_sent += rows
         return True
+
+    def _peer_closed(self) -> bool:
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.setblocking(False)  # a peek that never waits (select() would fail on fds >= 1024)
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False  # nothing to read: the connection is up
+        except OSError:
+            return True
+        finally:
+            try:
+                sock.settimeout(self.timeout_s)
+            except OSError:
+                pass
 
     def _connect(self) -> bool:
         now = time.monotonic()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .base import Reading
 
 __all__ = ["CpuCollector"]
+
+SYSTEM_REFRESH_S = 5.0
 
 
 class CpuCollector:
@@ -24,12 +27,23 @@ class CpuCollector:
         self._psutil = psutil_module
         self._process = psutil_module.Process(pid)
         self.pid = self._process.pid
+        self._system: Any = None
+        self._system_at = 0.0
+
+    def _system_memory(self) -> Any:
+        # Parsing /proc/meminfo is most of a sample's cost (bench/bench_capture_overhead.py);
+        # the machine's available memory is read at most once per SYSTEM_REFRESH_S.
+        now = time.monotonic()
+        if self._system is None or now - self._system_at >= SYSTEM_REFRESH_S:
+            self._system = self._psutil.virtual_memory()
+            self._system_at = now
+        return self._system
 
     def read(self) -> list[Reading]:
         info = self._process.memory_info()
         partial: tuple[str, ...] = ()
         try:
-            system = self._psutil.virtual_memory()
+            system = self._system_memory()
             free, total = system.available, system.total
         except Exception:  # noqa: BLE001 - the process view still stands alone
             free = total = None
