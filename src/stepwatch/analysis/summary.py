@@ -35,7 +35,12 @@ def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(times)
     shares = {}
     for phase in PHASES:
-        spent = sum((r.get(f"{phase}_ns") or 0) for r in rows) / 1e6
+        if phase == "wait":
+            # wait_ns is the spec's residual (step - h2d - forward - backward - optimizer), which
+            # still holds the step's own fetch; its share excludes data_load so shares sum to 1.
+            spent = sum(max(0, (r.get("wait_ns") or 0) - (r.get("data_load_ns") or 0)) for r in rows) / 1e6
+        else:
+            spent = sum((r.get(f"{phase}_ns") or 0) for r in rows) / 1e6
         shares[phase] = round(spent / total, 4) if total > 0 else None
     span_s = (max(r["end_ns"] for r in rows) - min(r["start_ns"] for r in rows)) / 1e9 if rows else 0.0
     return {

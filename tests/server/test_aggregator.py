@@ -1,0 +1,317 @@
+"""The aggregator as its own process (``python -m stepwatch.server``) on real loopback sockets:
+four simulated ranks ship rows with FrameSender, hostile clients are refused and counted, and the
+history lands in a real SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+import pytest
+
+from stepwatch.transport.frames import encode_frame
+from stepwatch.transport.sender import FrameSender, parse_address
+from tests.conftest import make_event
+
+SID = "5e551017-0000-4000-8000-00000000000a"
+RANKS = 4
+FRAMES_PER_RANK = 5
+STEPS_PER_FRAME = 3
+BASE_NS = 1_800_000_000_000_000_000
+
+
+class Aggregator:
+    """A running ``python -m stepwatch.server`` and its ready line."""
+
+    def __init__(self, out: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.out = out
+        self.err_path = out.parent / f"{out.name}.stderr"
+        self._err = self.err_path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "stepwatch.server", "--out", str(out), *args],
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.ready = self._ready_line()
+        self.tcp = parse_address(self.ready["tcp"])
+        self.http = parse_address(self.ready["http"]) if self.ready.get("http") else None
+
+    def _ready_line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            if not selector.select(timeout=30):
+                self.proc.kill()
+                raise AssertionError(f"no ready line in 30 s: {self.stderr()}")
+        finally:
+            selector.close()
+        line = self.proc.stdout.readline()
+        assert line, f"aggregator exited ({self.proc.wait()}): {self.stderr()}"
+        ready = json.loads(line)
+        assert ready["event"] == "ready"
+        return ready
+
+    def stderr(self) -> str:
+        if not self._err.closed:
+            self._err.flush()
+        return self.err_path.read_text()
+
+    def stop(self, timeout: float = 20) -> dict[str, Any]:
+        """SIGTERM, wait, and the counters it wrote."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"aggregator did not stop within {timeout} s after SIGTERM") from None
+        finally:
+            self._err.close()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        assert code == 0, self.err_path.read_text()
+        return json.loads((self.out / "aggregator_stats.json").read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def aggregator(tmp_path: Path):
+    agg = Aggregator(tmp_path / "agg")
+    yield agg
+    agg.kill()
+
+
+def query(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
+
+
+def hexid() -> str:
+    return uuid.uuid4().hex
+
+
+def rank_tables(rank: int, frame: int) -> dict[str, list[Any]]:
+    """One frame's worth of new rows of ``rank``: telemetry, spans (steps and phases), marks, heartbeat."""
+    telemetry = [msgspec.to_builtins(make_event(SID, frame * 10 + i, rank=rank, local_rank=rank % 2, world_size=RANKS,
+                                                allocator_allocated_bytes=(rank + 1) * 1000 + frame * 10 + i))
+                 for i in range(4)]
+    spans, marks = [], []
+    for k in range(STEPS_PER_FRAME):
+        n = frame * STEPS_PER_FRAME + k
+        start = BASE_NS + n * 10_000_000
+        step_id = hexid()
+        step_ns = 5_000_000 + rank * 100_000 + n
+        spans.append({"id": hexid(), "name": "forward", "parent_id": step_id, "index": None, "start_ns": start + 10,
+                      "end_ns": start + 1_000_010, "rank": rank, "pid": 100 + rank, "attrs": {"mode": "train"}})
+        spans.append({"id": step_id, "name": "step", "parent_id": None, "index": n, "start_ns": start,
+                      "end_ns": start + step_ns, "rank": rank, "pid": 100 + rank, "thread_id": 1, "gpu_ns": None,
+                      "attrs": {"step_ns": step_ns, "data_load_ns": 1000, "h2d_ns": 0, "forward_ns": 1_000_000,
+                                "backward_ns": 2_000_000, "optimizer_step_ns": 500_000, "wait_ns": 10}})
+        marks.append({"id": hexid(), "span_id": step_id, "name": "loss", "value_type": "float",
+                      "value": 1.0 / (n + 1), "attrs": {"step": n}, "ts_ns": start + 5, "kind": "point"})
+    heartbeat = [{"ts": 1_800_000_000.0 + frame, "iso": "x", "pid": 100 + rank, "rank": rank, "step": frame,
+                  "msg": "progress", "loss": 0.5}]
+    return {"telemetry": telemetry, "spans": spans, "marks": marks, "heartbeat": heartbeat}
+
+
+def rank_meta(rank: int) -> dict[str, Any]:
+    return {"session_id": SID, "rank": rank, "local_rank": rank % 2, "world_size": RANKS, "host": f"node{rank // 2}",
+            "pid": 100 + rank, "started_ns": BASE_NS + rank * 1_000_000}
+
+
+def raw_client(address: tuple[str, int], data: bytes, *, wait_close: bool = True) -> bool:
+    """Sends ``data`` on a fresh connection and closes; True if the server closed it first."""
+    with socket.create_connection(address, timeout=5) as sock:
+        sock.sendall(data)
+        if not wait_close:
+            return False
+        try:
+            return sock.recv(1) == b""
+        except (ConnectionResetError, TimeoutError):
+            return False
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_four_ranks_and_hostile_clients(aggregator: Aggregator) -> None:
+    address = aggregator.tcp
+    store = aggregator.out / "history.sqlite"
+    good = encode_frame({"session_id": "intruder-ok", "rank": 0}, {"marks": [{"id": "ok", "name": "fine", "value": 1}]})
+
+    # hostile clients first: none of them may stop the ranks that come after
+    assert raw_client(address, b"\xff\xff\xff\xff" + b"\x00" * 64), "oversize prefix: the server must hang up"
+    raw_client(address, b"\x00\x00\x00\x05hello" + good, wait_close=False)  # garbage body, then a good frame
+    raw_client(address, good[:-3], wait_close=False)  # truncated frame, then close
+    raw_client(address, encode_frame({"rank": 1}, {"marks": []}), wait_close=False)  # no session_id
+    raw_client(address, encode_frame({"session_id": SID, "rank": -2}, {"marks": []}), wait_close=False)
+    # well-formed frames whose rows cannot be stored
+    raw_client(address, encode_frame({"session_id": SID, "rank": 0}, {"telemetry": [{"nothing": 1}]}),
+               wait_close=False)
+    raw_client(address, encode_frame({"session_id": SID, "rank": 0}, {
+        "spans": [{"id": "huge", "name": "step", "start_ns": 2**64 - 1, "end_ns": 2**64 - 1, "attrs": {"step_ns": 1}}],
+    }), wait_close=False)
+    raw_client(address, encode_frame({"session_id": SID, "rank": 0}, {
+        "spans": [{"id": "dict-name", "name": {"a": 1}, "start_ns": 1, "end_ns": 2}],
+    }), wait_close=False)
+
+    # four ranks, connecting in reverse order, each shipping several frames
+    senders = [FrameSender(address, rank_meta(rank)) for rank in reversed(range(RANKS))]
+    for frame in range(FRAMES_PER_RANK):
+        for sender in senders:
+            sender.ship(rank_tables(sender.meta["rank"], frame))
+    for sender in senders:
+        sender.close(5.0)
+        assert sender.frames_sent == FRAMES_PER_RANK and sender.frames_dropped == 0, sender.stats()
+
+    # readers see committed rows while the aggregator is still running (WAL)
+    expected_spans = RANKS * FRAMES_PER_RANK * STEPS_PER_FRAME * 2
+    assert wait_for(lambda: store.exists() and query(store, "SELECT COUNT(*) FROM spans")[0][0] == expected_spans), \
+        aggregator.stderr()
+    stats = aggregator.stop()
+    assert "Traceback" not in aggregator.stderr(), aggregator.stderr()
+
+    assert stats["rejected"] == {"oversize": 1, "not_msgpack": 1, "truncated": 1, "bad_meta": 2, "bad_rows": 3}
+    assert stats["frames_accepted"] == RANKS * FRAMES_PER_RANK + 1
+    assert stats["rows_written"] == stats["rows_accepted"]
+
+    per_rank = {
+        "telemetry": 4 * FRAMES_PER_RANK,
+        "spans": 2 * STEPS_PER_FRAME * FRAMES_PER_RANK,
+        "steps": STEPS_PER_FRAME * FRAMES_PER_RANK,
+        "marks": STEPS_PER_FRAME * FRAMES_PER_RANK,
+        "heartbeats": FRAMES_PER_RANK,
+    }
+    for table, n in per_rank.items():
+        counts = dict(query(store, f"SELECT rank, COUNT(*) FROM {table} WHERE session_id = ? GROUP BY rank", (SID,)))
+        assert counts == {rank: n for rank in range(RANKS)}, table
+    assert query(store, "SELECT COUNT(*) FROM marks WHERE session_id = 'intruder-ok'") == [(1,)]
+    assert query(store, "SELECT COUNT(*) FROM spans WHERE span_id IN ('huge', 'dict-name')") == [(0,)]
+
+    sessions = query(store, "SELECT session_id, status, started_at_ns, world_size, source FROM sessions "
+                            "WHERE session_id = ?", (SID,))
+    # the earliest rank start, although rank 0 connected last
+    assert sessions == [(SID, "running", BASE_NS, RANKS, "stepwatch.tcp")]
+
+    steps = query(store, "SELECT rank, step, start_ns, end_ns, step_ns, data_load_ns, forward_ns, backward_ns, "
+                         "optimizer_ns, wait_ns FROM steps WHERE session_id = ? ORDER BY rank, step", (SID,))
+    assert len(steps) == RANKS * FRAMES_PER_RANK * STEPS_PER_FRAME
+    for rank, n, start, end, step_ns, data_load, forward, backward, optimizer, wait in steps:
+        assert start == BASE_NS + n * 10_000_000
+        assert step_ns == 5_000_000 + rank * 100_000 + n == end - start
+        assert (data_load, forward, backward, optimizer, wait) == (1000, 1_000_000, 2_000_000, 500_000, 10)
+    assert [n for r, n, *_ in steps if r == 2] == list(range(FRAMES_PER_RANK * STEPS_PER_FRAME))
+
+    peaks = query(store, "SELECT rank, MAX(allocated) FROM telemetry WHERE session_id = ? GROUP BY rank", (SID,))
+    assert dict(peaks) == {r: (r + 1) * 1000 + (FRAMES_PER_RANK - 1) * 10 + 3 for r in range(RANKS)}
+    losses = query(store, "SELECT value_num FROM marks WHERE session_id = ? AND rank = 1 ORDER BY ts_ns", (SID,))
+    assert [v for (v,) in losses] == pytest.approx([1.0 / (n + 1) for n in range(FRAMES_PER_RANK * STEPS_PER_FRAME)])
+    hb = query(store, "SELECT rank, step, msg, fields FROM heartbeats WHERE session_id = ? AND rank = 3 ORDER BY ts_ns",
+               (SID,))
+    assert [(r, s, m, json.loads(f)) for r, s, m, f in hb] == [(3, i, "progress", {"loss": 0.5})
+                                                                for i in range(FRAMES_PER_RANK)]
+
+
+def test_binds_to_loopback_by_default(tmp_path: Path) -> None:
+    agg = Aggregator(tmp_path / "agg", "--http-port", "0")
+    try:
+        assert agg.ready["tcp"].startswith("127.0.0.1:") and agg.ready["http"].startswith("127.0.0.1:")
+        assert agg.ready["pid"] == agg.proc.pid
+        listening = [c for c in psutil.Process(agg.proc.pid).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert {c.laddr.port for c in listening} == {agg.tcp[1], agg.http[1]}
+        assert {c.laddr.ip for c in listening} == {"127.0.0.1"}
+        others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family == socket.AF_INET and not a.address.startswith("127.")]
+        for ip in others:  # the same port on any other address of this machine: nobody there
+            with pytest.raises(OSError):
+                socket.create_connection((ip, agg.tcp[1]), timeout=2).close()
+        assert agg.stop()["frames_accepted"] == 0
+    finally:
+        agg.kill()
+
+
+def test_sigterm_stops_promptly_with_clients_still_connected(aggregator: Aggregator) -> None:
+    sender = FrameSender(aggregator.tcp, rank_meta(0))
+    idle = socket.create_connection(aggregator.tcp, timeout=5)  # a client that never sends nor closes
+    try:
+        sender.ship(rank_tables(0, 0))
+        assert sender.frames_sent == 1
+        store = aggregator.out / "history.sqlite"
+        assert wait_for(lambda: store.exists() and query(store, "SELECT COUNT(*) FROM marks")[0][0] == STEPS_PER_FRAME)
+        started = time.monotonic()
+        stats = aggregator.stop(timeout=15)
+        assert time.monotonic() - started < 10
+        assert stats["rows_written"] == stats["rows_accepted"] > 0
+        assert stats["connections"] == 2
+    finally:
+        idle.close()
+        sender.close(0.1)
+
+
+def test_writer_outlives_a_failed_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A write SQLite refuses (here a trigger) loses that tick's rows, counted; later ticks land."""
+    import asyncio
+
+    from stepwatch.server.aggregator import Aggregator as Core
+    from stepwatch.store.sqlite import SqliteStore
+    from stepwatch.transport.frames import Message
+
+    path = tmp_path / "history.sqlite"
+    store = SqliteStore(path)
+    db = sqlite3.connect(path)
+    db.execute("CREATE TRIGGER refuse BEFORE INSERT ON marks WHEN NEW.name = 'boom' "
+               "BEGIN SELECT RAISE(ABORT, 'refused by trigger'); END")
+    db.commit()
+    db.close()
+
+    def message(name: str) -> Message:
+        return Message(meta={"session_id": SID, "rank": 0},
+                       tables={"marks": [{"id": hexid(), "name": name, "value": 1.0}]})
+
+    async def main() -> Core:
+        core = Core(store, tick_s=0.02)
+        writer = asyncio.create_task(core.write_loop())
+        core.accept(message("boom"))
+        await asyncio.sleep(0.2)
+        core.accept(message("fine"))
+        await asyncio.sleep(0.2)
+        core.stop()
+        await writer  # the loop ended normally, not with the StoreError
+        return core
+
+    try:
+        core = asyncio.run(main())
+    finally:
+        store.close()
+    assert core.write_errors == 1 and core.rows_lost == 1
+    assert core.stats()["rows_written"] == 1
+    assert query(path, "SELECT name FROM marks") == [("fine",)]
+    assert "refused by trigger" in capsys.readouterr().err

@@ -1,0 +1,290 @@
+"""``stepwatch run`` end to end (torchrun, gloo, two ranks, the aggregator as its own process), and
+the history commands over what it writes: ``summary``, ``compare``, ``import``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from stepwatch.artifacts.heartbeat import read_heartbeat
+from stepwatch.artifacts.sink import TelemetrySink
+from stepwatch.artifacts.spool import read_spool
+from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "train_demo.py"
+_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
+STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
+STEPS = 40  # --steps 40 over 3 epochs: 13 steps per epoch, 39 per rank
+STEPS_PER_RANK = 39
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    drop = ("STEPWATCH_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def stepwatch(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*STEPWATCH, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_command(out: Path, *script: str, nproc: int = 2) -> list[str]:
+    return [*STEPWATCH, "run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--interval", "200",
+            "--out", str(out), *script]
+
+
+def query(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.close()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    base = tmp_path_factory.mktemp("run")
+    out = base / "run-a"
+    proc = subprocess.run(run_command(out, str(DEMO), "--steps", str(STEPS)), cwd=base, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def track_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("track")
+    out = base / "track-run"
+    proc = stepwatch("track", "--interval", "100", "--out", str(out), "--", sys.executable, str(DEMO), "--steps", "30",
+                     cwd=base, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "history.sqlite").exists()
+    return out
+
+
+def test_two_rank_run_completes_with_history_and_summary(two_ranks: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, proc = two_ranks
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "[stepwatch] aggregator on 127.0.0.1:" in proc.stderr
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["status"] == "completed" and manifest["exit_code"] == 0
+    assert manifest["world_size"] == 2 and manifest["launcher"] == "run"
+    sid = manifest["session_id"]
+
+    store = out / "history.sqlite"
+    for table in ("telemetry", "spans", "steps", "marks", "heartbeats"):
+        ranks = dict(query(store, f"SELECT rank, COUNT(*) FROM {table} WHERE session_id = ? GROUP BY rank", (sid,)))
+        assert set(ranks) == {0, 1}, (table, ranks)
+    steps = dict(query(store, "SELECT rank, COUNT(*) FROM steps WHERE session_id = ? GROUP BY rank", (sid,)))
+    assert steps == {0: STEPS_PER_RANK, 1: STEPS_PER_RANK}
+    losses = dict(query(store, "SELECT rank, COUNT(*) FROM marks WHERE session_id = ? AND name = 'loss' GROUP BY rank",
+                        (sid,)))
+    assert losses == {0: STEPS_PER_RANK, 1: STEPS_PER_RANK}
+    (status, world), = query(store, "SELECT status, world_size FROM sessions WHERE session_id = ?", (sid,))
+    assert (status, world) == ("completed", 2)
+    stats = json.loads((out / "aggregator_stats.json").read_text())
+    assert stats["rejected"] == {} and stats["rows_written"] == stats["rows_accepted"] > 0 and stats["ranks"] == 2
+
+    summary = json.loads((out / "final_summary.json").read_text())
+    assert summary["schema_version"] and summary["session_id"] == sid and summary["status"] == "completed"
+    assert summary["ranks"] == [0, 1] and summary["world_size"] == 2
+    assert set(summary["per_rank"]) == {"0", "1"}
+    assert all(summary["per_rank"][r]["steps"] == STEPS_PER_RANK for r in ("0", "1"))
+    overall = summary["overall"]
+    assert overall["steps"] == 2 * STEPS_PER_RANK
+    ms = overall["step_ms"]
+    assert 0 < ms["median"] <= ms["p90"] <= ms["p99"] <= ms["max"]
+    step_ms = [n / 1e6 for (n,) in query(store, "SELECT step_ns FROM steps WHERE session_id = ?", (sid,))]
+    assert ms["median"] == pytest.approx(statistics.median(step_ms))
+    assert ms["p90"] == pytest.approx(statistics.quantiles(step_ms, n=10, method="inclusive")[-1])
+    shares = overall["phase_share"]
+    assert set(shares) == {"data_load", "h2d", "forward", "backward", "optimizer", "wait"}
+    assert all(0 <= v <= 1 for v in shares.values()) and shares["forward"] > 0 and shares["backward"] > 0
+    # the measured phases never exceed the step (wait is the residual; it may include data_load,
+    # see aggregator-architecture.md: wait = step - h2d - forward - backward - optimizer)
+    assert sum(v for k, v in shares.items() if k != "wait") <= 1.0 + 1e-3
+    assert 0.99 <= shares["wait"] + sum(shares[k] for k in ("h2d", "forward", "backward", "optimizer")) <= 1.1
+    assert overall["throughput_steps_per_s"] > 0
+    peaks = {p["rank"]: p for p in summary["memory_peaks"]}
+    assert set(peaks) == {0, 1} and all(p["peak_allocated_bytes"] > 0 for p in peaks.values())
+    assert summary["counts"]["telemetry"] > 0 and summary["counts"]["spans"] > 0
+
+    text = (out / "final_summary.txt").read_text()
+    assert f"session {sid}" in text and "rank 0:" in text and "rank 1:" in text and "p99" in text
+    assert text in proc.stdout  # printed at the end of the run
+
+
+def test_failing_script_exit_code_is_passed_through(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
+    proc = subprocess.run(run_command(tmp_path / "run", str(script), nproc=1), cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "about to fail" in proc.stdout
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["exit_code"] == 3
+    assert "exit code 3" in proc.stderr
+
+
+def test_training_outlives_a_killed_aggregator(tmp_path: Path) -> None:
+    out = tmp_path / "run-killed"
+    steps = 240  # 80 per epoch per rank
+    launcher = subprocess.Popen(run_command(out, str(DEMO), "--steps", str(steps)), cwd=tmp_path, env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        aggregator = None
+        end = time.monotonic() + 60
+        while aggregator is None and time.monotonic() < end:
+            for child in psutil.Process(launcher.pid).children(recursive=True):
+                try:
+                    if "stepwatch.server" in child.cmdline():
+                        aggregator = child
+                except psutil.Error:
+                    pass
+            time.sleep(0.05)
+        assert aggregator is not None, "no aggregator process under the launcher"
+        store = out / "history.sqlite"
+
+        def both_ranks_arrived() -> bool:
+            try:
+                return len(query(store, "SELECT DISTINCT rank FROM telemetry")) == 2
+            except sqlite3.Error:
+                return False
+
+        while not both_ranks_arrived() and time.monotonic() < end:
+            time.sleep(0.1)
+        assert both_ranks_arrived()
+        aggregator.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert time.monotonic() - killed_at < 90
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["status"] == "completed" and manifest["exit_code"] == 0
+    sid = manifest["session_id"]
+
+    # the local artifacts are the complete record
+    per_rank = steps // 3 * 3
+    spool = read_spool(out)
+    for rank in (0, 1):
+        ledger = TelemetrySink(out / "telemetry" / f"rank{rank}").ledger
+        assert ledger[-1].session_id == sid and ledger[-1].status == "completed"
+        beats = read_heartbeat(out / f"heartbeat_rank{rank}.jsonl")
+        assert beats[0]["msg"] == "boot" and beats[-1]["msg"] == "stop" and beats[-1]["status"] == "completed"
+        rank_steps = [s for s in spool.spans if s["name"] == "step" and s.get("rank") == rank]
+        assert sorted(s["index"] for s in rank_steps) == list(range(per_rank))
+        span_ids = {s["id"] for s in spool.spans if s.get("rank") == rank}
+        assert sum(1 for m in spool.marks if m["name"] == "loss" and m["span_id"] in span_ids) == per_rank
+    sessions = load_telemetry_sessions(out)
+    events = [e for s in sessions if s.summary.session_id == sid for e in s.events]
+    assert {e.rank for e in events if e.event_type == "stop"} == {0, 1}
+    # what reached the aggregator before it died is kept; the history is rebuilt from the local
+    # artifacts, so the final summary counts every step
+    assert "aggregator died" in stderr
+    assert not (out / "aggregator_stats.json").exists()
+    partial = out / "history.partial.sqlite"
+    assert len(query(partial, "SELECT DISTINCT rank FROM telemetry")) == 2
+    assert query(partial, "SELECT COUNT(*) FROM telemetry")[0][0] < len(events)
+    history = out / "history.sqlite"
+    assert query(history, "SELECT COUNT(*) FROM telemetry WHERE session_id = ?", (sid,)) == [(len(events),)]
+    assert dict(query(history, "SELECT rank, COUNT(*) FROM steps GROUP BY rank")) == {0: per_rank, 1: per_rank}
+    summary = json.loads((out / "final_summary.json").read_text())
+    assert summary["session_id"] == sid and summary["status"] == "completed"
+    assert summary["overall"]["steps"] == 2 * per_rank
+    assert {r: s["steps"] for r, s in summary["per_rank"].items()} == {"0": per_rank, "1": per_rank}
+
+
+def test_summary_commands(two_ranks: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
+    out, _ = two_ranks
+    saved = json.loads((out / "final_summary.json").read_text())
+    text = stepwatch("summary", str(out), cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout == (out / "final_summary.txt").read_text()
+    as_json = stepwatch("summary", str(out), "--json", cwd=tmp_path)
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == saved
+    # recomputed from the store alone: the same numbers
+    fresh = json.loads(stepwatch("summary", str(out / "history.sqlite"), "--json", cwd=tmp_path).stdout)
+    for key in ("session_id", "status", "ranks", "world_size", "overall", "per_rank", "memory_peaks", "counts"):
+        assert fresh[key] == saved[key], key
+    chosen = json.loads(stepwatch("summary", str(out), "--session", saved["session_id"], "--json", cwd=tmp_path).stdout)
+    assert chosen["overall"] == saved["overall"]
+
+
+def test_compare_two_runs(two_ranks: tuple[Path, subprocess.CompletedProcess[str]], track_run: Path,
+                          tmp_path: Path) -> None:
+    out, _ = two_ranks
+    a = json.loads((out / "final_summary.json").read_text())
+    b = json.loads(stepwatch("summary", str(track_run), "--json", cwd=tmp_path).stdout)
+    proc = stepwatch("compare", str(out), str(track_run), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["metric"]: r for r in json.loads(proc.stdout)}
+    assert rows["steps"]["a"] == 2 * STEPS_PER_RANK and rows["steps"]["b"] == b["overall"]["steps"] == 30
+    assert rows["steps"]["delta"] == 30 - 2 * STEPS_PER_RANK
+    assert rows["steps"]["relative"] == pytest.approx((30 - 78) / 78)
+    median = rows["step_ms.median"]
+    assert median["a"] == a["overall"]["step_ms"]["median"] and median["b"] == b["overall"]["step_ms"]["median"]
+    assert median["delta"] == pytest.approx(median["b"] - median["a"])
+    assert {"step_ms.p90", "step_ms.p99", "throughput_steps_per_s", "phase_share.forward",
+            "memory_peak_allocated_bytes"} <= set(rows)
+    table = stepwatch("compare", str(out), str(track_run), cwd=tmp_path)
+    assert table.returncode == 0
+    assert "step_ms.median" in table.stdout and "throughput_steps_per_s" in table.stdout and "%" in table.stdout
+
+
+def test_import_a_track_run_and_summarise_it(track_run: Path, tmp_path: Path) -> None:
+    target = tmp_path / "new.sqlite"
+    proc = stepwatch("import", str(track_run), "--into", str(target), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads(proc.stdout)
+    sid = json.loads((track_run / "run.json").read_text())["session_id"]
+    events = [e for s in load_telemetry_sessions(track_run) for e in s.events]
+    spool = read_spool(track_run)
+    beats = read_heartbeat(track_run / "heartbeat_rank0.jsonl")
+    assert written["telemetry"] == len(events) > 0
+    assert written["spans"] == len(spool.spans) > 0
+    assert written["marks"] == len(spool.marks) == 30
+    assert written["heartbeats"] == len(beats) > 0
+    assert written["steps"] == 30
+    for table, n in (("telemetry", len(events)), ("spans", len(spool.spans)), ("marks", 30),
+                     ("heartbeats", len(beats)), ("steps", 30)):
+        assert query(target, f"SELECT COUNT(*) FROM {table} WHERE session_id = ?", (sid,)) == [(n,)], table
+    # importing again stores nothing twice where ids exist
+    stepwatch("import", str(track_run), "--into", str(target), cwd=tmp_path)
+    assert query(target, "SELECT COUNT(*) FROM spans") == [(len(spool.spans),)]
+    assert query(target, "SELECT COUNT(*) FROM marks") == [(30,)]
+
+    via_temp = stepwatch("summary", str(track_run), "--json", cwd=tmp_path)
+    assert via_temp.returncode == 0, via_temp.stderr
+    assert not (track_run / "history.sqlite").exists()
+    summary = json.loads(via_temp.stdout)
+    assert summary["session_id"] == sid and summary["overall"]["steps"] == 30 and summary["ranks"] == [0]
+    from_store = json.loads(stepwatch("summary", str(target), "--json", cwd=tmp_path).stdout)
+    assert from_store["overall"]["step_ms"] == summary["overall"]["step_ms"]
+    text = stepwatch("summary", str(track_run), cwd=tmp_path)
+    assert text.returncode == 0 and "steps 30" in text.stdout

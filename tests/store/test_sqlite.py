@@ -1,0 +1,298 @@
+"""The SQLite history store on a real file: WAL, one transaction per append, sessions,
+read-only readers, retention, and idempotent span/mark ids."""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepwatch.errors import StoreError
+from stepwatch.store import TABLES, open_store
+from stepwatch.store.base import COLUMNS
+from stepwatch.store.sqlite import SqliteStore
+
+S1, S2 = "session-one", "session-two"
+
+
+def telemetry(session: str, rank: int, t: int, allocated: int = 100, **extra: Any) -> dict[str, Any]:
+    return {"session_id": session, "rank": rank, "timestamp_ns": t, "event_type": "sample", "collector": "c",
+            "device_id": 0, "allocated": allocated, "reserved": allocated * 2, "total": 10_000,
+            "metadata": {"t": t}, **extra}
+
+
+def span(session: str, rank: int, span_id: str, start: int, name: str = "forward") -> dict[str, Any]:
+    return {"session_id": session, "rank": rank, "span_id": span_id, "parent_id": None, "name": name, "idx": None,
+            "start_ns": start, "end_ns": start + 10, "attrs": {"k": [1, 2]}}
+
+
+def mark(session: str, rank: int, mark_id: str, ts: int, value: float = 0.5) -> dict[str, Any]:
+    return {"session_id": session, "rank": rank, "mark_id": mark_id, "span_id": "root", "name": "loss",
+            "value_type": "float", "value_num": value, "ts_ns": ts, "kind": "point", "attrs": {}}
+
+
+def heartbeat(session: str, rank: int, ts: int, step: int = 0) -> dict[str, Any]:
+    return {"session_id": session, "rank": rank, "ts_ns": ts, "step": step, "msg": "progress", "pid": 1,
+            "fields": {"loss": 1.0}}
+
+
+def step(session: str, rank: int, n: int, start: int, step_ns: int = 1000) -> dict[str, Any]:
+    return {"session_id": session, "rank": rank, "step": n, "start_ns": start, "end_ns": start + step_ns,
+            "step_ns": step_ns, "data_load_ns": 1, "h2d_ns": 0, "forward_ns": 2, "backward_ns": 3,
+            "optimizer_ns": 4, "wait_ns": 5}
+
+
+def session(session_id: str, start: int | None, **fields: Any) -> dict[str, Any]:
+    return {"session_id": session_id, "status": "running", "started_at_ns": start, "ended_at_ns": None,
+            "host": None, "world_size": None, "source": "test", "command_line": None, **fields}
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = SqliteStore(tmp_path / "history.sqlite")
+    yield s
+    s.close()
+
+
+def reader_count(path: Path, table: str) -> int:
+    db = sqlite3.connect(path)
+    try:
+        return db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_wal_mode_and_every_table(store: SqliteStore) -> None:
+    db = sqlite3.connect(store.path)
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        db.close()
+    assert set(TABLES) <= names
+    store.append("telemetry", [telemetry(S1, 0, 1)])
+    assert store.path.with_name("history.sqlite-wal").exists()
+
+
+def test_open_store_on_a_directory_uses_history_sqlite(tmp_path: Path) -> None:
+    s = open_store(tmp_path)
+    try:
+        s.append("marks", [mark(S1, 0, "m", 1)])
+    finally:
+        s.close()
+    assert (tmp_path / "history.sqlite").is_file()
+    assert reader_count(tmp_path / "history.sqlite", "marks") == 1
+
+
+def test_append_many_writes_all_tables_in_one_commit(store: SqliteStore) -> None:
+    written = store.append_many({"telemetry": [telemetry(S1, 0, 1), telemetry(S1, 0, 2)],
+                                 "spans": [span(S1, 0, "a", 1)], "marks": [mark(S1, 0, "m", 1)],
+                                 "heartbeats": [heartbeat(S1, 0, 1)], "steps": [step(S1, 0, 0, 1)]})
+    assert written == 6
+    for table, n in (("telemetry", 2), ("spans", 1), ("marks", 1), ("heartbeats", 1), ("steps", 1)):
+        assert store.count(table) == n
+        assert reader_count(store.path, table) == n
+    row = store.query("SELECT attrs FROM spans")[0]
+    assert msgspec.json.decode(row["attrs"]) == {"k": [1, 2]}
+
+
+class _Unencodable:
+    pass
+
+
+@pytest.mark.parametrize("bad", [
+    {"bogus_table": [{"x": 1}]},                                                    # unknown table
+    {"marks": [{**mark(S1, 0, "bad", 1), "name": {"a": 1}}]},                       # unbindable value
+    {"marks": [{**mark(S1, 0, "bad", 1), "ts_ns": 2**70}]},                          # int over 64 bits
+    {"spans": [{**span(S1, 0, "bad", 1), "attrs": {"x": _Unencodable()}}]},          # json column not JSON
+], ids=["unknown-table", "unbindable", "int-overflow", "unencodable-json"])
+def test_a_failing_row_rolls_back_every_table_of_the_batch(store: SqliteStore, bad: dict[str, Any]) -> None:
+    batch = {"telemetry": [telemetry(S1, 0, 1)], "heartbeats": [heartbeat(S1, 0, 1)], **bad,
+             "steps": [step(S1, 0, 0, 1)]}
+    with pytest.raises(StoreError):
+        store.append_many(batch)
+    for table in ("telemetry", "heartbeats", "marks", "spans", "steps"):
+        assert store.count(table) == 0, table  # the writer's own connection sees nothing either
+        assert reader_count(store.path, table) == 0, table
+    # the store is left usable: the next write commits on its own and is visible to readers
+    store.upsert_session(session(S1, 5))
+    assert store.append_many({"telemetry": [telemetry(S1, 0, 2)]}) == 1
+    assert reader_count(store.path, "telemetry") == 1
+    assert reader_count(store.path, "sessions") == 1
+
+
+def test_upsert_session_keeps_the_earliest_start_and_fills_fields(store: SqliteStore) -> None:
+    store.upsert_session(session(S1, 200, host="a"))
+    store.upsert_session(session(S1, 100))
+    store.upsert_session(session(S1, 300, status="completed", world_size=4))
+    store.upsert_session(session(S1, None, command_line=["python", "x.py"]))
+    rows = store.sessions()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["started_at_ns"] == 100
+    assert row["status"] == "completed"
+    assert row["host"] == "a"  # a later None does not erase it
+    assert row["world_size"] == 4
+    assert msgspec.json.decode(row["command_line"]) == ["python", "x.py"]
+
+
+def test_upsert_session_start_from_nothing(store: SqliteStore) -> None:
+    store.upsert_session(session(S2, None))
+    store.upsert_session(session(S2, 50))
+    assert store.sessions()[0]["started_at_ns"] == 50
+
+
+def test_sessions_newest_first(store: SqliteStore) -> None:
+    store.upsert_session(session(S1, 1))
+    store.upsert_session(session(S2, 2))
+    assert [s["session_id"] for s in store.sessions()] == [S2, S1]
+
+
+def test_read_only_store_reads_but_cannot_write(store: SqliteStore) -> None:
+    store.append_many({"telemetry": [telemetry(S1, 0, 1)]})
+    store.upsert_session(session(S1, 1))
+    reader = SqliteStore(store.path, read_only=True)
+    try:
+        assert reader.count("telemetry") == 1
+        assert reader.sessions()[0]["session_id"] == S1
+        with pytest.raises(StoreError):
+            reader.append_many({"telemetry": [telemetry(S1, 0, 2)]})
+        with pytest.raises(StoreError):
+            reader.append("marks", [mark(S1, 0, "m", 1)])
+        with pytest.raises(StoreError):
+            reader.upsert_session(session(S2, 1))
+        with pytest.raises(StoreError):
+            reader.apply_retention(0)
+        with pytest.raises(StoreError):
+            reader.query("DELETE FROM telemetry")
+        with pytest.raises(StoreError):
+            reader.query("INSERT INTO sessions (session_id) VALUES ('x')")
+        # the writer keeps writing while the reader is open, and the reader sees the commit
+        store.append_many({"telemetry": [telemetry(S1, 0, 3)]})
+        assert reader.count("telemetry") == 2
+    finally:
+        reader.close()
+    assert reader_count(store.path, "sessions") == 1
+
+
+def test_read_only_open_of_a_missing_store(tmp_path: Path) -> None:
+    with pytest.raises(StoreError):
+        SqliteStore(tmp_path / "nope.sqlite", read_only=True)
+    assert not (tmp_path / "nope.sqlite").exists()
+
+
+def test_unknown_table_in_count(store: SqliteStore) -> None:
+    with pytest.raises(StoreError):
+        store.count("nope")
+
+
+def test_retention_deletes_old_rows_per_session_and_rank(store: SqliteStore) -> None:
+    # S1 rank 0 newest at 1000, S1 rank 1 newest at 500, S2 rank 0 newest at 10_000
+    batch: dict[str, list[dict[str, Any]]] = {"telemetry": [], "heartbeats": [], "marks": [], "spans": [], "steps": []}
+    times = {(S1, 0): [100, 700, 900, 1000], (S1, 1): [100, 200, 450, 500], (S2, 0): [1000, 9000, 10_000]}
+    for (sid, rank), ts in times.items():
+        for i, t in enumerate(ts):
+            batch["telemetry"].append(telemetry(sid, rank, t))
+            batch["heartbeats"].append(heartbeat(sid, rank, t, i))
+            batch["marks"].append(mark(sid, rank, f"m{i}", t))
+            batch["spans"].append(span(sid, rank, f"s{i}", t))
+            batch["steps"].append(step(sid, rank, i, t))
+    store.append_many(batch)
+    removed = store.apply_retention(300)
+    # kept: t >= newest - 300 of the same session and rank
+    kept = {key: [t for t in ts if t >= max(ts) - 300] for key, ts in times.items()}
+    lost = sum(len(ts) - len(kept[key]) for key, ts in times.items())
+    assert removed == 5 * lost
+    for table, column in (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("marks", "ts_ns"),
+                          ("spans", "start_ns"), ("steps", "start_ns")):
+        for (sid, rank), expected in kept.items():
+            got = [r["t"] for r in store.query(
+                f"SELECT {column} AS t FROM {table} WHERE session_id = ? AND rank = ? ORDER BY t", (sid, rank))]
+            assert got == expected, (table, sid, rank)
+    assert store.apply_retention(300) == 0
+
+
+def test_duplicate_span_mark_and_step_ids_are_stored_once(store: SqliteStore) -> None:
+    spans = [span(S1, 0, "a", 1), span(S1, 0, "b", 2)]
+    marks = [mark(S1, 0, "m1", 1), mark(S1, 0, "m2", 2)]
+    store.append_many({"spans": spans, "marks": marks, "steps": [step(S1, 0, 0, 1)]})
+    store.append_many({"spans": spans + [{**spans[0], "name": "changed"}], "marks": marks + marks,
+                       "steps": [step(S1, 0, 0, 1)]})
+    assert store.count("spans") == 2 and store.count("marks") == 2 and store.count("steps") == 1
+    assert {r["name"] for r in store.query("SELECT name FROM spans")} == {"forward"}  # the first one wins
+    # the same ids on another rank or session are other rows
+    store.append_many({"spans": [span(S1, 1, "a", 1), span(S2, 0, "a", 1)],
+                       "marks": [mark(S1, 1, "m1", 1), mark(S2, 0, "m1", 1)]})
+    assert store.count("spans") == 4 and store.count("marks") == 4
+    assert store.count("spans", S2) == 1
+
+
+def test_step_rows_and_memory_peaks(store: SqliteStore) -> None:
+    store.append_many({
+        "steps": [step(S1, 1, 1, 20), step(S1, 0, 1, 20), step(S1, 0, 0, 10), step(S2, 0, 0, 1)],
+        "telemetry": [telemetry(S1, 0, 1, 100), telemetry(S1, 0, 2, 300), telemetry(S1, 0, 3, 200),
+                      telemetry(S1, 1, 1, 50), telemetry(S1, 0, 4, 999, event_type="oom")],
+    })
+    assert [(r["rank"], r["step"]) for r in store.step_rows(S1)] == [(0, 0), (0, 1), (1, 1)]
+    peaks = store.memory_peaks(S1)
+    assert [(p["rank"], p["peak_allocated"], p["peak_reserved"]) for p in peaks] == [(0, 300, 600), (1, 50, 100)]
+
+
+# -- hypothesis: batch splits do not change what is stored ----------------------------------------
+
+_sessions = st.sampled_from([S1, S2])
+_ranks = st.integers(0, 2)
+_t = st.integers(0, 10_000)
+_ids = st.sampled_from([f"id{i}" for i in range(6)])
+_rows = st.one_of(
+    st.builds(lambda s, r, t, a: ("telemetry", telemetry(s, r, t, a)), _sessions, _ranks, _t, st.integers(0, 2**40)),
+    st.builds(lambda s, r, i, t: ("spans", span(s, r, i, t)), _sessions, _ranks, _ids, _t),
+    st.builds(lambda s, r, i, t, v: ("marks", mark(s, r, i, t, v)), _sessions, _ranks, _ids, _t,
+              st.floats(-1e6, 1e6, allow_nan=False)),
+    st.builds(lambda s, r, t: ("heartbeats", heartbeat(s, r, t)), _sessions, _ranks, _t),
+    st.builds(lambda s, r, n, t: ("steps", step(s, r, n, t)), _sessions, _ranks, st.integers(0, 5), _t),
+)
+
+
+def _dump(store: SqliteStore) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for table, cols in COLUMNS.items():
+        names = ", ".join(c for c, _ in cols)
+        out[table] = store.query(f"SELECT {names} FROM {table} ORDER BY {names}")
+    for sid in (S1, S2):
+        out[f"steps:{sid}"] = store.step_rows(sid)
+        out[f"peaks:{sid}"] = store.memory_peaks(sid)
+        out[f"count:{sid}"] = [store.count(t, sid) for t in TABLES]
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_rows, max_size=40), st.lists(st.integers(0, 40), max_size=6))
+def test_random_batch_splits_store_the_same_rows(rows: list[tuple[str, dict[str, Any]]], cuts: list[int]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = SqliteStore(Path(tmp) / "whole.sqlite")
+        split = SqliteStore(Path(tmp) / "split.sqlite")
+        try:
+            batch: dict[str, list[dict[str, Any]]] = {}
+            for table, row in rows:
+                batch.setdefault(table, []).append(row)
+            whole.append_many(batch)
+            bounds = sorted({0, len(rows), *(min(c, len(rows)) for c in cuts)})
+            for lo, hi in zip(bounds, bounds[1:]):
+                part: dict[str, list[dict[str, Any]]] = {}
+                for table, row in rows[lo:hi]:
+                    part.setdefault(table, []).append(row)
+                split.append_many(part)
+            assert _dump(split) == _dump(whole)
+            unique_spans = {(r["session_id"], r["rank"], r["span_id"]) for t, r in rows if t == "spans"}
+            assert whole.count("spans") == len(unique_spans)
+            assert whole.count("telemetry") == sum(1 for t, _ in rows if t == "telemetry")
+        finally:
+            whole.close()
+            split.close()
