@@ -124,7 +124,8 @@ def test_two_rank_run_completes_with_history_and_summary(two_ranks: tuple[Path, 
     # the measured phases never exceed the step (wait is the residual; it may include data_load,
     # see aggregator-architecture.md: wait = step - h2d - forward - backward - optimizer)
     assert sum(v for k, v in shares.items() if k != "wait") <= 1.0 + 1e-3
-    assert 0.99 <= shares["wait"] + sum(shares[k] for k in ("h2d", "forward", "backward", "optimizer")) <= 1.1
+    # the wait share excludes the step's own fetch, so the six shares partition the step time
+    assert 0.98 <= sum(shares.values()) <= 1.0 + 1e-3
     assert overall["throughput_steps_per_s"] > 0
     peaks = {p["rank"]: p for p in summary["memory_peaks"]}
     assert set(peaks) == {0, 1} and all(p["peak_allocated_bytes"] > 0 for p in peaks.values())

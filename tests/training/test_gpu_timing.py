@@ -1,0 +1,260 @@
+"""GPU phase timing from pooled event pairs (gpu_timing.py, aggregator-architecture.md): a capped
+pool, resolution only through ``query()``, unresolved pairs given up after ``max_wait_s`` — with
+fake events, so it runs on CPU — and end to end through a traced loop into the spool."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import stepwatch
+from stepwatch.artifacts.spool import read_spool
+from stepwatch.capture import guard, training
+from stepwatch.capture.gpu_timing import GpuTimer
+
+
+class FakeGpu:
+    """A fake device clock and the events recorded on it. ``done_until`` is how far the
+    "stream" has executed: events recorded at a later tick are not complete yet."""
+
+    def __init__(self, *, ms_per_tick: float = 1.5) -> None:
+        self.ticks = itertools.count(1)
+        self.done_until = float("inf")
+        self.ms_per_tick = ms_per_tick
+        self.events: list[FakeEvent] = []
+        self.calls: list[str] = []
+
+    def make_event(self) -> FakeEvent:
+        event = FakeEvent(self)
+        self.events.append(event)
+        return event
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.tick: int | None = None
+        self.records = 0
+
+    def record(self) -> None:
+        self.gpu.calls.append("record")
+        self.tick = next(self.gpu.ticks)
+        self.records += 1
+
+    def query(self) -> bool:
+        self.gpu.calls.append("query")
+        return self.tick is not None and self.tick <= self.gpu.done_until
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        self.gpu.calls.append("elapsed_time")
+        assert self.query() and end.query(), "elapsed_time on an event that is not complete"
+        return (end.tick - self.tick) * self.gpu.ms_per_tick
+
+    def synchronize(self) -> None:
+        raise AssertionError("GpuTimer must never synchronize")
+
+    wait = synchronize
+
+
+class Span:
+    def __init__(self) -> None:
+        self.gpu: Any = None
+
+
+def timed(timer: GpuTimer, span: Span) -> Span:
+    span.gpu = timer.begin(span)
+    timer.end(span.gpu)
+    return span
+
+
+# -- the pool --------------------------------------------------------------------------------
+
+
+def test_pool_is_capped_and_exhaustion_is_counted() -> None:
+    gpu = FakeGpu()
+    timer = GpuTimer(gpu.make_event, capacity=4)
+    first, second = timed(timer, Span()), timed(timer, Span())
+    third = timed(timer, Span())  # the pool is empty: no GPU time for this one
+    assert len(gpu.events) == 4
+    assert timer.pool_exhausted == 1 and third.gpu is None
+
+    assert timer.resolve() == 2
+    assert first.gpu == second.gpu == 1_500_000  # ticks 1 -> 2 at 1.5 ms a tick, in ns
+    assert not timer.outstanding(first)
+
+
+def test_start_event_returned_when_no_end_event_is_left() -> None:
+    gpu = FakeGpu()
+    timer = GpuTimer(gpu.make_event, capacity=3)
+    timed(timer, Span())
+    starved = timed(timer, Span())  # got a start event, then no end event
+    assert timer.pool_exhausted == 1
+    assert not timer.outstanding(starved)
+    timer.resolve()
+    assert not isinstance(starved.gpu, int)
+    reused = timed(timer, Span())  # the start event went back to the pool
+    assert len(gpu.events) == 3 and timer.pool_exhausted == 1
+    timer.resolve()
+    assert reused.gpu == 1_500_000
+
+
+def test_events_are_reused_after_resolution() -> None:
+    gpu = FakeGpu()
+    timer = GpuTimer(gpu.make_event, capacity=4)
+    spans = []
+    for _ in range(50):
+        spans.append(timed(timer, Span()))
+        timer.resolve()
+    assert len(gpu.events) == 2  # one pair, recorded 50 times
+    assert all(event.records == 50 for event in gpu.events)
+    assert timer.resolved == 50 and timer.pool_exhausted == 0
+    assert all(span.gpu == 1_500_000 for span in spans)
+
+
+# -- resolution ------------------------------------------------------------------------------
+
+
+def test_resolution_only_by_query_in_stream_order() -> None:
+    gpu = FakeGpu()
+    timer = GpuTimer(gpu.make_event, capacity=16, max_wait_s=60)
+    gpu.done_until = 0  # nothing has run on the "device" yet
+    spans = [timed(timer, Span()) for _ in range(3)]
+    assert timer.resolve() == 0
+    assert all(timer.outstanding(s) and not isinstance(s.gpu, int) for s in spans)
+
+    gpu.done_until = 4  # the first two pairs (ticks 1-2, 3-4) are done
+    assert timer.resolve() == 2
+    assert [isinstance(s.gpu, int) for s in spans] == [True, True, False]
+    assert timer.outstanding(spans[2])
+
+    gpu.done_until = float("inf")
+    assert timer.resolve() == 1 and spans[2].gpu == 1_500_000
+    assert set(gpu.calls) == {"record", "query", "elapsed_time"}  # never synchronize() / wait()
+
+
+def test_unresolved_pairs_are_dropped_after_max_wait() -> None:
+    gpu = FakeGpu()
+    timer = GpuTimer(gpu.make_event, capacity=4, max_wait_s=0.02)
+    gpu.done_until = 0
+    stuck = timed(timer, Span())
+    assert timer.resolve() == 0 and timer.unresolved_dropped == 0
+    time.sleep(0.05)
+    assert timer.resolve() == 0
+    assert timer.unresolved_dropped == 1
+    assert stuck.gpu is None and not timer.outstanding(stuck)
+    gpu.done_until = float("inf")
+    again = timed(timer, Span())  # the stuck pair's events went back to the pool
+    assert len(gpu.events) == 2
+    timer.resolve()
+    assert again.gpu == 1_500_000
+
+
+def test_outstanding_is_safe_while_the_training_thread_records() -> None:
+    """The spool thread asks ``outstanding`` while the training thread appends pairs."""
+    gpu = FakeGpu()
+    gpu.done_until = 0
+    timer = GpuTimer(gpu.make_event, capacity=10**7, max_wait_s=3600)
+    for _ in range(2000):
+        timed(timer, Span())
+    stop = threading.Event()
+
+    def training_thread() -> None:
+        while not stop.is_set():
+            timed(timer, Span())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=training_thread)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 0.3
+        probe = Span()
+        while time.monotonic() < deadline:
+            assert timer.outstanding(probe) is False
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    guard.reset_swallowed()
+    training.pre_init_marks()
+    yield
+    stepwatch.shutdown()
+    assert guard.swallowed() == {}, guard.recent_swallowed()
+
+
+def _train(runs: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    for _ in stepwatch.epochs(runs):
+        for x, y in loader:
+            with stepwatch.trace_step(model):
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return model
+
+
+def test_gpu_ns_lands_on_phase_spans_in_the_spool(tmp_path: Path) -> None:
+    gpu = FakeGpu(ms_per_tick=2.5)
+    runtime = stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False)
+    runtime.training.gpu_timer = GpuTimer(gpu.make_event, capacity=64)
+    _train()
+    stepwatch.shutdown()
+    spool = read_spool(tmp_path)
+
+    timed_spans = [s for s in spool.spans if s["name"] in ("forward", "backward", "optimizer_step")]
+    assert len(timed_spans) == 3 * 4
+    assert all(s["gpu_ns"] == 2_500_000 for s in timed_spans)
+    assert all(s["gpu_ns"] is None for s in spool.spans if s not in timed_spans)
+    assert len(gpu.events) <= 64
+    assert "synchronize" not in gpu.calls
+
+
+def test_spans_wait_for_their_gpu_time_across_seals(tmp_path: Path) -> None:
+    """A span whose events are not complete at a seal is held for a later batch, then written
+    with its GPU time; nothing is lost or written twice."""
+    gpu = FakeGpu()
+    gpu.done_until = 0
+    runtime = stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False, interval=0.02,
+                             spool_interval=0.05)
+    runtime.training.gpu_timer = GpuTimer(gpu.make_event, capacity=256, max_wait_s=60)
+    _train()
+    spool_dir = tmp_path / "spool"
+
+    def sealed() -> list[dict[str, Any]]:
+        return read_spool(tmp_path).spans if list(spool_dir.glob("*.json")) else []
+
+    deadline = time.monotonic() + 10
+    while sum(s["name"] == "step" for s in sealed()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    early = sealed()
+    assert sum(s["name"] == "step" for s in early) == 4 and sum(s["name"] == "data_load" for s in early) == 4
+    assert not [s for s in early if s["name"] in ("forward", "backward", "optimizer_step")]  # held back
+
+    gpu.done_until = float("inf")  # the device catches up
+    stepwatch.shutdown()
+    spool = read_spool(tmp_path)
+    raw = [s["id"] for p in sorted(spool_dir.glob("*.json")) for s in json.loads(p.read_text())["spans"]]
+    assert len(raw) == len(set(raw)) == len(spool.spans)
+    timed_spans = [s for s in spool.spans if s["name"] in ("forward", "backward", "optimizer_step")]
+    assert len(timed_spans) == 12
+    assert all(s["gpu_ns"] == 1_500_000 for s in timed_spans)

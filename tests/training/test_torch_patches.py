@@ -1,0 +1,391 @@
+"""The torch patches (torch_patches.py, STYLE habit 13): installed at init, removed at shutdown,
+transparent to user exceptions, fail-open on their own errors, h2d only for accelerator copies,
+and never a ``synchronize()``."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import optimizer as optim_module
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import stepwatch
+from stepwatch.artifacts.spool import LoadedSpool, read_spool
+from stepwatch.capture import guard, training
+from stepwatch.capture.torch_patches import _targets_accelerator
+from stepwatch.capture.training import TrainingState
+
+STEPWATCH_DIR = str(Path(stepwatch.__file__).resolve().parent)
+TARGETS = [(nn.Module, "__call__"), (torch.Tensor, "backward"), (torch.autograd, "backward"),
+           (DataLoader, "__iter__"), (torch.Tensor, "to"), (torch.Tensor, "cuda")]
+# Taken at collection, before any test starts a runtime: whether each name is the owner's own
+# attribute (Tensor.to is inherited from TensorBase) must be the same after every shutdown.
+OWN_AT_IMPORT = {target: target[1] in vars(target[0]) for target in TARGETS}
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    guard.reset_swallowed()
+    training.pre_init_marks()
+    yield
+    stepwatch.shutdown()
+    assert guard.swallowed() == {}, guard.recent_swallowed()
+
+
+def start(run_dir: Path, **options: Any) -> Any:
+    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
+
+
+def finish(run_dir: Path) -> LoadedSpool:
+    stepwatch.shutdown()
+    return read_spool(run_dir)
+
+
+def names(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
+    return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
+
+
+def kids(spool: LoadedSpool, span: dict[str, Any]) -> list[str]:
+    return [s["name"] for s in spool.spans if s["parent_id"] == span["id"]]
+
+
+def train(epochs: int = 2, seed: int = 0) -> list[float]:
+    """A small seeded training run with the full API; the same losses traced or not."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(24, 4), torch.randn(24, 1)), batch_size=5, shuffle=True)
+    losses = []
+    for _ in stepwatch.epochs(epochs):
+        for x, y in loader:
+            with stepwatch.trace_step(model):
+                loss = nn.functional.mse_loss(model(x.to(torch.float32)), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                stepwatch.mark("loss", loss)
+                losses.append(loss.item())
+    return losses
+
+
+# -- install and uninstall -------------------------------------------------------------------
+
+
+def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path) -> None:
+    originals = {target: getattr(*target) for target in TARGETS}
+    own = {target: target[1] in vars(target[0]) for target in TARGETS}
+    assert own == OWN_AT_IMPORT  # no earlier test left a class attribute behind either
+    hooks = (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks))
+
+    for cycle in range(2):
+        start(tmp_path / f"run{cycle}")
+        for target, original in originals.items():
+            patched = getattr(*target)
+            assert patched is not original, target
+            assert patched.__wrapped__ is original and patched.__name__ == original.__name__
+        assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] + 1
+        assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1
+        train(epochs=1)
+        spool = finish(tmp_path / f"run{cycle}")
+
+        for target, original in originals.items():
+            assert getattr(*target) is original, target
+            assert (target[1] in vars(target[0])) == own[target], target  # no leftover class attribute
+        assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
+        steps = names(spool, "step")
+        assert len(steps) == 5
+        assert all(sorted(kids(spool, s)) == ["backward", "data_load", "forward", "optimizer_step"] for s in steps)
+
+
+# -- user exceptions pass through untouched --------------------------------------------------
+
+
+class UserError(Exception):
+    pass
+
+
+_raised: list[UserError] = []
+
+
+def _boom(where: str) -> None:
+    error = UserError(where)
+    _raised.append(error)
+    raise error
+
+
+class _ForwardRaises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _boom("forward")
+        return x
+
+
+class _BackwardRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _boom("backward")
+        return grad
+
+
+class _StepRaises(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:
+        _boom("optimizer_step")
+
+
+class _GetitemRaises(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        _boom("data_load")
+        return torch.zeros(4)
+
+
+class _ToRaises(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", None) in ("to", "cuda"):
+            _boom("h2d")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _forward(model: nn.Module, x: torch.Tensor) -> None:
+    with stepwatch.trace_step(model):
+        model(x)
+
+
+def _backward(model: nn.Module, x: torch.Tensor) -> None:
+    with stepwatch.trace_step(model):
+        _BackwardRaises.apply(model(x)).sum().backward()
+
+
+def _optimizer(model: nn.Module, x: torch.Tensor) -> None:
+    optimizer = _StepRaises(model.parameters(), lr=0.1)
+    with stepwatch.trace_step(model):
+        model(x).sum().backward()
+        optimizer.step()
+
+
+def _data(model: nn.Module, x: torch.Tensor) -> None:
+    for batch in DataLoader(_GetitemRaises(), batch_size=2):
+        with stepwatch.trace_step(model):
+            model(batch)
+
+
+def _to(model: nn.Module, x: torch.Tensor) -> None:
+    with stepwatch.trace_step(model):
+        x.as_subclass(_ToRaises).to("cuda", non_blocking=True)
+
+
+SITES = {"forward": _forward, "backward": _backward, "optimizer_step": _optimizer, "data_load": _data, "h2d": _to}
+
+
+def _raise_at(site: str) -> tuple[UserError, UserError]:
+    torch.manual_seed(0)
+    model = _ForwardRaises() if site == "forward" else nn.Linear(4, 1)
+    with pytest.raises(UserError) as caught:
+        SITES[site](model, torch.randn(2, 4))
+    return caught.value, _raised[-1]
+
+
+def _user_frames(error: BaseException) -> list[tuple[str, str, int | None]]:
+    return [(f.filename, f.name, f.lineno) for f in traceback.extract_tb(error.__traceback__)
+            if not f.filename.startswith(STEPWATCH_DIR)]
+
+
+@pytest.mark.parametrize("site", list(SITES))
+def test_user_exceptions_propagate_unchanged(tmp_path: Path, site: str) -> None:
+    plain, plain_raised = _raise_at(site)  # no runtime: the reference traceback
+    assert plain is plain_raised
+
+    start(tmp_path)
+    traced, traced_raised = _raise_at(site)
+    spool = finish(tmp_path)
+
+    assert traced is traced_raised  # the very object the user's code raised
+    assert traced.args == (site,)
+    assert _user_frames(traced) == _user_frames(plain)  # only stepwatch's own frames were added
+    assert traceback.extract_tb(traced.__traceback__)[-1].name == "_boom"
+    assert type(traced.__context__) is type(plain.__context__) and traced.__cause__ is None
+    if site != "data_load":  # the fetch fails before a step opens
+        (step,) = names(spool, "step")
+        assert step["attrs"]["error"] == "UserError"
+        assert site in kids(spool, step)
+
+
+def test_training_goes_on_after_an_optimizer_error(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    failing = _StepRaises(model.parameters(), lr=0.1)
+    working = torch.optim.SGD(model.parameters(), lr=0.1)
+    start(tmp_path)
+    with pytest.raises(UserError):
+        with stepwatch.trace_step(model):
+            model(torch.randn(2, 4)).sum().backward()
+            failing.step()
+    for _ in range(3):
+        with stepwatch.trace_step(model):
+            model(torch.randn(2, 4)).sum().backward()
+            working.step()
+            working.zero_grad()
+    spool = finish(tmp_path)
+
+    first, *rest = names(spool, "step")
+    (dangling,) = [s for s in names(spool, "optimizer_step") if s["parent_id"] == first["id"]]
+    assert dangling["attrs"] == {"unclosed": True}  # its post hook never ran
+    assert len(rest) == 3
+    for step in rest:
+        assert sorted(kids(spool, step)) == ["backward", "forward", "optimizer_step"]
+        assert "error" not in step["attrs"] and step["attrs"]["optimizer_step_ns"] > 0
+
+
+class _SleepySGD(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:
+        time.sleep(0.002)
+        result = super().step(closure)  # SGD.step has torch's hook wrapper too
+        time.sleep(0.002)
+        return result
+
+
+def test_nested_optimizer_steps_are_one_phase(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # SGD.step itself gets torch's hook wrapper
+    optimizer = _SleepySGD(model.parameters(), lr=0.1)
+    start(tmp_path)
+    for _ in range(3):
+        with stepwatch.trace_step(model):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    spool = finish(tmp_path)
+
+    steps = names(spool, "step")
+    assert len(steps) == 3
+    for step in steps:
+        (phase,) = [s for s in names(spool, "optimizer_step") if s["parent_id"] == step["id"]]
+        assert "unclosed" not in phase["attrs"]
+        assert kids(spool, phase) == []
+        assert step["attrs"]["optimizer_step_ns"] == phase["end_ns"] - phase["start_ns"] >= 4_000_000
+
+
+# -- stepwatch's own failures are swallowed, counted and change nothing ----------------------
+
+
+def _raise_internal(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("stepwatch bug (injected)")
+
+
+@pytest.mark.parametrize("method", ["begin_phase", "end_phase", "record_fetch", "open_step"])
+def test_internal_failure_is_swallowed_and_training_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              method: str) -> None:
+    reference = train()
+    monkeypatch.setattr(TrainingState, method, _raise_internal)
+    start(tmp_path)
+    traced = train()
+    stepwatch.shutdown()
+
+    assert traced == reference  # bit-identical losses with the same seed
+    counts = guard.swallowed()
+    assert counts and sum(counts.values()) >= len(reference)
+    assert all(isinstance(e, RuntimeError) for e in guard.recent_swallowed())
+    guard.reset_swallowed()  # expected here; the fixture fails on anything else
+
+
+# -- host to device --------------------------------------------------------------------------
+
+
+class _FakeDeviceCopy(torch.Tensor):
+    """A CPU tensor whose .to(<accelerator>) / .cuda() is a slow plain copy, as on a GPU host."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", None) in ("to", "cuda"):
+            time.sleep(0.002)
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].clone()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_h2d_spans_only_for_accelerator_copies(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(2, 4)
+    start(tmp_path)
+    with stepwatch.trace_step(model):  # host-side conversions: no h2d
+        x.to("cpu")
+        x.to(torch.float64)
+        x.to(device="cpu", dtype=torch.float16)
+        x.to(torch.empty(0))
+        model(x).sum().backward()
+    with stepwatch.trace_step(model):  # copies to an accelerator: one h2d span each
+        fake = x.as_subclass(_FakeDeviceCopy)
+        moved = fake.to("cuda", non_blocking=True)
+        fake.cuda()
+        model(moved).sum().backward()
+    spool = finish(tmp_path)
+
+    host, device = names(spool, "step")
+    assert "h2d" not in kids(spool, host) and host["attrs"]["h2d_ns"] == 0
+    copies = [s for s in names(spool, "h2d") if s["parent_id"] == device["id"]]
+    assert len(copies) == 2
+    h2d_ns = sum(s["end_ns"] - s["start_ns"] for s in copies)
+    assert device["attrs"]["h2d_ns"] == h2d_ns >= 4_000_000
+    busy = sum(device["attrs"][f"{p}_ns"] for p in ("h2d", "forward", "backward", "optimizer_step"))
+    assert device["attrs"]["wait_ns"] == max(0, device["attrs"]["step_ns"] - busy)
+
+
+_cuda_tensor = mock.Mock(spec=torch.Tensor)
+_cuda_tensor.device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(("args", "kwargs", "expected"), [
+    (("cuda",), {}, True), (("cuda:1",), {}, True), (("mps",), {}, True), (("xpu:0",), {}, True),
+    ((torch.device("cuda", 0),), {}, True), ((0,), {}, True), ((3,), {}, True),
+    ((), {"device": "cuda"}, True), ((torch.float16,), {"device": torch.device("cuda")}, True),
+    ((_cuda_tensor,), {}, True),
+    (("cpu",), {}, False), (("meta",), {}, False), ((torch.device("cpu"),), {}, False), ((True,), {}, False),
+    ((torch.float16,), {}, False), ((), {"dtype": torch.float16}, False), ((), {}, False), ((None,), {}, False),
+    ((torch.empty(0),), {}, False), ((torch.empty(0, device="meta"),), {}, False),
+])
+def test_targets_accelerator(args: tuple[Any, ...], kwargs: dict[str, Any], expected: bool) -> None:
+    assert _targets_accelerator(torch, args, kwargs) is expected
+
+
+# -- never synchronize -----------------------------------------------------------------------
+
+
+def test_never_synchronizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def forbidden(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> None:
+            calls.append(name)
+            raise AssertionError(f"{name} called during a traced run")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden("torch.cuda.synchronize"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", forbidden("Event.synchronize"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", forbidden("Stream.synchronize"))
+    start(tmp_path, spool_interval=0.05, interval=0.02)
+    losses = train(epochs=2)
+    stepwatch.snapshot(nn.Linear(2, 2), "full")
+    time.sleep(0.1)  # a few background ticks and seals too
+    spool = finish(tmp_path)
+
+    assert calls == []
+    assert len(losses) == 10 and len(names(spool, "step")) == 10
