@@ -85,6 +85,10 @@ class TrainingState:
         """A framework integration declares it drives epochs and steps."""
         self.owners.add(framework)
 
+    def release(self, framework: str) -> None:
+        """The integration's run ended: plain torch loops mark their own steps again."""
+        self.owners.discard(framework)
+
     def yields(self, framework: str) -> bool:
         """True when a higher-priority framework owns epoch/step, so ``framework`` must not open them."""
         mine = FRAMEWORK_PRIORITY.get(framework, 0)

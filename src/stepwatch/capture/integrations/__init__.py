@@ -122,8 +122,8 @@ class FrameworkLink:
                 self.close_step(error)
                 self.close_epoch(error)
                 # Ownership lasts while the framework's loop runs; a plain torch loop after it
-                # marks its own steps again. TrainingState has no release(): see the owners set.
-                state.owners.discard(self.framework)
+                # marks its own steps again.
+                state.release(self.framework)
             self.state, self.epoch, self.step, self.step_end_ns = None, None, None, None
             started, self.started = self.started, None
             if started is not None and error is None:
