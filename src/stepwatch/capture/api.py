@@ -95,6 +95,21 @@ def shutdown(status: SessionStatus = "completed", timeout: float = 2.0) -> None:
         training.activate(None)
     with guarded:
         runtime.stop(status, timeout)
+    with guarded:
+        _uninstall_hooks()
+
+
+def _uninstall_hooks() -> None:
+    """Gives back the SIGTERM handler and excepthooks init installed (if nobody replaced them)."""
+    global _previous_excepthook, _previous_thread_hook, _previous_sigterm
+    if _previous_excepthook is not None and sys.excepthook is _excepthook:
+        sys.excepthook = _previous_excepthook
+        threading.excepthook = _previous_thread_hook or threading.__excepthook__
+        _previous_excepthook = _previous_thread_hook = None
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm and _previous_sigterm is not None):
+        signal.signal(signal.SIGTERM, _previous_sigterm)
+        _previous_sigterm = None
 
 
 def progress(step: int, **metrics: Any) -> None:
@@ -164,8 +179,8 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     """Close the session cleanly, then end the process exactly as it would have ended."""
+    previous = _previous_sigterm  # read first: shutdown gives the handler back
     shutdown("completed")
-    previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_IGN:

@@ -168,6 +168,7 @@ class Runtime:
                 "pid": self.pid, "started_ns": self.started_ns,
             })
         self._deferred: list[ClosedSpan] = []
+        self.spool_write_lost = 0
         self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
         self._recent_lock = threading.RLock()  # re-entered if SIGTERM lands inside record_oom
@@ -404,7 +405,13 @@ class Runtime:
             self._wire["spans"].extend(spans)
             self._wire["marks"].extend(marks)
             self._wire["snapshots"].extend(snapshots)
-        for path in self.spool.write(spans, marks, snapshots):
+        try:
+            paths = self.spool.write(spans, marks, snapshots)
+        except OSError as exc:  # full or vanished disk: the batch is lost, and counted as such
+            self.spool_write_lost += len(spans) + len(marks) + len(snapshots)
+            report_internal(exc, "spool.write")
+            return
+        for path in paths:
             if self.exporter is not None:
                 self.exporter.submit(path)
 
@@ -423,6 +430,7 @@ class Runtime:
             "spool_batches_evicted": self.spool.evicted_batches,
             "spool_records_evicted": self.spool.evicted_records,
             "spool_records_dropped": self.spool.dropped_records,
+            "spool_records_lost_to_write_errors": self.spool_write_lost,
             "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
             "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
             "wire_rows_dropped": self.sender.rows_dropped if self.sender is not None else 0,
