@@ -115,12 +115,7 @@ class FrameSender:
 
     def _fail(self, exc: OSError) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        self._sock = None
+        self._disconnect()
         self._failures += 1
         self._next_attempt = time.monotonic() + min(self.max_backoff_s, 2 ** (self._failures - 1))
 
@@ -139,6 +134,9 @@ class FrameSender:
         while self._queue and time.monotonic() < end:
             if not self.flush():
                 time.sleep(0.05)
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         if self._sock is not None:
             try:
                 self._sock.close()
