@@ -47,6 +47,8 @@ _v3_lines = msgspec.json.Decoder(TelemetryEventV3)
 _v4_lines = msgspec.json.Decoder(TelemetryEventV4)
 _any = msgspec.json.Decoder()
 _by_time = attrgetter("timestamp_ns")
+_session_of = attrgetter("session_id")
+_rank_of = attrgetter("rank")
 _EVENT_KEYS = ("events", "telemetry_events")
 
 
@@ -155,7 +157,7 @@ def _load_sink(
         hint = owner.get(path.name) or fallback
         segment = _read_jsonl(path, hint, permissive_legacy)
         source = str(path)
-        owners = {e.session_id for e in segment.events}
+        owners = set(map(_session_of, segment.events))  # C-level loop: this runs per event
         if len(owners) == 1:  # the usual case: one segment, one session - no per-event grouping
             session_id = owners.pop()
             group = groups.get(session_id) or groups.setdefault(session_id, _empty(session_id))
@@ -332,7 +334,7 @@ def _summarise(
     events.sort(key=_by_time)
     first = events[0] if events else None
     last = events[-1] if events else None
-    ranks = tuple(sorted({e.rank for e in events}))
+    ranks = tuple(sorted(set(map(_rank_of, events))))
     counts = {
         "event_count": len(events),
         "first_timestamp_ns": first.timestamp_ns if first else None,

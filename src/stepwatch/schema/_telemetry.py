@@ -112,7 +112,10 @@ class TelemetryEventV3(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     world_size: WorldSize = 1
 
     def __post_init__(self) -> None:
-        _check_identity(self.rank, self.local_rank, self.world_size)
+        # Runs once per loaded record: the common case is one comparison, no extra call.
+        world_size = self.world_size
+        if self.rank >= world_size or self.local_rank >= world_size:
+            _check_identity(self.rank, self.local_rank, world_size)
 
 
 class MemoryCapabilities(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
