@@ -68,6 +68,19 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+_PLAIN_TYPES = frozenset({int, str, bool, type(None)})
+
+
+def _clean_attrs(attrs: dict[str, Any] | None) -> dict[str, Any]:
+    """Attrs of plain values pass as they are (the usual case, once per span); others are cleaned."""
+    if not attrs:
+        return {}
+    for value in attrs.values():
+        if type(value) not in _PLAIN_TYPES:
+            return _json_safe(attrs)  # type: ignore[no-any-return]
+    return attrs
+
+
 class NullRuntime:
     """Stands in when stepwatch is disabled or failed to start: same verbs, no effect."""
 
@@ -361,18 +374,19 @@ class Runtime:
 
     def _span_record(self, closed: ClosedSpan) -> dict[str, Any]:
         span = closed.span
+        fmt = self.spans.format_id
         return {
-            "id": span.id, "name": span.name, "parent_id": span.parent_id, "index": span.index,
+            "id": fmt(span.id), "name": span.name, "parent_id": fmt(span.parent_id), "index": span.index,
             "start_ns": span.start_ns, "end_ns": closed.end_ns, "cpu_ns": None,
             "gpu_ns": span.gpu if isinstance(span.gpu, int) else None, "memory_peak_bytes": None,
             "thread_id": span.thread_id, "pid": self.pid, "rank": self.identity.rank,
-            "attrs": _json_safe(span.attrs or {}), "mark_ids": list(span.mark_ids),
+            "attrs": _clean_attrs(span.attrs), "mark_ids": [fmt(m) for m in span.mark_ids or ()],
         }
 
-    @staticmethod
-    def _mark_record(row: MarkRow) -> dict[str, Any]:
-        record = {"id": row.id, "span_id": row.span_id, "name": row.name, "value_type": row.value_type,
-                  "value": row.value, "attrs": _json_safe(row.attrs or {}), "ts_ns": row.ts_ns, "kind": row.kind}
+    def _mark_record(self, row: MarkRow) -> dict[str, Any]:
+        fmt = self.spans.format_id
+        record = {"id": fmt(row.id), "span_id": fmt(row.span_id), "name": row.name, "value_type": row.value_type,
+                  "value": row.value, "attrs": _clean_attrs(row.attrs), "ts_ns": row.ts_ns, "kind": row.kind}
         if row.nonfinite is not None:
             record["value_nonfinite"] = row.nonfinite
         return record

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+import msgspec
+
 from .tables import BoundedTable
 
 __all__ = ["ClosedSpan", "MarkRow", "OpenSpan", "SpanRecorder", "cut_utf8", "mark_value"]
@@ -52,25 +54,26 @@ def mark_value(value: Any) -> tuple[str, Any, str | None]:
     return "string", cut_utf8(value if isinstance(value, str) else str(value)), None
 
 
-class OpenSpan:
-    """A span being timed. ``phase_ns`` accumulates child phase times when this is a step."""
+class OpenSpan(msgspec.Struct, gc=False):
+    """A span being timed. ``phase_ns`` accumulates child phase times when this is a step.
 
-    __slots__ = ("id", "name", "parent_id", "index", "start_ns", "attrs", "mark_ids", "thread_id",
-                 "gpu", "phase_ns", "closed")
+    A C-level Struct kept out of the garbage collector: spans are made several times a step and
+    live until the next spool seal, and tracking them made collections part of every step's
+    cost (bench/bench_training_overhead.py). The one cycle (``gpu`` -> pending timing -> span)
+    is broken when the timing resolves or is dropped.
+    """
 
-    def __init__(self, span_id: str, name: str, parent_id: str | None, index: int | None,
-                 start_ns: int, attrs: dict[str, Any] | None, thread_id: int) -> None:
-        self.id = span_id
-        self.name = name
-        self.parent_id = parent_id
-        self.index = index
-        self.start_ns = start_ns
-        self.attrs = attrs
-        self.mark_ids: list[str] = []
-        self.thread_id = thread_id
-        self.gpu: Any = None  # a pending GPU timing (start, end events) when CUDA timed it
-        self.phase_ns: dict[str, int] | None = None
-        self.closed = False
+    id: int
+    name: str
+    parent_id: int | None
+    index: int | None
+    start_ns: int
+    attrs: dict[str, Any] | None
+    thread_id: int
+    mark_ids: list[int] | None = None  # made on the first mark: most spans have none
+    gpu: Any = None  # a pending GPU timing (start, end events) when CUDA timed it
+    phase_ns: dict[str, int] | None = None
+    closed: bool = False
 
 
 class ClosedSpan(NamedTuple):
@@ -107,8 +110,13 @@ class SpanRecorder:
         self.depth_dropped = 0
         self.session = self.open(SESSION_SPAN, parent_id=None, root=True)
 
-    def new_id(self) -> str:
-        return f"{self._prefix}{next(self._counter):016x}"
+    def new_id(self) -> int:
+        """A span or mark id: a plain counter on the hot path, formatted by ``format_id`` later."""
+        return next(self._counter)
+
+    def format_id(self, value: int | str | None) -> str | None:
+        """The 32-hex id of a counter (strings such as the legacy ``"root"`` pass unchanged)."""
+        return f"{self._prefix}{value:016x}" if type(value) is int else value  # type: ignore[return-value]
 
     def _stack(self) -> list[OpenSpan]:
         stack = getattr(self._local, "stack", None)
@@ -168,7 +176,10 @@ class SpanRecorder:
     def mark_on(self, span: OpenSpan, name: str, value: Any, kind: str, attrs: dict[str, Any] | None) -> str:
         value_type, json_value, nonfinite = mark_value(value)
         mark_id = self.new_id()
-        span.mark_ids.append(mark_id)
+        if span.mark_ids is None:
+            span.mark_ids = [mark_id]
+        else:
+            span.mark_ids.append(mark_id)
         self.marks.append(MarkRow(mark_id, span.id, cut_utf8(str(name)), value_type, json_value, nonfinite,
                                   attrs or None, time.time_ns(), kind))
         return mark_id

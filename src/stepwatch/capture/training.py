@@ -400,9 +400,10 @@ def snapshot(model: Any, mode: str = "stats", *, sample_rate: float = 0.1, **att
 
     try:
         span = state.recorder.current()
-        records, job = snapshot_model(model, span_id=span.id, mode=mode, sample_rate=sample_rate,
+        recorder = state.recorder
+        records, job = snapshot_model(model, span_id=recorder.format_id(span.id), mode=mode, sample_rate=sample_rate,
                                       blob_uri=state.blob_uri, ts_ns=time.time_ns(), attrs=attrs,
-                                      new_id=state.recorder.new_id)
+                                      new_id=lambda: recorder.format_id(recorder.new_id()))
     except ValueError:
         raise  # a wrong mode is the caller's error
     except Exception as exc:  # noqa: BLE001
