@@ -114,6 +114,18 @@ def _shared_session_id(identity: DistributedIdentity) -> str | None:
         return None
 
 
+def _fully_imported_torch() -> Any:
+    """torch once its import has finished, else None.
+
+    The sampler thread can run while the training thread is still inside ``import torch``; the
+    half-built module then lacks ``cuda``/``optim`` and touching them raises.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "optim") or not hasattr(getattr(torch, "utils", None), "data"):
+        return None
+    return torch if hasattr(torch, "cuda") else None
+
+
 class Runtime:
     """Started by ``stepwatch.init``; see ``RuntimeConfig`` for the options."""
 
@@ -346,8 +358,7 @@ class Runtime:
 
     def install_patches(self) -> bool:
         """Torch auto-instrumentation, once torch is fully imported (also when it comes later)."""
-        torch = sys.modules.get("torch")
-        if torch is None or not hasattr(torch, "optim") or not hasattr(getattr(torch, "utils", None), "data"):
+        if _fully_imported_torch() is None:
             return False
         from .torch_patches import TorchPatches
 
@@ -357,7 +368,7 @@ class Runtime:
         return True
 
     def _enable_gpu_timing(self) -> None:
-        torch = sys.modules.get("torch")
+        torch = _fully_imported_torch()
         if self.training.gpu_timer is None and torch is not None and torch.cuda.is_initialized():
             from .gpu_timing import GpuTimer
 
