@@ -214,7 +214,7 @@ def test_two_threads_in_different_phases_are_ambiguous_with_a_summary() -> None:
     assert ambiguous is not None
     assert ambiguous.to_dict() == {
         "phase_resolution": "ambiguous", "phase_source": "heuristic", "phase_paths": ["data", "train / forward"],
-        "phase_summary": "(likely) train / forward"}  # deepest wins; no phase_path, scope or thread
+        "phase_summary": {"phase_path": "train / forward", "source": "heuristic"}}  # deepest wins; no phase_path, scope or thread
     on_two = index.attribute(events[4])
     assert on_two is not None and on_two.to_dict() == {
         "phase_resolution": "unique", "phase_source": "thread_local", "phase_path": "data", "phase_paths": ["data"],
@@ -237,7 +237,7 @@ def test_equal_depth_ambiguity_picks_the_most_recent_scope_for_the_summary() -> 
     s = Scopes()
     events = [s.enter(10, "a", thread=1), s.enter(20, "b", thread=2), sample(25)]
     attribution = PhaseReplayIndex(events).attribute(events[2])
-    assert attribution is not None and attribution.phase_summary == "(likely) b"
+    assert attribution is not None and attribution.phase_summary is not None and attribution.phase_summary.label == "(likely) b"
 
 
 def test_other_processes_and_ranks_are_not_candidates() -> None:
@@ -376,3 +376,12 @@ def test_replay_of_random_nestings(run: tuple[list[TelemetryEventV3], Truth]) ->
                                                metadata={"backend": "cpu", "thread_id": thread}))
             assert local is not None
             assert (local.phase_resolution, local.phase_source, local.scope_id) == ("unique", "thread_local", scope_id)
+
+
+def test_the_analysis_package_exports_its_functions() -> None:
+    import stepwatch.analysis as analysis
+    from stepwatch.analysis import derive_timeline_markers, PhaseReplayIndex  # noqa: F401
+
+    assert set(analysis.__all__) >= {"derive_timeline_markers", "derive_session_timeline_markers",
+                                     "timeline_marker_to_dict", "TimelineMarker", "PhaseReplayIndex"}
+    assert analysis.derive_timeline_markers.__module__ == "stepwatch.analysis.markers"

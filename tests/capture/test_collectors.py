@@ -46,8 +46,10 @@ class FakeCuda:
     """torch.cuda as the collector uses it: per-device allocator stats and driver free/total."""
 
     def __init__(self, devices: list[dict[str, int]], *, available: bool = True, initialized: bool = True,
-                 total: int = 16 * GB, driver_fails: bool = False) -> None:
+                 total: int = 16 * GB, driver_fails: bool = False, current: int = 0) -> None:
         self.devices = devices
+        self.current = current
+        self.driver_asked: list[int] = []
         self.available = available
         self.initialized = initialized
         self.total = total
@@ -68,7 +70,11 @@ class FakeCuda:
     def memory_stats(self, device: int) -> dict[str, int]:
         return dict(self.devices[device])
 
+    def current_device(self) -> int:
+        return self.current
+
     def mem_get_info(self, device: int) -> tuple[int, int]:
+        self.driver_asked.append(device)  # the real call creates a context on that device
         if self.driver_fails:
             raise RuntimeError("driver went away")
         used = self.devices[device]["reserved_bytes.all.current"] + 300 * MB  # + CUDA context etc.
@@ -236,6 +242,16 @@ def test_cuda_collector_reads_allocator_and_driver_view_per_device() -> None:
     assert first.extra == {"peak_allocated_bytes": 3 * GB, "num_alloc_retries": 0, "num_ooms": 0}
     assert second.active is None  # not reported: None, never 0
     check_records(sample_records(CollectorHealth(collector)), collector)
+
+
+def test_cuda_collector_leaves_devices_this_process_never_used_alone() -> None:
+    # rank 1 of a node: its own device is 1; device 0 and 2 hold nothing of this process
+    cuda = FakeCuda([stats(0, 0), stats(1 * GB, 2 * GB), stats(0, 0)], current=1)
+    (reading,) = CudaCollector(fake_torch(cuda)).read()
+    assert reading.device_id == 1
+    assert cuda.driver_asked == [1]  # no driver call (no context) on devices 0 and 2
+    cuda.devices[2] = stats(5 * MB, 8 * MB)  # the program moved a tensor to device 2
+    assert [r.device_id for r in CudaCollector(fake_torch(cuda)).read()] == [1, 2]
 
 
 def test_cuda_collector_without_driver_view_keeps_allocator_counters() -> None:
@@ -416,6 +432,7 @@ def test_runtime_writes_samples_of_a_discovered_cuda_device(tmp_path: Path) -> N
             def is_available(self): return True
             def is_initialized(self): return True
             def device_count(self): return 1
+            def current_device(self): return 0
             def memory_stats(self, d): return {"allocated_bytes.all.current": GB, "reserved_bytes.all.current": 2 * GB}
             def mem_get_info(self, d): return (10 * GB, 16 * GB)
         torch = types.ModuleType("torch")

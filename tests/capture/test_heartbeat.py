@@ -285,6 +285,7 @@ def test_gpu_memory_fields_appear_with_a_cuda_device(tmp_path: Path) -> None:
             def is_available(self): return True
             def is_initialized(self): return True
             def device_count(self): return 2
+            def current_device(self): return 0
             def memory_stats(self, d):
                 return {"allocated_bytes.all.current": (1024 + d) * MB, "reserved_bytes.all.current": (2048 + d) * MB}
             def mem_get_info(self, d): return (10_000 * MB, 16_000 * MB)

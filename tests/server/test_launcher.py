@@ -289,3 +289,19 @@ def test_import_a_track_run_and_summarise_it(track_run: Path, tmp_path: Path) ->
     assert from_store["overall"]["step_ms"] == summary["overall"]["step_ms"]
     text = stepwatch("summary", str(track_run), cwd=tmp_path)
     assert text.returncode == 0 and "steps 30" in text.stdout
+
+
+def test_training_runs_when_the_aggregator_cannot_start(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = tmp_path / "run"
+        proc = subprocess.run([*STEPWATCH, "run", "--port", str(port), "--interval", "200", "--out", str(out),
+                               str(DEMO), "--steps", "12"], cwd=tmp_path, env=clean_env(), capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "aggregator did not start" in proc.stderr + proc.stdout
+    summary = json.loads((out / "final_summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert query(out / "history.sqlite", "SELECT count(*) FROM steps")[0][0] > 0

@@ -19,7 +19,7 @@ import msgspec
 
 from ..schema import TelemetryEventV3
 
-__all__ = ["PhaseAttribution", "PhaseInterval", "PhaseReplayIndex"]
+__all__ = ["PhaseAttribution", "PhaseInterval", "PhaseReplayIndex", "PhaseSummary"]
 
 
 class PhaseInterval(msgspec.Struct, kw_only=True):
@@ -43,6 +43,17 @@ class PhaseInterval(msgspec.Struct, kw_only=True):
         return " / ".join(self.path)
 
 
+class PhaseSummary(msgspec.Struct, kw_only=True):
+    """The display winner of an ambiguous attribution (Stormlog's shape: path and source)."""
+
+    phase_path: str
+    source: str  # "heuristic": shown as "(likely) <path>"
+
+    @property
+    def label(self) -> str:
+        return f"(likely) {self.phase_path}" if self.source == "heuristic" else self.phase_path
+
+
 class PhaseAttribution(msgspec.Struct, kw_only=True, omit_defaults=True):
     phase_resolution: str  # "unique" | "ambiguous"
     phase_source: str  # "exact" | "thread_local" | "heuristic"
@@ -51,7 +62,7 @@ class PhaseAttribution(msgspec.Struct, kw_only=True, omit_defaults=True):
     scope_id: str | None = None
     thread_id: int | None = None
     thread_name: str | None = None
-    phase_summary: str | None = None
+    phase_summary: PhaseSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -134,7 +145,7 @@ class PhaseReplayIndex:
         if len(labels) > 1:
             # deepest scope wins, then the most recently entered: one useful display label
             winner = max(innermost, key=lambda i: (len(i.path), i.start_ns))
-            attribution.phase_summary = f"(likely) {winner.label}"
+            attribution.phase_summary = PhaseSummary(phase_path=winner.label, source="heuristic")
         return attribution
 
 

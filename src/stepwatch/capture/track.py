@@ -80,9 +80,10 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         deadline = time.monotonic() + (_RUNTIME_GRACE_S if _runs_python(command) else 0)
-        while child.poll() is None and time.monotonic() < deadline and not any(run_dir.glob(".autostart-rank*")):
+        claims = f".autostart-{session_id}-rank*"
+        while child.poll() is None and time.monotonic() < deadline and not any(run_dir.glob(claims)):
             time.sleep(0.02)
-        if child.poll() is None and not any(run_dir.glob(".autostart-rank*")):
+        if child.poll() is None and not any(run_dir.glob(claims)):
             # not a Python program (or it never imported site): sample it from outside
             sample_process(child.pid, run_dir=run_dir, interval_ms=interval_ms, session_id=session_id,
                            stop_when=lambda: child.poll() is not None)
@@ -98,19 +99,23 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    status = _close_child_session(run_dir)
+    status = _close_child_session(run_dir, session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, _exit_code(returncode), time.time_ns()
     write_run_manifest(run_dir, manifest)
     return _exit_code(returncode), run_dir, status
 
 
-def _close_child_session(run_dir: Path) -> SessionStatus:
-    """A child killed before it could close its session leaves it running: recover it."""
+def _close_child_session(run_dir: Path, session_id: str) -> SessionStatus:
+    """A child killed before it could close its session leaves it running: recover it.
+
+    Only this session's entry counts: a reused run directory holds earlier sessions too.
+    """
     sink_dir = run_dir / "telemetry" / "rank0"
     if not sink_dir.exists():
         return "incomplete"
     ledger = TelemetrySink(sink_dir).ledger  # opening recovers: running -> interrupted
-    return ledger[-1].status if ledger else "incomplete"
+    mine = [entry.status for entry in ledger if entry.session_id == session_id]
+    return mine[-1] if mine else "incomplete"
 
 
 def sample_process(

@@ -72,15 +72,16 @@ def _training_command(options: LaunchOptions) -> list[str]:
     ]
 
 
-def _close_rank_sessions(run_dir: Path) -> SessionStatus:
-    """Recovers any rank session a killed process left running; returns the run's status."""
+def _close_rank_sessions(run_dir: Path, session_id: str) -> SessionStatus:
+    """Recovers any rank session a killed process left running; returns the run's status
+    (the worst of this session's ranks: a reused run directory holds earlier sessions too)."""
     from ..artifacts.sink import TelemetrySink
 
     statuses: list[str] = []
     for sink_dir in sorted((run_dir / "telemetry").glob("rank*")):
-        ledger = TelemetrySink(sink_dir).ledger
-        if ledger:
-            statuses.append(ledger[-1].status)
+        mine = [entry.status for entry in TelemetrySink(sink_dir).ledger if entry.session_id == session_id]
+        if mine:
+            statuses.append(mine[-1])
     if not statuses:
         return "incomplete"
     return max(statuses, key=lambda s: _STATUS_WEIGHT.get(s, 9))  # type: ignore[return-value]
@@ -96,17 +97,26 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     write_run_manifest(run_dir, manifest)
     aggregator_process = None
     address = options.aggregator
+    local_history = address is None  # this node keeps the history (else the remote aggregator does)
     if address is None:
-        aggregator_process, ready = _start_aggregator(run_dir, options)
-        host, _, port = ready["tcp"].rpartition(":")
-        address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        echo(f"[stepwatch] aggregator on {ready['tcp']}" + (f", HTTP on {ready['http']}" if ready.get("http") else ""))
+        try:
+            aggregator_process, ready = _start_aggregator(run_dir, options)
+        except (RuntimeError, OSError, ValueError) as exc:
+            # fail open: the training runs anyway; the history is built from its artifacts after
+            echo(f"[stepwatch] {exc}; training runs without it and history.sqlite is built from the "
+                 "local artifacts at the end")
+        else:
+            host, _, port = ready["tcp"].rpartition(":")
+            address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+            echo(f"[stepwatch] aggregator on {ready['tcp']}" + (f", HTTP on {ready['http']}" if ready.get("http") else ""))
     env = dict(os.environ)
     env.update(
         STEPWATCH_AUTOSTART="1", STEPWATCH_RUN_DIR=str(run_dir.resolve()), STEPWATCH_SESSION_ID=options.session_id,
-        STEPWATCH_AGGREGATOR=address, STEPWATCH_LAUNCHER="run", STEPWATCH_INTERVAL_MS=str(options.interval_ms),
+        STEPWATCH_LAUNCHER="run", STEPWATCH_INTERVAL_MS=str(options.interval_ms),
         PYTHONPATH=os.pathsep.join(p for p in (str(AUTOSTART_DIR), env.get("PYTHONPATH")) if p),
     )
+    if address is not None:
+        env["STEPWATCH_AGGREGATOR"] = address
     if not options.use_torchrun:
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
     training = subprocess.Popen(_training_command(options), env=env)
@@ -122,6 +132,8 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = 128 - returncode if returncode < 0 else returncode
+    if local_history and aggregator_process is None:
+        _rebuild_history(run_dir, echo)
     if aggregator_process is not None:
         died = aggregator_process.poll()  # before our SIGTERM: did it die during the run?
         aggregator_process.send_signal(signal.SIGTERM)
@@ -134,11 +146,11 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             echo(f"[stepwatch] the aggregator died during the run (exit code {died}); "
                  "rebuilding history.sqlite from the local artifacts")
             _rebuild_history(run_dir, echo)
-    status = _close_rank_sessions(run_dir)
+    status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
     write_run_manifest(run_dir, manifest)
     summary = None
-    if aggregator_process is not None:
+    if local_history:
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
                                       options.nproc_per_node * options.nnodes, options.script)
     return code, run_dir, summary

@@ -1,4 +1,5 @@
-"""Started by every Python process under ``stepwatch track``: the first one starts capture.
+"""Started by every Python process under ``stepwatch track`` or ``stepwatch run``: the first
+Python process of each rank starts capture.
 
 This directory is put first on PYTHONPATH by the launcher; after starting, it steps aside and
 imports whatever ``sitecustomize`` the environment had, so nothing the user set up is lost.
@@ -7,20 +8,54 @@ imports whatever ``sitecustomize`` the environment had, so nothing the user set 
 import os
 import sys
 
+# Programs that only start the ranks: under ``track`` they are not rank 0 themselves.
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "deepspeed")
 
-def _claim(run_dir: str) -> bool:
-    # Only the first Python process of each rank captures (not the launcher's own Python, not
-    # spawned DataLoader workers, which inherit the rank's environment).
-    if os.environ.get("STEPWATCH_LAUNCHER") == "run" and not (os.environ.get("RANK") or os.environ.get("STEPWATCH_RANK")):
-        return False  # the torchrun agent itself, not a rank
-    rank = os.environ.get("RANK") or os.environ.get("STEPWATCH_RANK") or "0"
+
+def _is_launcher() -> bool:
+    argv = getattr(sys, "orig_argv", sys.argv)
+    words = [os.path.basename(a) for a in argv[:3]]
+    return any(w in _LAUNCHERS for w in words)
+
+
+def _holder_alive(path: str) -> bool:
     try:
-        fd = os.open(os.path.join(run_dir, f".autostart-rank{rank}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError:
-        return False
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
+        with open(path) as handle:
+            pid = int(handle.read() or 0)
+        os.kill(pid, 0)
+    except (OSError, ValueError) as exc:
+        return isinstance(exc, PermissionError)  # someone else's live process
     return True
+
+
+def _claim(run_dir: str, session_id: str) -> str | None:
+    """The claim file of this rank, or None when another live process already captures it.
+
+    Only the first Python process of each rank captures: not the launcher's own Python, not
+    DataLoader workers (they inherit the rank's environment while the rank is alive). A claim
+    left by a dead process (a restarted worker, a reused --out) is taken over.
+    """
+    rank = os.environ.get("RANK") or os.environ.get("STEPWATCH_RANK")
+    if rank is None and (os.environ.get("STEPWATCH_LAUNCHER") == "run" or _is_launcher()):
+        return None
+    path = os.path.join(run_dir, f".autostart-{session_id}-rank{rank or '0'}")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            if _holder_alive(path):
+                return None
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        except OSError:
+            return None
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return path
+    return None
 
 
 def _autostart() -> None:
@@ -28,10 +63,11 @@ def _autostart() -> None:
     if os.environ.get("STEPWATCH_AUTOSTART") != "1" or not run_dir:
         return
     try:
-        if _claim(run_dir):
-            import stepwatch
+        import stepwatch  # first: an interpreter without stepwatch claims nothing, so track samples it from outside
 
-            stepwatch.init()
+        claim = _claim(run_dir, os.environ.get("STEPWATCH_SESSION_ID", "none"))
+        if claim is not None and not stepwatch.init().active:
+            os.unlink(claim)
     except Exception as exc:  # noqa: BLE001 - never stop the user's program from starting
         sys.stderr.write(f"[stepwatch] autostart failed, the program runs without capture: {exc}\n")
 

@@ -34,10 +34,15 @@ class CudaCollector:
 
     def read(self) -> list[Reading]:
         readings = []
+        current = self._cuda.current_device()
         for device in range(self._cuda.device_count()):
             stats = self._cuda.memory_stats(device)
             allocated = int(stats.get("allocated_bytes.all.current", 0))
             reserved = int(stats.get("reserved_bytes.all.current", 0))
+            if device != current and reserved == 0:
+                # untouched by this process: asking the driver about it would create a CUDA
+                # context there (hundreds of MB on every GPU, from every rank)
+                continue
             partial: tuple[str, ...] = ()
             try:
                 free, total = self._cuda.mem_get_info(device)
