@@ -167,3 +167,21 @@ def test_any_rank_at_or_above_world_size_is_refused(style: str, world_size: int,
     rank = data.draw(st.integers(min_value=world_size, max_value=world_size + 2**31))
     with pytest.raises(ConfigError):
         resolve_distributed_identity(env=launcher_env(style, rank, 0, world_size))
+
+
+def test_torchrun_run_id_none_is_no_job_id() -> None:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}
+    assert as_tuple(resolve_distributed_identity(env=env)) == (None, 0, 0, 2)
+
+
+def test_a_contradictory_launcher_environment_does_not_stop_the_program(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import stepwatch
+    from stepwatch.capture.guard import reset_swallowed, swallowed
+
+    reset_swallowed()
+    monkeypatch.setenv("RANK", "3")  # no WORLD_SIZE: a world of one cannot hold rank 3
+    runtime = stepwatch.init(out=tmp_path / "run")
+    assert runtime.active is False
+    assert list(swallowed()) == ["init: distributed identity from the environment"]
+    with pytest.raises(ConfigError):  # the caller's own arguments still raise
+        stepwatch.init(out=tmp_path / "run", rank=3)

@@ -126,7 +126,9 @@ def test_two_rank_run_completes_with_history_and_summary(two_ranks: tuple[Path, 
     assert sum(v for k, v in shares.items() if k != "wait") <= 1.0 + 1e-3
     # the wait share excludes the step's own fetch, so the six shares partition the step time
     assert 0.98 <= sum(shares.values()) <= 1.0 + 1e-3
-    assert overall["throughput_steps_per_s"] > 0
+    # the run's rate is its slowest rank's: every rank does each step
+    assert overall["throughput_steps_per_s"] == min(r["throughput_steps_per_s"] for r in summary["per_rank"].values())
+    assert summary["exit_code"] == 0
     peaks = {p["rank"]: p for p in summary["memory_peaks"]}
     assert set(peaks) == {0, 1} and all(p["peak_allocated_bytes"] > 0 for p in peaks.values())
     assert summary["counts"]["telemetry"] > 0 and summary["counts"]["spans"] > 0
@@ -146,6 +148,9 @@ def test_failing_script_exit_code_is_passed_through(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "run" / "run.json").read_text())
     assert manifest["exit_code"] == 3
     assert "exit code 3" in proc.stderr
+    summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
+    assert summary["exit_code"] == 3
+    assert "exit code 3" in (tmp_path / "run" / "final_summary.txt").read_text()
 
 
 def test_training_outlives_a_killed_aggregator(tmp_path: Path) -> None:

@@ -84,6 +84,16 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
     aggregator_stats: dict[str, Any] = {}
     if run_dir is not None and (run_dir / "aggregator_stats.json").is_file():
         aggregator_stats = json.loads((run_dir / "aggregator_stats.json").read_text())
+    exit_code = None
+    if run_dir is not None and (run_dir / "run.json").is_file():
+        run = json.loads((run_dir / "run.json").read_text())
+        if run.get("session_id") == session_id:
+            exit_code = run.get("exit_code")
+    per_rank = {str(rank): _step_stats(rows) for rank, rows in sorted(by_rank.items())}
+    overall = _step_stats(steps)
+    # A training step is done when every rank has done it: the run's rate is its slowest rank's.
+    rates = [r["throughput_steps_per_s"] for r in per_rank.values() if r["throughput_steps_per_s"] is not None]
+    overall["throughput_steps_per_s"] = min(rates) if rates else None
     ranks_seen = sorted({r["rank"] for r in store.query(
         "SELECT DISTINCT rank FROM telemetry WHERE session_id = ? UNION SELECT DISTINCT rank FROM steps WHERE session_id = ?",
         (session_id, session_id))})
@@ -91,12 +101,13 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "session_id": session_id,
         "status": session.get("status"),
+        "exit_code": exit_code,
         "started_at_ns": session.get("started_at_ns"),
         "ended_at_ns": session.get("ended_at_ns"),
         "world_size": session.get("world_size") or (len(ranks_seen) or None),
         "ranks": ranks_seen,
-        "overall": _step_stats(steps),
-        "per_rank": {str(rank): _step_stats(rows) for rank, rows in sorted(by_rank.items())},
+        "overall": overall,
+        "per_rank": per_rank,
         "memory_peaks": [
             {"rank": p["rank"], "collector": p["collector"], "device_id": p["device_id"],
              "peak_allocated_bytes": p["peak_allocated"], "peak_reserved_bytes": p["peak_reserved"],
@@ -117,7 +128,8 @@ def _ms(value: float | None) -> str:
 
 def render_summary_text(summary: dict[str, Any]) -> str:
     lines = [
-        f"stepwatch summary  session {summary['session_id']}  status {summary.get('status')}",
+        f"stepwatch summary  session {summary['session_id']}  status {summary.get('status')}"
+        + (f"  exit code {summary['exit_code']}" if summary.get("exit_code") is not None else ""),
         f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}",
     ]
     overall = summary["overall"]

@@ -74,8 +74,12 @@ def init(
             return _runtime
         try:
             runtime = Runtime(config, launched=env.get("STEPWATCH_LAUNCHER") is not None)
-        except ConfigError:
-            raise
+        except ConfigError as exc:
+            if any(options.get(k) is not None for k in ("rank", "local_rank", "world_size")):
+                raise  # the caller's own arguments are wrong
+            # a launcher's environment that contradicts itself: the program must still run
+            report_internal(exc, "init: distributed identity from the environment")
+            return _runtime
         except Exception as exc:  # noqa: BLE001 - start-up failed: run on without capture
             report_internal(exc, "init")
             return _runtime

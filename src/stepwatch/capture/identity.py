@@ -74,7 +74,7 @@ def resolve_distributed_identity(
             "rank": env_rank,
             "local_rank": _env_int(env, local_var),
             "world_size": env_size,
-            "job_id": env.get(job_var) if job_var else None,
+            "job_id": env.get(job_var) if job_var and env.get(job_var) != "none" else None,  # torchrun's "none"
         }
         source = rank_var.split("_")[0].lower() if rank_var != "RANK" else "torchrun"
         break
