@@ -467,3 +467,15 @@ def test_reading_is_plain_data() -> None:
     reading = Reading(device_id=0, allocated=1, reserved=2, used=3)
     assert (reading.active, reading.inactive, reading.free, reading.total, reading.partial_fields) == (
         None, None, None, None, ())
+
+
+def test_environment_inventory_lists_nvml_gpus_without_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepwatch.artifacts.bundles import environment_info
+
+    nvml = fake_pynvml([(1 * GB, 80 * GB), (0, 80 * GB)], {})
+    nvml.nvmlDeviceGetName = lambda h: b"NVIDIA H100"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # the CLI never imports torch
+    devices = environment_info()["devices"]
+    assert [(d["kind"], d["index"]) for d in devices] == [("cpu", -1), ("cuda", 0), ("cuda", 1)]
+    assert devices[1]["name"] == "NVIDIA H100" and devices[1]["total_bytes"] == 80 * GB

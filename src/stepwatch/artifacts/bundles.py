@@ -58,7 +58,29 @@ def environment_info() -> dict[str, Any]:
                     {"kind": "hip" if torch.version.hip else "cuda", "index": index, "name": props.name,
                      "total_bytes": int(props.total_memory)}
                 )
+            return info
+    info["devices"] += _nvml_devices()  # a process without torch (the CLI) still sees the GPUs
     return info
+
+
+def _nvml_devices() -> list[dict[str, Any]]:
+    """NVIDIA GPUs as the driver lists them (no CUDA context); empty without nvidia-ml-py or a driver."""
+    from ..capture.collectors.nvml import load_nvml
+
+    nvml = load_nvml()
+    if nvml is None:
+        return []
+    devices = []
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name = nvml.nvmlDeviceGetName(handle)
+            devices.append({"kind": "cuda", "index": index, "source": "nvml",
+                            "name": name.decode() if isinstance(name, bytes) else str(name),
+                            "total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(handle).total)})
+    except Exception:  # noqa: BLE001 - a driver that stops answering leaves the inventory partial
+        pass
+    return devices
 
 
 def _allocator_summary(backend: str) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -85,7 +87,8 @@ def diagnose(path: Path | None, output: Path | None, duration: float, fail_on_ri
         started = time.time_ns()
         timeline = sample_timeline(duration)
         session = SessionSummary(session_id=new_session_id(), status="completed", started_at_ns=started,
-                                 ended_at_ns=time.time_ns(), source="stepwatch.diagnose")
+                                 ended_at_ns=time.time_ns(), source="stepwatch.diagnose",
+                                 host=socket.gethostname(), pid=os.getpid())
         events = []
     risks = assess_risks(events, timeline)
     exit_code = 1 if (fail_on_risk and risks) else 0
