@@ -87,6 +87,8 @@ def test_promoted_point_markers() -> None:
         point("stop", 70, "stepwatch capture stopped (completed)"),
         point("error", 75, None, is_oom=True),
         point("custom_thing", 80),
+        point("error", 85, "bundle only", oom_dump_path="bundles/oom_dump_x"),  # Stormlog: the key is enough
+        point("error", 90, "reason unknown", oom_reason=""),
     ]
     markers = derive_timeline_markers(events)
     got = [(m.event_type, m.kind, m.severity, m.source, m.start_ns - T0, m.end_ns) for m in markers]
@@ -101,6 +103,8 @@ def test_promoted_point_markers() -> None:
         ("error", "alert", "critical", "telemetry_event", 65, None),
         ("stop", "lifecycle", "info", "telemetry_event", 70, None),
         ("error", "oom", "critical", "telemetry_event", 75, None),
+        ("error", "oom", "critical", "telemetry_event", 85, None),
+        ("error", "oom", "critical", "telemetry_event", 90, None),
     ]
     assert markers[0].label == "start: stepwatch capture started"
     assert markers[1].label == "collector degraded: RuntimeError: gone"

@@ -53,10 +53,13 @@ class TimelineMarker(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def _is_oom(event: TelemetryEventV3) -> bool:
-    # a flag set to false ("oom": false) says the opposite: only a present, truthy value counts
-    return event.event_type == "error" and any(
-        event.metadata.get(key) for key in ("oom_reason", "oom", "is_oom")
-    )
+    # OOM metadata is there (Stormlog: the key is present, whatever its value); a boolean flag
+    # set to false ("oom": false) says the opposite, so for flags only a truthy value counts
+    if event.event_type != "error":
+        return False
+    metadata = event.metadata
+    return "oom_reason" in metadata or "oom_dump_path" in metadata or any(
+        metadata.get(key) for key in ("oom", "is_oom"))
 
 
 def derive_timeline_markers(events: Iterable[TelemetryEventV3]) -> list[TimelineMarker]:
