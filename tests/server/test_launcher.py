@@ -310,3 +310,41 @@ def test_training_runs_when_the_aggregator_cannot_start(tmp_path: Path) -> None:
     summary = json.loads((out / "final_summary.json").read_text())
     assert summary["status"] == "completed"
     assert query(out / "history.sqlite", "SELECT count(*) FROM steps")[0][0] > 0
+
+
+SLOW_LAST_NODE = """
+import os, sys, time
+sys.argv[1:] = ["--steps", "12"]
+exec(open({demo!r}).read().replace('if __name__ == "__main__":', 'if True:'))
+if os.environ["GROUP_RANK"] == "1":
+    time.sleep(3)  # node 1 ends well after node 0, whose launcher must wait for it
+"""
+
+
+def test_two_nodes_share_one_history_on_node_zero(tmp_path: Path) -> None:
+    """Two `stepwatch run` launchers on loopback, as two nodes: node 0 hosts the aggregator,
+    node 1 reaches it by address, one session id for both."""
+    script = tmp_path / "two_nodes.py"
+    script.write_text(SLOW_LAST_NODE.format(demo=str(DEMO)))
+    sid, port, master = "5e55e55e-0000-4000-8000-000000000002", free_port(), free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master),
+              "--session-id", sid, "--interval", "200"]
+    node0 = subprocess.Popen([*STEPWATCH, "run", *common, "--node-rank", "0", "--port", str(port),
+                              "--out", str(tmp_path / "node0"), str(script)], cwd=tmp_path, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node1 = subprocess.Popen([*STEPWATCH, "run", *common, "--node-rank", "1", "--aggregator", f"127.0.0.1:{port}",
+                              "--out", str(tmp_path / "node1"), str(script)], cwd=tmp_path, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out0, err0 = node0.communicate(timeout=180)
+    out1, err1 = node1.communicate(timeout=60)
+    assert node0.returncode == 0, err0[-3000:]
+    assert node1.returncode == 0, err1[-3000:]
+    store = tmp_path / "node0" / "history.sqlite"
+    stops = query(store, "SELECT DISTINCT rank FROM telemetry WHERE session_id = ? AND event_type = 'stop'", (sid,))
+    assert sorted(r for (r,) in stops) == [0, 1]  # node 1's last records arrived before node 0 closed
+    steps = dict(query(store, "SELECT rank, COUNT(*) FROM steps WHERE session_id = ? GROUP BY rank", (sid,)))
+    assert set(steps) == {0, 1} and steps[0] == steps[1] > 0
+    summary = json.loads((tmp_path / "node0" / "final_summary.json").read_text())
+    assert summary["ranks"] == [0, 1] and summary["world_size"] == 2
+    assert not (tmp_path / "node1" / "history.sqlite").exists()  # node 1 keeps only its local artifacts
+    assert (tmp_path / "node1" / "telemetry" / "rank1").is_dir()

@@ -20,6 +20,7 @@ from ..schema import SessionStatus, new_session_id
 __all__ = ["LaunchOptions", "launch"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
+REMOTE_DRAIN_S = 60.0  # how long node 0 waits for other nodes' ranks after its own are done
 _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
 
 
@@ -134,6 +135,8 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     code = 128 - returncode if returncode < 0 else returncode
     if local_history and aggregator_process is None:
         _rebuild_history(run_dir, echo)
+    if aggregator_process is not None and options.nnodes > 1 and aggregator_process.poll() is None:
+        _wait_for_remote_ranks(run_dir, options.session_id, options.nproc_per_node * options.nnodes, echo)
     if aggregator_process is not None:
         died = aggregator_process.poll()  # before our SIGTERM: did it die during the run?
         aggregator_process.send_signal(signal.SIGTERM)
@@ -154,6 +157,33 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
                                       options.nproc_per_node * options.nnodes, options.script)
     return code, run_dir, summary
+
+
+def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,
+                           timeout_s: float = REMOTE_DRAIN_S) -> None:
+    """This node's ranks are done, but other nodes' may still be sending: keep the aggregator up
+    until every rank's ``stop`` record is in the history, or ``timeout_s`` has passed."""
+    import sqlite3
+
+    history = run_dir / "history.sqlite"
+    deadline = time.monotonic() + timeout_s
+    stopped = 0
+    while time.monotonic() < deadline:
+        try:
+            db = sqlite3.connect(f"{history.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                (stopped,), = db.execute(
+                    "SELECT COUNT(DISTINCT rank) FROM telemetry WHERE session_id = ? AND event_type = 'stop'",
+                    (session_id,)).fetchall()
+            finally:
+                db.close()
+        except sqlite3.Error:
+            pass  # not created yet, or busy: ask again
+        if stopped >= world_size:
+            return
+        time.sleep(0.25)
+    echo(f"[stepwatch] {stopped} of {world_size} ranks reported their end within {timeout_s:.0f} s; "
+         "the others' local artifacts hold the rest")
 
 
 def _rebuild_history(run_dir: Path, echo: Any) -> None:
