@@ -62,6 +62,15 @@ def rss():
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+def hwm():
+    # VmHWM: this process's own high-water mark (ru_maxrss also counts the parent's pages
+    # before exec, since the kernel keeps the larger of the two across it)
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
 def usage():
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime, u.ru_nvcsw, u.ru_nivcsw
@@ -96,7 +105,7 @@ t_4 = time.perf_counter()
 print(json.dumps({{
     "rss_start_bytes": rss_0, "rss_imported_bytes": rss_imported, "rss_settled_bytes": rss_settled,
     "rss_end_bytes": rss_end,
-    "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "rss_peak_bytes": hwm(),
     "import_s": t_1 - t_0, "start_s": t_2 - t_1, "stop_s": t_4 - t_3,
     "modules_after_import": modules_imported, "modules_loaded": len(loaded),
     "top_level_packages": sorted({{m.split(".")[0] for m in loaded}}),
@@ -137,15 +146,19 @@ class Contender(NamedTuple):
 CONTENDERS: dict[str, Contender] = {
     "bare": Contender("bare interpreter", ""),
     "stepwatch": Contender("stepwatch init", "import stepwatch", _STEPWATCH_START, "stepwatch.shutdown()"),
-    # Fill both bounded tables (65,536 rows each by default) faster than the sampler drains.
-    # The child then exits without ``shutdown``: draining that backlog takes many seconds
-    # (bench_capture_overhead.py times it).
+    # Fill both bounded tables (``table_rows`` each) faster than the sampler drains, with a
+    # fresh float per progress row as a real loss would be; RSS is read right after the loop
+    # (tables full) and the high-water mark at the end covers the drain that follows.
+    # The child then exits without ``shutdown`` (bench_capture_overhead.py times a shutdown).
     "stepwatch-full": Contender(
         "stepwatch init, tables full",
         "import stepwatch",
         _STEPWATCH_START + "for i in range(100_000):\n"
         "    with stepwatch.phase('step'):\n"
-        "        stepwatch.progress(i, loss=0.5)",
+        "        stepwatch.progress(i, loss=i * 0.5)\n"
+        "extra['rss_full_bytes'] = rss()\n"
+        "extra['rows_queued_at_fill'] = len(runtime.phase_rows) + len(runtime.progress_rows)\n"
+        "extra['table_rows'] = runtime.config.table_rows",
         settled="extra['rows_queued'] = len(runtime.phase_rows) + len(runtime.progress_rows)",
         after="os._exit(0)",
     ),
@@ -289,6 +302,8 @@ def main() -> None:
 
     # Every child reads RSS right after start-up, after its imports and 2 s after starting the
     # contender: "added" compares with the bare child at the same moment.
+    for r in rss["stepwatch-full"]:
+        r["rss_full_bytes"] = r["extra"]["rss_full_bytes"]
     bare_start = median("bare", "rss_start_bytes")
     bare_settled = median("bare", "rss_settled_bytes")
     summary: dict[str, dict[str, float]] = {}
@@ -314,6 +329,8 @@ def main() -> None:
     rss_row("bare interpreter", "bare", "rss_settled_bytes", bare_settled)
     rss_row("import stepwatch", "stepwatch", "rss_imported_bytes", bare_start)
     rss_row("stepwatch init + 2 s", "stepwatch", "rss_settled_bytes", bare_settled)
+    rss_row("stepwatch init, tables full", "stepwatch-full", "rss_full_bytes", bare_settled)
+    rss_row("stepwatch init, tables full: peak", "stepwatch-full", "rss_peak_bytes", bare_settled)
     rss_row("stepwatch init, tables full + 2 s", "stepwatch-full", "rss_settled_bytes", bare_settled)
     rss_row("import stormlog tracker", "stormlog", "rss_imported_bytes", bare_start)
     rss_row("stormlog tracker + 2 s", "stormlog", "rss_settled_bytes", bare_settled)
@@ -328,11 +345,15 @@ def main() -> None:
           f"(target <= {TARGET_RSS_MB:.0f} MB: {'met' if sw_added / MB <= TARGET_RSS_MB else 'NOT met'}); "
           f"stormlog tracker adds {sl_added / MB:.1f} MB ({sl_added / sw_added:.1f}x), "
           f"with sink {sls_added / MB:.1f} MB ({sls_added / sw_added:.1f}x)")
-    full_added = summary["stepwatch init, tables full + 2 s"]["added_bytes"]
-    queued = median_extra("stepwatch-full", "rows_queued")
-    print(f"with its tables full: {full_added / MB:.1f} MB "
-          f"(target {'met' if full_added / MB <= TARGET_RSS_MB else 'NOT met'}); {queued:,.0f} rows still queued "
-          f"at the reading, {(full_added - sw_added) / max(queued, 1):.0f} B per queued row over plain init")
+    full_added = summary["stepwatch init, tables full"]["added_bytes"]
+    peak_added = summary["stepwatch init, tables full: peak"]["added_bytes"]
+    queued = median_extra("stepwatch-full", "rows_queued_at_fill")
+    print(f"with its tables full ({median_extra('stepwatch-full', 'table_rows'):,.0f} rows per table): "
+          f"{full_added / MB:.1f} MB at the end of the fill, {peak_added / MB:.1f} MB at the high-water mark "
+          f"(target {'met' if peak_added / MB <= TARGET_RSS_MB else 'NOT met'} at the peak); "
+          f"{queued:,.0f} rows queued at the fill's end, "
+          f"{(full_added - sw_added) / max(queued, 1):.0f} B per queued row over plain init; "
+          f"{median_extra('stepwatch-full', 'rows_queued'):,.0f} still queued 2 s later")
     sw = rss["stepwatch"][0]
     print(f"torch imported: stepwatch {'yes' if sw['torch_loaded'] else 'no'}, "
           f"stormlog {'yes' if rss['stormlog'][0]['torch_loaded'] else 'no'}; "

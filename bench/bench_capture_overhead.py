@@ -209,11 +209,25 @@ def _stepwatch_live_worker(argv: list[str]) -> dict[str, Any]:
     out["progress_rows_appended"] = runtime.progress_rows.appended
     out["drops_at_end"] = runtime.drops()
     out["sink_events_written_at_end"] = sum(s.event_count for s in runtime.sink._manifest.segments)
+    out["table_rows"] = runtime.config.table_rows
+    # Shutdown's worst case: both tables full (the progress series above filled its table).
+    run_pairs = _phase_batch(stepwatch.phase)
+    run_pairs(runtime.config.table_rows)
+    out["phase_rows_appended_at_shutdown"] = runtime.phase_rows.appended
+    out["rows_queued_at_shutdown"] = {"phases": len(runtime.phase_rows), "progress": len(runtime.progress_rows)}
     started = time.perf_counter()
     stepwatch.shutdown()
     out["shutdown_s"] = time.perf_counter() - started
+    out["rss_peak_bytes"] = peak_rss_bytes()  # before loading the run back below
+    # Every phase row appended is on disk, evicted by the bound, or dropped at the stop deadline.
+    from stepwatch.telemetry import load_telemetry_sessions
+
+    (session,) = load_telemetry_sessions(args.out)
+    out["session_status"] = session.summary.status
+    out["phase_records_on_disk"] = sum(e.event_type in ("phase_enter", "phase_exit") for e in session.events)
+    out["drops_in_stop_record"] = [e for e in session.events if e.event_type == "stop"][0].metadata["dropped"]
+    out["sink_segments_pruned"] = runtime.sink._manifest.pruned_segment_count
     out["torch_loaded"] = "torch" in sys.modules
-    out["rss_peak_bytes"] = peak_rss_bytes()
     return out
 
 
@@ -294,7 +308,7 @@ def _profile_worker(argv: list[str]) -> dict[str, Any]:
     runtime = stepwatch.init(out=args.out, interval=1.0)
     _quiesce(runtime)
     phase = stepwatch.phase
-    pairs = 20_000
+    pairs = runtime.config.table_rows // 2  # as many as the phase table holds: all are drained
 
     def pairs_loop() -> None:
         for _ in range(pairs):
@@ -333,9 +347,9 @@ def _drain_configs_worker(argv: list[str]) -> dict[str, Any]:
     from stepwatch.artifacts.sink import SinkConfig
 
     configs = {
-        "default sink (flush every 50, fsync='flush')": None,
+        "runtime's sink (flush every 2000, fsync='close')": None,
+        "SinkConfig() defaults (flush every 50, fsync='flush')": SinkConfig(),
         "flush every 50, fsync='never'": SinkConfig(fsync="never"),
-        "flush every 10000, fsync='close'": SinkConfig(flush_every_events=10_000, fsync="close"),
     }
     out: dict[str, Any] = {}
     for index, (label, config) in enumerate(configs.items()):
@@ -498,10 +512,20 @@ def main() -> None:
           f"stormlog / stepwatch {stormlog_pair / live_pair:.0f}x, "
           f"stormlog+sink / stepwatch {stormlog_sink_pair / live_pair:.0f}x")
     drops = live["drops_at_end"]
+    final = live["drops_in_stop_record"]
+    queued = live["rows_queued_at_shutdown"]
+    accounted = live["phase_records_on_disk"] + final["phase_rows_evicted"] + final["phase_rows_dropped_at_stop"]
     print(f"live run: {live['phase_rows_appended']:,} phase rows and {live['progress_rows_appended']:,} progress rows "
           f"appended, {live['sink_events_written_at_end']:,} records on disk when timing ended, "
           f"{drops['phase_rows_evicted']:,} phase / {drops['progress_rows_evicted']:,} progress rows evicted "
-          f"(table bound 65,536); shutdown took {live['shutdown_s']:.2f} s")
+          f"(table bound {live['table_rows']:,})")
+    print(f"shutdown with {queued['phases']:,} phase and {queued['progress']:,} progress rows queued took "
+          f"{live['shutdown_s']:.2f} s; session {live['session_status']}; phase rows: "
+          f"{live['phase_records_on_disk']:,} on disk + {final['phase_rows_evicted']:,} evicted + "
+          f"{final['phase_rows_dropped_at_stop']:,} dropped at the stop deadline = {accounted:,} "
+          f"of {live['phase_rows_appended_at_shutdown']:,} appended "
+          f"({'all' if accounted == live['phase_rows_appended_at_shutdown'] else 'NOT all'} accounted for"
+          f"{'' if not live['sink_segments_pruned'] else '; the sink pruned segments past its retention'})")
     print()
 
     def call_row(label: str, series: dict[str, Any], reference: float | None = None) -> list[str]:
@@ -511,6 +535,7 @@ def main() -> None:
 
     sl, sls = results["stormlog"], results["stormlog-sink"]
     sl_sample = sls["sample"]["median_ns"]
+    drain = paused["drain_per_pair"]
     print("One memory sample (us), each call timed alone; sampler threads stopped")
     print_table(
         ["operation", "median", "p99", "mean", "calls", "stormlog+sink / this"],
@@ -519,7 +544,8 @@ def main() -> None:
             call_row("  CpuCollector.read (memory_info+virtual_memory)", paused["sample_parts"]["collector_read"]),
             call_row("  CollectorHealth.metadata", paused["sample_parts"]["health_metadata"]),
             call_row("  EventFactory.sample", paused["sample_parts"]["event_build"]),
-            call_row("  TelemetrySink.append (flush/50, fsync)", paused["sample_parts"]["sink_append"]),
+            call_row(f"  TelemetrySink.append (flush/{drain['sink_flush_every_events']}, fsync={drain['sink_fsync']})",
+                     paused["sample_parts"]["sink_append"]),
             call_row("stepwatch tick() with forced sample", paused["tick_forced_sample"], sl_sample),
             call_row("stormlog sample tick (no sink)", sl["sample"], sl_sample),
             call_row("  _current_rss", sl["sample_parts"]["collector_read"]),
@@ -528,7 +554,6 @@ def main() -> None:
             call_row("  _add_event (+sink)", sls["sample_parts"]["event_build_and_sink_append"]),
         ],
     )
-    drain = paused["drain_per_pair"]
     print()
     print(f"background work per phase pair (runtime._drain(), {drain['pairs_per_drain']} pairs per drain, "
           f"sink flush every {drain['sink_flush_every_events']} events, fsync={drain['sink_fsync']!r}): "

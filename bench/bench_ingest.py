@@ -3,9 +3,9 @@ side by side with TraceML 0.5.0's aggregator under an equivalent load.
 
 Usage::
 
-    .venv/bin/python bench/bench_ingest.py [--ranks 64] [--rows 1000000] [--gen-procs 4]
+    .venv/bin/python bench/bench_ingest.py [--ranks 64] [--rows 600000] [--gen-procs 4]
         [--steps-per-frame 20] [--http-rows 300000] [--http-clients 16] [--http-batch 1000]
-        [--e2e-samples 80] [--e2e-steps-per-frame 50] [--traceml-rows 1000000]
+        [--e2e-samples 80] [--e2e-steps-per-frame 10,30] [--e2e-spool-interval 2.0] [--traceml-rows 300000]
         [--only tcp,http,e2e,traceml] [--tmp-dir DIR] [--profile]
 
 Phases (each one starts a fresh aggregator in a fresh directory):
@@ -45,7 +45,9 @@ method, off the hot path) to add the pending-row count and, in the final
 ``aggregator_stats.json``, the (rows, seconds) of its last 1000 write ticks, then calls
 ``stepwatch.server.serve.main()``; it also sums the cyclic GC's time through ``gc.callbacks``:
 otherwise the process and code paths are those of ``python -m stepwatch.server``. ``--profile`` adds a single-process breakdown of the pipeline
-(decode, to_rows, check_rows, store params, executemany) per row and a cProfile listing.
+per row (the typed fast path the aggregator takes, decode_typed and wire_tuples; the general
+path, decode_body, to_rows, check_rows and row_tuples, for comparison; append_tuples with and
+without the secondary indexes) and a cProfile listing.
 """
 
 from __future__ import annotations
@@ -488,11 +490,13 @@ def worker_runtime_probe(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--session")
     p.add_argument("--samples", type=int)
     p.add_argument("--gap", type=float)
+    p.add_argument("--spool-interval", type=float, default=2.0)
     a = p.parse_args(argv)
     import stepwatch
 
     stepwatch.init(out=a.out, interval=1.0, aggregator=a.address, session_id=a.session, rank=E2E_RUNTIME_RANK,
-                   local_rank=0, world_size=64, handle_signals=False, auto_instrument=False)
+                   local_rank=0, world_size=64, handle_signals=False, auto_instrument=False,
+                   spool_interval=a.spool_interval)
     _send_go_wait()
     rng = random.Random(62)
     for i in range(a.samples):
@@ -501,7 +505,7 @@ def worker_runtime_probe(argv: list[str]) -> dict[str, Any]:
         stepwatch.progress(1_000_000 + i, probe=i)
         stepwatch.mark("e2e_probe", i)
         print(json.dumps({"probe": "runtime", "i": i, "t_ns": t}), flush=True)
-    time.sleep(3.5)  # the last rows: one tick for progress, one spool seal (2 s) for marks
+    time.sleep(1.5 + a.spool_interval)  # the last rows: one tick for progress, one spool seal for marks
     stepwatch.shutdown()
     return {"samples": a.samples}
 
@@ -552,8 +556,10 @@ def worker_sender_probe(argv: list[str]) -> dict[str, Any]:
 
 
 def worker_profile(argv: list[str]) -> dict[str, Any]:
-    """The aggregator's pipeline in one thread, stage by stage (best of 3), on the same frames;
-    the share of the cyclic GC; SQLite with and without the secondary indexes; then cProfile."""
+    """The aggregator's pipeline in one thread, stage by stage (best of 3), on the same frames:
+    the typed fast path the aggregator takes (decode_typed, wire_tuples) and, for comparison,
+    the general path (decode_body, to_rows, check_rows, row_tuples); SQLite with and without the
+    secondary indexes; then cProfile over Aggregator.accept_body + append_tuples."""
     import cProfile
     import gc
     import pstats
@@ -561,9 +567,9 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
     from _common import GcTimer, current_rss_bytes
 
     from stepwatch.server.aggregator import Aggregator
-    from stepwatch.store.rows import check_rows, to_rows
+    from stepwatch.store.rows import check_rows, row_tuples, to_rows, wire_tuples
     from stepwatch.store.sqlite import _INDEXES, SqliteStore
-    from stepwatch.transport.frames import decode_body
+    from stepwatch.transport.frames import decode_body, decode_typed
 
     p = argparse.ArgumentParser()
     p.add_argument("--dir")
@@ -605,8 +611,11 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
                 store._db.execute(f"DROP INDEX {statement.split(' EXISTS ')[1].split()[0]}")  # noqa: SLF001
         return store
 
-    messages = timed("decode_body (msgpack + shape checks)", lambda _: [decode_body(b) for b in bodies])
-    converted = timed("to_rows (wire -> store dicts)",
+    typed = timed("fast: decode_typed (msgpack -> typed Structs)", lambda _: [decode_typed(b) for b in bodies])
+    tuples = timed("fast: wire_tuples (Structs -> store tuples, JSON columns)",
+                   lambda _: [wire_tuples(m["session_id"], m["rank"], t) for m, t in typed])
+    messages = timed("general: decode_body (msgpack + shape checks)", lambda _: [decode_body(b) for b in bodies])
+    converted = timed("general: to_rows (wire -> store dicts)",
                       lambda _: [to_rows(m.tables, m.meta["session_id"], m.meta["rank"]) for m in messages])
 
     def check(_: Any) -> None:
@@ -614,41 +623,35 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
             for table, table_rows in tables.items():
                 check_rows(table, table_rows)
 
-    timed("check_rows (per-column type checks)", check)
-    batch: dict[str, list[dict[str, Any]]] = {}
-    for tables in converted:
+    timed("general: check_rows (per-column type checks)", check)
+    timed("general: row_tuples (dicts -> tuples, JSON columns)",
+          lambda _: [{t: row_tuples(t, r) for t, r in tables.items()} for tables in converted])
+    params: dict[str, list[tuple[Any, ...]]] = {}
+    for tables in tuples:
         for table, table_rows in tables.items():
-            batch.setdefault(table, []).extend(table_rows)
-    stored_rows = sum(len(v) for v in batch.values())
-    probe = fresh_store()
-    params = timed("SqliteStore._params (dict -> tuple, JSON columns)",
-                   lambda _: {t: probe._params(t, r) for t, r in batch.items()})  # noqa: SLF001
-    probe.close()
+            params.setdefault(table, []).extend(table_rows)
+    stored_rows = sum(len(v) for v in params.values())
 
     def execute(store: Any) -> None:
-        db = store._db  # noqa: SLF001
-        db.execute("BEGIN")
-        for table, p_rows in params.items():
-            db.executemany(store._inserts[table][0], p_rows)  # noqa: SLF001
-        db.execute("COMMIT")
+        store.append_tuples(params)
         store.close()
 
-    timed("executemany + COMMIT (fresh store, 10 indexes)", execute, setup=fresh_store)
-    timed("executemany + COMMIT (fresh store, no secondary index)", execute, setup=lambda: fresh_store(False))
+    timed("append_tuples: executemany + COMMIT (fresh store, 10 indexes)", execute, setup=fresh_store)
+    timed("append_tuples: executemany + COMMIT (fresh store, no secondary index)", execute,
+          setup=lambda: fresh_store(False))
     gc.disable()
     t0 = time.perf_counter()
-    for tables in (to_rows(m.tables, m.meta["session_id"], m.meta["rank"]) for m in [decode_body(b) for b in bodies]):
-        for table, table_rows in tables.items():
-            check_rows(table, table_rows)
+    for m, t in (decode_typed(b) for b in bodies):
+        wire_tuples(m["session_id"], m["rank"], t)
     no_gc = time.perf_counter() - t0
     gc.enable()
     # the whole thing again through the real Aggregator, under cProfile
     store2 = fresh_store()
-    agg = Aggregator(store2)
+    agg = Aggregator(store2, flush_rows=1 << 62, pause_rows=1 << 62)
     gc.collect()
     rss0 = current_rss_bytes()
     for body in bodies:
-        agg.accept(decode_body(body))
+        agg.accept_body(body)
     gc.collect()
     rss1 = current_rss_bytes()
     pending_bytes_per_row = (rss1 - rss0) / rows if rss0 and rss1 else None
@@ -659,9 +662,9 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
         profiler.enable()
         t0 = time.perf_counter()
         for body in bodies:
-            agg.accept(decode_body(body))
+            agg.accept_body(body)
         t_accept = time.perf_counter() - t0
-        store2.append_many(agg._take())  # noqa: SLF001
+        store2.append_tuples(agg._take())  # noqa: SLF001
         t_all = time.perf_counter() - t0
         profiler.disable()
     store2.close()
@@ -1114,7 +1117,8 @@ def run_e2e(args: argparse.Namespace, work: Path, steps_per_frame: int) -> dict[
                                               str(steps_per_frame), "--session", session,
                                               "--paced", "1.0"], work))
         probes = [Worker("runtime-probe", ["--address", server.tcp, "--out", str(probe_out), "--session", session,
-                                           "--samples", str(args.e2e_samples), "--gap", str(gap)], work, on_line),
+                                           "--samples", str(args.e2e_samples), "--gap", str(gap),
+                                           "--spool-interval", str(args.e2e_spool_interval)], work, on_line),
                   Worker("sender-probe", ["--address", server.tcp, "--session", session,
                                           "--samples", str(args.e2e_samples), "--gap", str(gap)], work, on_line)]
         workers += probes
@@ -1170,6 +1174,7 @@ def run_e2e(args: argparse.Namespace, work: Path, steps_per_frame: int) -> dict[
             worker.kill()
         server.kill()
     out: dict[str, Any] = {"samples_requested": args.e2e_samples, "append_rate_per_s": args.e2e_rate,
+                           "spool_interval_s": args.e2e_spool_interval,
                            "background_steps_per_frame": steps_per_frame,
                            "background_ranks": len(background_ranks),
                            "background_rows_per_s": bg_rows / (int(duration) + 2),
@@ -1287,7 +1292,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"{mib(e2e['aggregator_rss_max'])} MiB; write ticks {b.get('n', 0)}, rows p50 {b.get('rows_p50', 0):,}, "
               f"seconds p50 {b.get('s_p50', 0):.3f} p99 {b.get('s_p99', 0):.3f}")
         labels = {"progress": "runtime progress() -> heartbeats (1 s tick)",
-                  "mark": "runtime mark() -> marks (spool seal, 2 s)",
+                  "mark": f"runtime mark() -> marks (spool seal, {e2e.get('spool_interval_s', 2.0):g} s)",
                   "sender": "FrameSender.ship() every 1 s -> marks"}
         print_table(["row", "n", "p50 s", "p90 s", "p99 s", "max s", "missing"],
                     [[labels[k], v["n"], f"{v['p50_s']:.3f}", f"{v['p90_s']:.3f}", f"{v['p99_s']:.3f}",
@@ -1301,12 +1306,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"rows, {prof['frames']} frames; best of 3 per stage, cyclic GC on as in the server):")
         print_table(["stage", "us/wire row", "of which GC"],
                     [[k, f"{v['us_per_row']:.2f}", f"{v['gc_us_per_row']:.2f}"] for k, v in prof["stages"].items()])
-        print(f"decode_body+to_rows+check_rows with the GC disabled: {prof['decode_to_check_gc_off_us_per_row']:.2f} us/row")
+        print(f"decode_typed+wire_tuples with the GC disabled: {prof['decode_to_check_gc_off_us_per_row']:.2f} us/row")
         if prof.get("pending_rss_bytes_per_wire_row"):
             print(f"RSS held per accepted, not yet written wire row (Aggregator._pending): "
                   f"{prof['pending_rss_bytes_per_wire_row']:.0f} B")
-        print(f"Aggregator.accept(decode_body(...)) under cProfile {prof['accept_us_per_wire_row']:.2f} us/row; with "
-              f"append_many {prof['all_us_per_wire_row']:.2f} us/row, GC {prof['all_gc_us_per_wire_row']:.2f} us/row")
+        print(f"Aggregator.accept_body(...) under cProfile {prof['accept_us_per_wire_row']:.2f} us/row; with "
+              f"append_tuples {prof['all_us_per_wire_row']:.2f} us/row, GC {prof['all_gc_us_per_wire_row']:.2f} us/row")
         print(prof["cprofile_tottime_top"])
     if tcp:
         sustained = tcp["overall_rows_per_s"] or 0
@@ -1334,6 +1339,9 @@ def main() -> None:
     parser.add_argument("--e2e-steps-per-frame", default="10,30",
                         help="background load(s): steps in each background rank's 1 Hz frame, comma-separated; "
                              "one e2e run each (default 10,30: 91 and 271 rows a frame, ~5.6k and ~16.8k rows/s)")
+    parser.add_argument("--e2e-spool-interval", type=float, default=2.0,
+                        help="the probe runtime's spool_interval: marks ship when the spool seals (default 2.0, "
+                             "the runtime's default)")
     parser.add_argument("--traceml-rows", type=int, default=300_000)
     parser.add_argument("--timeout", type=float, default=180, help="seconds allowed per ingest phase")
     parser.add_argument("--only", default="tcp,http,e2e,traceml")

@@ -389,6 +389,25 @@ def test_record_with_bad_field_names_file_line_and_field(tmp_path: Path, change:
     assert f"{segment}:2" in str(info.value) and field in str(info.value)
 
 
+def test_records_of_different_world_sizes_in_one_segment_load(tmp_path: Path, session_id: str) -> None:
+    """The identity rule is checked per segment (max rank vs min world size) and, when that
+    is inconclusive, per record: valid mixes must still load."""
+    events = [make_event(session_id, 0, rank=3, local_rank=3, world_size=4),
+              make_event(session_id, 1, rank=0, local_rank=0, world_size=1)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in events))
+    [loaded] = load_telemetry_sessions(path)
+    assert loaded.events == sorted(events, key=lambda e: e.timestamp_ns)
+    assert loaded.summary.ranks == (0, 3)
+
+
+def test_events_of_a_session_share_one_session_id_string(tmp_path: Path) -> None:
+    """Memory: one session id object per loaded session, not one per record (~88 B each)."""
+    sid, _ = write_session(tmp_path, 5, SinkConfig(rollover_max_events=2))
+    [loaded] = load_telemetry_sessions(tmp_path)
+    assert len({id(e.session_id) for e in loaded.events}) == 1 and loaded.events[0].session_id == sid
+
+
 @pytest.mark.parametrize(("wrap", "prefix"), [(lambda r: r, "$[1]"), (lambda r: {"events": r}, "$.events[1]")])
 def test_json_export_record_with_bad_field(tmp_path: Path, session_id: str, wrap: Any, prefix: str) -> None:
     records = as_dicts([make_event(session_id, i) for i in range(3)])

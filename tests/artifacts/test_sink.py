@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -206,6 +207,51 @@ def test_record_of_another_session_is_rejected(tmp_path: Path) -> None:
     events = load_telemetry_events(tmp_path)
     assert [e.metadata["i"] for e in events] == [1, 3]
     assert {e.session_id for e in events} == {session.session_id}
+
+
+# -- batched encoding and background sync ------------------------------------------------------
+
+
+def test_a_record_that_cannot_be_encoded_is_dropped_and_its_error_raised(tmp_path: Path) -> None:
+    """Records are encoded per batch: a bad one is dropped there, the rest of the batch kept."""
+    sink = TelemetrySink(tmp_path, SinkConfig(flush_every_events=1000, flush_every_seconds=3600.0))
+    session = sink.start_session()
+    sid = session.session_id
+    sink.append(make_event(sid, 0))
+    sink.append(make_event(sid, 1, metadata={"handle": object()}))  # msgspec cannot encode it
+    sink.append(make_event(sid, 2))
+    with pytest.raises(TypeError):
+        sink.flush()
+    assert len(lines_of(tmp_path / "segment-000001.jsonl")) == 2
+    sink.append(make_event(sid, 3, metadata={"handle": object()}))
+    with pytest.raises(TypeError):
+        sink.close()  # the session is still closed and the manifest written
+    assert read_manifest(tmp_path)["sessions"][0]["status"] == "completed"
+    assert [e.metadata["i"] for e in load_telemetry_events(tmp_path)] == [0, 2]
+
+
+def test_discard_buffer_counts_pending_and_encoded_records(tmp_path: Path) -> None:
+    sink = TelemetrySink(tmp_path, SinkConfig(flush_every_events=1000, flush_every_seconds=3600.0))
+    session = sink.start_session()
+    for i in range(300):  # more than one encoding batch: some encoded, some still pending
+        sink.append(make_event(session.session_id, i))
+    assert sink.discard_buffer() == 300
+    sink.close()
+    assert lines_of(tmp_path / "segment-000001.jsonl") == []
+
+
+def test_rolled_over_segments_synced_in_the_background_are_whole_after_close(tmp_path: Path) -> None:
+    pad = "x" * 1000  # ~1.6 kB records: 1,000 of them pass the background-sync size
+    config = SinkConfig(flush_every_events=1000, rollover_max_events=1000, fsync="close",
+                        retention_max_files=100, flush_every_seconds=3600.0)
+    sink = TelemetrySink(tmp_path, config)
+    session = sink.start_session()
+    for i in range(3500):
+        sink.append(make_event(session.session_id, i, context=pad))
+    sink.close()
+    assert not any(t.name == "stepwatch-sink-sync" for t in threading.enumerate())
+    assert [len(lines_of(p)) for p in segment_files(tmp_path)] == [1000, 1000, 1000, 500]
+    assert load_telemetry_sessions(tmp_path)[0].summary.event_count == 3500
 
 
 # -- mappings are validated --------------------------------------------------------------------

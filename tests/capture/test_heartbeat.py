@@ -307,3 +307,66 @@ def test_gpu_memory_fields_appear_with_a_cuda_device(tmp_path: Path) -> None:
         assert (b["gpu_mem_alloc"], b["gpu_mem_reserved"]) == (1024, 2048)  # device 0, in MB
         assert isinstance(b["gpu_mem_alloc"], int)
     assert not math.isnan(with_gpu[-1]["ts"])
+
+
+# torch as a rank of a multi-GPU node sees it: the current device is per thread (set_device on
+# the training thread leaves the sampler thread on device 0), and asking the driver about a
+# device (mem_get_info) creates a CUDA context there.
+PER_THREAD_CUDA = """
+import importlib.machinery, sys, threading, time, types
+MB = 1 << 20
+class Cuda:
+    def __init__(self):
+        self.local, self.initialized, self.driver_asked = threading.local(), False, set()
+        self.reserved = {0: 0, 1: 0, 2: 0}
+    def is_available(self): return True
+    def is_initialized(self): return self.initialized
+    def device_count(self): return 3
+    def set_device(self, d): self.local.device, self.initialized = d, True
+    def current_device(self): return getattr(self.local, "device", 0)
+    def memory_stats(self, d):
+        return {"allocated_bytes.all.current": self.reserved[d] // 2, "reserved_bytes.all.current": self.reserved[d]}
+    def mem_get_info(self, d):
+        self.driver_asked.add(d)
+        return (10_000 * MB, 16_000 * MB)
+torch = types.ModuleType("torch")
+torch.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+torch.cuda = Cuda()
+torch.version = types.SimpleNamespace(hip=None, cuda="12.4")
+torch.optim = types.SimpleNamespace()
+torch.utils = types.SimpleNamespace(data=types.SimpleNamespace())
+sys.modules["torch"] = torch
+import stepwatch
+"""
+
+
+@pytest.mark.parametrize("order", ["set_device_then_init", "init_then_set_device_then_progress", "never_told"])
+def test_gpu_memory_fields_come_from_the_ranks_own_device(tmp_path: Path, order: str) -> None:
+    """Rank 1 of a node works on device 1. Its heartbeat reports device 1's memory whether the
+    runtime saw that device on the training thread (at init, at progress) or never did, and
+    the sampler never asks the driver about device 0 (no CUDA context there)."""
+    run = tmp_path / "run"
+    script = PER_THREAD_CUDA + """
+order = sys.argv[2]
+if order == "set_device_then_init":
+    torch.cuda.set_device(1)
+rt = stepwatch.init(out=sys.argv[1], interval=0.05, heartbeat_interval=0.1, auto_instrument=False)
+if order != "set_device_then_init":
+    torch.cuda.set_device(1)
+torch.cuda.reserved[1] = 4096 * MB  # the model, on device 1
+torch.cuda.reserved[2] = 64 * MB  # a small buffer the program put on device 2
+if order == "init_then_set_device_then_progress":
+    stepwatch.progress(1, loss=1.0)
+time.sleep(0.6)
+stepwatch.shutdown()
+print("DRIVER_ASKED", sorted(torch.cuda.driver_asked))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(run), order], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    beats = read_heartbeat(run / "heartbeat_rank0.jsonl")
+    with_gpu = [b for b in beats if "gpu_mem_alloc" in b]
+    assert {b["msg"] for b in with_gpu} >= {"heartbeat", "stop"}
+    assert (with_gpu[-1]["gpu_mem_alloc"], with_gpu[-1]["gpu_mem_reserved"]) == (2048, 4096)  # device 1, MB
+    assert "DRIVER_ASKED [1, 2]" in proc.stdout  # never device 0: no context made there

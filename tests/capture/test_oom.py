@@ -203,3 +203,58 @@ def test_is_oom() -> None:
     assert is_oom(SubclassedOOM("CUDA out of memory"))
     assert not is_oom(RuntimeError("out of memory"))
     assert not is_oom(ValueError())
+
+
+@pytest.mark.parametrize(
+    ("message", "backend"),
+    [
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", "cuda"),
+        ("HIP out of memory. Tried to allocate 2.00 GiB", "rocm"),
+        ("MPS backend out of memory (MPS allocated: 8.00 GB)", "mps"),
+        ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes", "cpu"),
+    ],
+    ids=lambda v: v if v in ("cuda", "rocm", "mps", "cpu") else None,
+)
+def test_torch_oom_error_record_names_its_bundle_and_the_real_backend(
+    tmp_path: Path, message: str, backend: str
+) -> None:
+    pytest.importorskip("torch")
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, time, torch, stepwatch
+        stepwatch.init(out=sys.argv[1], interval=0.05)
+        time.sleep(0.1)
+        with stepwatch.oom_guard():
+            raise torch.OutOfMemoryError(sys.argv[2])
+        """,
+        tmp_path, str(run), message,
+    )
+    assert proc.returncode == 1
+    assert "[stepwatch]" not in proc.stderr
+    (error,) = error_events(run)
+    bundle = only_bundle(run)
+    assert error.metadata["oom_dump_path"] == str(bundle.resolve())  # as Stormlog's error records do
+    check_bundle(bundle, run, reason=f"OutOfMemoryError: {message}", backend=backend)
+    recorded = json.loads((bundle / "events.json").read_text())[-1]
+    assert recorded["metadata"]["oom_dump_path"] == str(bundle.resolve())  # the bundle holds that record
+
+
+def test_an_oom_whose_bundle_cannot_be_written_is_still_recorded(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import pathlib, sys, stepwatch
+        stepwatch.init(out=sys.argv[1], interval=0.05)
+        (pathlib.Path(sys.argv[1]) / "bundles").write_text("a file where the bundle directory goes")
+        with stepwatch.oom_guard():
+            raise MemoryError("boom")
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.rstrip().endswith("MemoryError: boom")
+    assert proc.stderr.count("[stepwatch]") == 1 and "oom.bundle" in proc.stderr
+    (error,) = error_events(run)
+    assert error.metadata["oom_reason"] == "MemoryError: boom"
+    assert "oom_dump_path" not in error.metadata and error.metadata["oom_dump_error"]

@@ -25,7 +25,7 @@ from stepwatch.capture import api
 from stepwatch.capture.guard import reset_swallowed, swallowed
 from stepwatch.errors import ConfigError
 from stepwatch.schema import validate_telemetry_record
-from stepwatch.telemetry import load_telemetry_sessions
+from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
 
 
 def clean_env() -> dict[str, str]:
@@ -360,6 +360,113 @@ def test_phase_rows_past_the_table_bound_are_evicted_and_counted(tmp_path: Path)
     assert stop.metadata["dropped"]["sink_records_dropped"] == 0
 
 
+# The sampler is stuck in a slow write (a gate in sink.append) while the program queues a backlog
+# of phase and progress rows, under the table bound; then the program shuts down.
+BACKLOG = """
+import sys, threading, time, stepwatch
+rt = stepwatch.init(out=sys.argv[1], interval=0.05, heartbeat_interval=60)
+gate, writing = threading.Event(), threading.Event()
+original = rt.sink.append
+def slow_append(event):
+    writing.set()
+    gate.wait(30)
+    original(event)
+rt.sink.append = slow_append
+assert writing.wait(5)
+N = 6000
+for i in range(N):
+    with stepwatch.phase("work"):
+        stepwatch.progress(i, loss=i * 0.5)
+assert len(rt.phase_rows) == 2 * N and len(rt.progress_rows) == N  # all of it still queued
+"""
+
+
+def backlog_accounting(run: Path, n: int) -> tuple[dict[str, int], int, int]:
+    """The stop record's drops, and the phase and progress records that reached disk."""
+    session = only_session(run)
+    assert session.summary.status == "completed"
+    assert event_types(session).count("stop") == 1
+    phases = [e for e in session.events if e.event_type in ("phase_enter", "phase_exit")]
+    seqs = [e.metadata["phase_scope"]["sequence"] for e in phases]
+    assert len(set(seqs)) == len(seqs)  # nothing written twice
+    progress = [b["step"] for b in read_heartbeat(run / "heartbeat_rank0.jsonl") if b["msg"] == "progress"]
+    assert progress == sorted(set(progress)) and set(progress) <= set(range(n))  # in order, none twice
+    dropped = [e for e in session.events if e.event_type == "stop"][0].metadata["dropped"]
+    return dropped, len(phases), len(progress)
+
+
+def test_a_backlog_at_shutdown_is_written_completely(tmp_path: Path) -> None:
+    """Shutdown waits for the sampler's chunk in flight (never closing the sink under it), then
+    writes the rest of the backlog itself, within the default deadline."""
+    run = tmp_path / "run"
+    proc = run_py(
+        BACKLOG + """
+threading.Timer(0.3, gate.set).start()  # the slow write returns while shutdown waits
+started = time.monotonic()
+stepwatch.shutdown()
+print("SHUTDOWN_S", time.monotonic() - started)
+""",
+        tmp_path, str(run), timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr  # no "append before start_session (or after close)"
+    dropped, phases, progress = backlog_accounting(run, 6000)
+    assert phases == 2 * 6000 and progress == 6000
+    assert dropped["phase_rows_evicted"] == dropped["progress_rows_evicted"] == 0
+    assert dropped["phase_rows_dropped_at_stop"] == dropped["progress_rows_dropped_at_stop"] == 0
+    assert dropped["sink_records_dropped"] == dropped["rows_unwritable"] == 0
+    assert float(proc.stdout.split("SHUTDOWN_S")[1]) < 2.0 + 1.0  # the deadline, plus closing the files
+
+
+def test_a_progress_row_that_cannot_become_a_record_is_counted_and_the_rest_are_written(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, stepwatch
+        stepwatch.init(out=sys.argv[1], interval=0.05)
+        stepwatch.progress(1, loss=1.0)
+        stepwatch.progress(2, msg="clashes with the record's own msg field")
+        stepwatch.progress(3, loss=0.5)
+        stepwatch.shutdown()
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("[stepwatch]") and "drain.progress" in lines[0], proc.stderr
+    progress = [b for b in read_heartbeat(run / "heartbeat_rank0.jsonl") if b["msg"] == "progress"]
+    assert [(b["step"], b["loss"]) for b in progress] == [(1, 1.0), (3, 0.5)]
+    stop = [e for e in only_session(run).events if e.event_type == "stop"][0]
+    assert stop.metadata["dropped"]["rows_unwritable"] == 1
+
+
+def test_a_sampler_stuck_past_the_deadline_finishes_the_stop_and_counts_what_it_could_not_write(
+    tmp_path: Path,
+) -> None:
+    """``shutdown(timeout=0)`` returns while the sampler is still stuck in its write; the sampler
+    then closes the session itself: every queued row is either on disk or counted as dropped."""
+    run = tmp_path / "run"
+    proc = run_py(
+        BACKLOG + """
+stepwatch.shutdown(timeout=0)
+print("RETURNED_BEFORE_THE_WRITE", not gate.is_set())
+gate.set()
+rt._thread.join(30)
+print("SAMPLER_DONE", not rt._thread.is_alive())
+""",
+        tmp_path, str(run), timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RETURNED_BEFORE_THE_WRITE True" in proc.stdout and "SAMPLER_DONE True" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("[stepwatch]") and "stop deadline" in lines[0], proc.stderr
+    dropped, phases, progress = backlog_accounting(run, 6000)
+    assert dropped["phase_rows_evicted"] == dropped["progress_rows_evicted"] == 0
+    assert phases + dropped["phase_rows_dropped_at_stop"] == 2 * 6000
+    assert progress + dropped["progress_rows_dropped_at_stop"] == 6000
+    assert dropped["phase_rows_dropped_at_stop"] > 0  # a deadline of 0: only the chunk in flight is written
+
+
 # -- fork ----------------------------------------------------------------------------------------
 
 
@@ -440,3 +547,167 @@ def test_sampler_samples_at_the_configured_sub_second_interval(tmp_path: Path) -
         assert event.metadata["backend"] == "cpu" and event.metadata["sampling_source"] == "psutil"
         assert event.metadata["supports_device_total"] is True and event.metadata["supports_device_free"] is True
         assert event.metadata["collector_health_status"] == "healthy"
+
+
+# -- values that JSON cannot hold as they are ------------------------------------------------------
+
+
+def test_phase_attributes_and_progress_metrics_of_any_type_are_written_json_safe(tmp_path: Path) -> None:
+    """numpy scalars and arrays, custom objects (one whose ``__str__`` raises) and non-UTF-8
+    text in phase attributes and progress metrics: every record is written, readable by the
+    loaders and the CLI, and nothing is counted as lost."""
+    pytest.importorskip("numpy")
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, numpy as np, stepwatch
+        class Config:
+            def __str__(self): return "Config(lr=0.1)"
+        class Broken:
+            def __str__(self): raise RuntimeError("no text for you")
+        stepwatch.init(out=sys.argv[1], interval=0.05)
+        with stepwatch.phase("before"):
+            pass
+        with stepwatch.phase("epoch", epoch=np.int64(3), lr=np.float32(0.5), ok=np.bool_(True), cfg=Config(),
+                             broken=Broken(), weights=np.arange(3), nested={"ids": (np.int8(1), 2)},
+                             path="bad\\udc80name"):
+            stepwatch.progress(1, loss=np.float64(0.25), cfg=Config(), weights=np.arange(2), tags=["a", np.int16(7)])
+        with stepwatch.phase("after"):
+            stepwatch.progress(2, loss=0.125)
+        stepwatch.shutdown()
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    for line in (run / "telemetry" / "rank0" / "segment-000001.jsonl").read_bytes().splitlines():
+        validate_telemetry_record(json.loads(line))  # every line is a whole, valid record
+    session = only_session(run)
+    enters = [e.metadata["phase_scope"] for e in session.events if e.event_type == "phase_enter"]
+    assert [s["name"] for s in enters] == ["before", "epoch", "after"]
+    exits = [e.metadata["phase_scope"] for e in session.events if e.event_type == "phase_exit"]
+    assert [s["name"] for s in exits] == ["before", "epoch", "after"]
+    attributes = enters[1]["attributes"]
+    assert attributes == exits[1]["attributes"]
+    assert (attributes["epoch"], attributes["lr"], attributes["ok"]) == (3, 0.5, True)
+    assert type(attributes["epoch"]) is int and type(attributes["ok"]) is bool
+    assert attributes["cfg"] == "Config(lr=0.1)"
+    assert attributes["broken"] == "<unprintable Broken>"
+    assert attributes["weights"] == "[0 1 2]"
+    assert attributes["nested"] == {"ids": [1, 2]}
+    assert attributes["path"] == "bad?name"  # a lone surrogate cannot be UTF-8: replaced
+    progress = [b for b in read_heartbeat(run / "heartbeat_rank0.jsonl") if b["msg"] == "progress"]
+    assert [(b["step"], b["loss"]) for b in progress] == [(1, 0.25), (2, 0.125)]
+    assert (progress[0]["cfg"], progress[0]["weights"], progress[0]["tags"]) == ("Config(lr=0.1)", "[0 1]", ["a", 7])
+    stop = [e for e in session.events if e.event_type == "stop"][0]
+    assert stop.metadata["dropped"]["rows_unwritable"] == 0
+    for command in ("sessions", "inspect"):
+        cli = subprocess.run([str(Path(sys.executable).with_name("stepwatch")), command, str(run)],
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, (command, cli.stdout, cli.stderr)
+
+
+def test_a_record_the_sink_cannot_encode_is_counted_and_the_rest_of_its_chunk_is_written(tmp_path: Path) -> None:
+    """The drain guards each record: one the sink rejects (here a phase record given a metadata
+    value no encoder takes) is counted, and the 600 phases queued after it still reach disk."""
+    run = tmp_path / "run"
+    proc = run_py(
+        """
+        import sys, threading, stepwatch
+        rt = stepwatch.init(out=sys.argv[1], interval=0.05, heartbeat_interval=60)
+        build = rt.factory.phase
+        def phase(row, prefix):
+            event = build(row, prefix)
+            if row[2] == "poison":
+                event.metadata["poison"] = object()  # cannot be encoded, whatever json_safe did
+            return event
+        rt.factory.phase = phase
+        with rt._tick_lock:  # the sampler waits: all of this is drained as one chunk
+            with stepwatch.phase("poison"):
+                pass
+            for i in range(600):
+                with stepwatch.phase(f"p{i}"):
+                    pass
+        stepwatch.shutdown()
+        """,
+        tmp_path, str(run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    session = only_session(run)
+    assert session.summary.status == "completed"
+    names = [e.metadata["phase_scope"]["name"] for e in session.events if e.event_type == "phase_enter"]
+    assert names == [f"p{i}" for i in range(600)]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("[stepwatch]") and "sink.encode" in lines[0], proc.stderr
+    stop = [e for e in session.events if e.event_type == "stop"][0]
+    assert stop.metadata["dropped"]["rows_unwritable"] >= 1
+
+
+# -- ranks of one job without --out -----------------------------------------------------------------
+
+# A stand-in for the torchrun agent: it starts rank 0, waits until the wall clock has moved on to
+# the next second, then starts rank 1 (plain `stepwatch.init()`, no --out, no `stepwatch run`).
+AGENT = """
+import os, subprocess, sys, time
+RANK = '''
+import os, sys, time, stepwatch
+rt = stepwatch.init(interval=0.05)
+print("RANK", os.environ["RANK"], rt.session_id, rt.run_dir, int(rt.started_ns // 10**9), flush=True)
+with stepwatch.phase("work"):
+    time.sleep(0.1)
+stepwatch.shutdown()
+'''
+def start(rank):
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    return subprocess.Popen([sys.executable, "-c", RANK], env=env, stdout=subprocess.PIPE, text=True)
+first = start(0)
+line = first.stdout.readline()
+print(line, end="", flush=True)
+started_second = int(line.split()[-1])
+while int(time.time()) <= started_second:
+    time.sleep(0.01)
+second = start(1)
+print(second.stdout.readline(), end="", flush=True)
+sys.exit(first.wait() or second.wait())
+"""
+
+
+@pytest.mark.parametrize("job_id", [None, "job-42"])
+def test_ranks_started_in_different_seconds_share_one_default_run_directory(tmp_path: Path, job_id: str | None) -> None:
+    env = clean_env()
+    if job_id is not None:
+        env["TORCHELASTIC_RUN_ID"] = job_id
+    proc = subprocess.run([sys.executable, "-c", AGENT], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr
+    ranks = [line.split() for line in proc.stdout.splitlines() if line.startswith("RANK")]
+    assert [r[1] for r in ranks] == ["0", "1"]
+    assert ranks[0][4] != ranks[1][4]  # they did start in different seconds
+    assert ranks[0][2] == ranks[1][2]  # one session id
+    assert ranks[0][3] == ranks[1][3]  # one run directory
+    (run,) = (tmp_path / "stepwatch_runs").iterdir()
+    assert run.name.endswith(ranks[0][2][:8])
+    assert sorted(p.name for p in (run / "telemetry").iterdir()) == ["rank0", "rank1"]
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["session_id"] == ranks[0][2] and manifest["world_size"] == 2
+    session = only_session(run)  # the ranks' sinks load as one session
+    assert session.summary.session_id == ranks[0][2]
+    assert session.summary.ranks == (0, 1) and session.summary.status == "completed"
+    assert {e.rank for e in session.events} == {0, 1}
+
+
+@pytest.mark.parametrize(("given", "expected_ms"), [("", 200), ("interval=1.0", 1000), ("interval=0.5", 500)])
+def test_an_explicit_interval_wins_over_the_environment(tmp_path: Path, given: str, expected_ms: int) -> None:
+    proc = run_py(
+        f"""
+        import os, sys, stepwatch
+        os.environ["STEPWATCH_INTERVAL_MS"] = "200"  # what `stepwatch track --interval 200` sets
+        stepwatch.init(out=sys.argv[1], {given})
+        stepwatch.shutdown()
+        """,
+        tmp_path, str(tmp_path / "run"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = load_telemetry_events(tmp_path / "run")
+    assert {e.sampling_interval_ms for e in events if e.event_type == "sample"} == {expected_ms}

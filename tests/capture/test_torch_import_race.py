@@ -18,14 +18,16 @@ from stepwatch.capture.guard import reset_swallowed, swallowed
 
 
 def test_tick_leaves_half_imported_torch_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Half-built from the start: a real torch imported by an earlier test (or at collection)
+    # would otherwise be patched by init itself, before the tick under test.
+    half_built = types.ModuleType("torch")  # what `import torch` has bound before its body ran
+    monkeypatch.setitem(sys.modules, "torch", half_built)
     stepwatch.init(out=tmp_path / "run", interval=60.0)
     runtime = current_runtime()
     try:
         runtime._stop.set()
         runtime._thread.join()
         reset_swallowed()
-        half_built = types.ModuleType("torch")  # what `import torch` has bound before its body ran
-        monkeypatch.setitem(sys.modules, "torch", half_built)
         runtime._next_discovery = 0.0
         runtime.tick()
         assert swallowed() == {}

@@ -308,3 +308,26 @@ def test_diagnose_fails_on_a_recorded_oom_when_asked(tmp_path: Path) -> None:
     assert [r["name"] for r in risks if r["name"] == "OOM_RECORDED"] == ["OOM_RECORDED"]
     assert "MemoryError: boom" in next(r for r in risks if r["name"] == "OOM_RECORDED")["detail"]
     assert len(list((run / "bundles").glob("oom_dump_*"))) == 1  # the in-process capture wrote its bundle too
+
+
+def test_track_pid_writes_the_run_manifest_and_a_heartbeat(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with subprocess.Popen(["sleep", "1.5"]) as target:
+        started_ns = time.time_ns()
+        proc = subprocess.run([STEPWATCH, "track", "--interval", "50", "--out", str(run), "--pid", str(target.pid)],
+                              cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    manifest = run_manifest(run)
+    session = only_session(run)
+    assert manifest["session_id"] == session.summary.session_id
+    assert manifest["launcher"] == "track"
+    assert manifest["pid"] == target.pid
+    assert manifest["command_line"] == ["sleep", "1.5"]
+    assert manifest["status"] == "completed" == session.summary.status
+    assert started_ns <= manifest["started_at_ns"] <= manifest["ended_at_ns"] <= time.time_ns()
+    from stepwatch.artifacts.heartbeat import read_heartbeat
+
+    beats = read_heartbeat(run / "heartbeat_rank0.jsonl")
+    assert [b["msg"] for b in beats][0] == "boot" and beats[-1]["msg"] == "stop"
+    assert beats[-1]["status"] == "completed"
+    assert {b["pid"] for b in beats} == {target.pid} and {b["rank"] for b in beats} == {0}

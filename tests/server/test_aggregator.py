@@ -315,3 +315,50 @@ def test_writer_outlives_a_failed_write(tmp_path: Path, capsys: pytest.CaptureFi
     assert core.stats()["rows_written"] == 1
     assert query(path, "SELECT name FROM marks") == [("fine",)]
     assert "refused by trigger" in capsys.readouterr().err
+
+
+def test_backpressure_bounds_pending_rows_and_a_full_batch_writes_before_the_tick(tmp_path: Path) -> None:
+    """With no writer running, a rank's connection stops being read once ``pause_rows`` wait;
+    once the writer runs, ``flush_rows`` waiting rows are written without waiting for the tick."""
+    import asyncio
+
+    from stepwatch.server.aggregator import Aggregator as Core
+    from stepwatch.store.sqlite import SqliteStore
+
+    path = tmp_path / "history.sqlite"
+    store = SqliteStore(path)
+    frames = [encode_frame({"session_id": SID, "rank": 0}, {"marks": [
+        {"id": hexid(), "name": "loss", "value": float(i), "ts_ns": i, "attrs": {"pad": "x" * 1000}}
+        for i in range(10)]}) for _ in range(50)]  # ~10 KiB a frame: one 64 KiB read holds a few frames, not all
+
+    async def main() -> tuple[int, int, float]:
+        core = Core(store, tick_s=30.0, flush_rows=40, pause_rows=100)
+        server = await asyncio.start_server(core.handle_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        for frame in frames:  # 500 rows; each frame a write of its own so the reader sees them one by one
+            writer.write(frame)
+            await writer.drain()
+        await asyncio.sleep(0.5)
+        paused_at = core.stats()["pending_rows"]
+        started = time.monotonic()
+        loop_task = asyncio.create_task(core.write_loop())
+        while core.rows_written < 500 and time.monotonic() - started < 10:
+            await asyncio.sleep(0.01)
+        elapsed = time.monotonic() - started
+        core.stop()
+        await loop_task
+        writer.close()
+        core.close_connections()
+        server.close()
+        await server.wait_closed()
+        return paused_at, core.rows_written, elapsed
+
+    try:
+        paused_at, written, elapsed = asyncio.run(main())
+    finally:
+        store.close()
+    assert 100 <= paused_at <= 200  # stopped reading past the bound (one read chunk may overshoot it)
+    assert written == 500
+    assert elapsed < 5  # written in flush_rows batches, not one per 30 s tick
+    assert query(path, "SELECT COUNT(*) FROM marks") == [(500,)]

@@ -437,3 +437,47 @@ def test_reads_the_real_cirron_spool(tmp_path: Path) -> None:
             keys = set(blob.keys())
         name = record["tensor_name"]
         assert name in keys or name.removesuffix(".grad") in keys  # Cirron drops the .grad suffix
+
+
+# -- the records the runtime writes: the spec's fields, in the spec's order --------------------
+
+SPAN_FIELDS = ["id", "name", "parent_id", "index", "start_ns", "end_ns", "cpu_ns", "gpu_ns", "memory_peak_bytes",
+               "thread_id", "pid", "rank", "attrs", "mark_ids"]
+MARK_FIELDS = ["id", "span_id", "name", "value_type", "value", "attrs", "ts_ns", "kind"]
+
+
+def test_runtime_records_have_the_spec_fields_in_order(tmp_path: Path) -> None:
+    """Spans and marks are encoded from Structs built at the seal (not dicts): the same keys, in
+    spool-format-v1.md's order, ``value_nonfinite`` only on a non-finite mark, and a step's
+    breakdown after the attrs it was opened with (``error`` last)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False)
+    with stepwatch.trace_step(model, lr=0.1, tag="a"):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        stepwatch.mark("loss", 0.5, step=1)
+        stepwatch.mark("diverged", float("nan"))
+    with pytest.raises(KeyError), stepwatch.trace_step(model):
+        raise KeyError("user")
+    stepwatch.shutdown()
+
+    raw = [json.loads(p.read_text()) for p in sorted((tmp_path / "spool").glob("*.json"))]
+    spans = [s for batch in raw for s in batch["spans"]]
+    marks = [m for batch in raw for m in batch["marks"]]
+    assert spans and all(list(s) == SPAN_FIELDS for s in spans)
+    assert all(s["cpu_ns"] is None and s["memory_peak_bytes"] is None for s in spans)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", s["id"]) for s in spans)
+    by_name = {m["name"]: m for m in marks}
+    assert list(by_name["loss"]) == MARK_FIELDS and by_name["loss"]["attrs"] == {"step": 1}
+    assert list(by_name["diverged"]) == [*MARK_FIELDS, "value_nonfinite"]
+    first, second = sorted((s for s in spans if s["name"] == "step"), key=lambda s: s["index"])
+    breakdown = ["step_ns", "data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns", "wait_ns"]
+    assert list(first["attrs"]) == ["lr", "tag", *breakdown] and first["attrs"]["lr"] == 0.1
+    assert first["mark_ids"] == [by_name["loss"]["id"], by_name["diverged"]["id"]]
+    assert list(second["attrs"]) == [*breakdown, "error"] and second["attrs"]["error"] == "KeyError"
+    assert second["attrs"]["step_ns"] == second["end_ns"] - second["start_ns"]

@@ -389,3 +389,20 @@ def test_never_synchronizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
     assert calls == []
     assert len(losses) == 10 and len(names(spool, "step")) == 10
+
+
+def test_misused_patched_calls_raise_what_torch_raises(tmp_path: Path) -> None:
+    """The patches read their arguments before calling torch: an unbound call with nothing to
+    call on still raises torch's own error type, not one of ours."""
+    def errors() -> list[type[BaseException]]:
+        found = []
+        for call in (lambda: nn.Module.__call__(), lambda: torch.Tensor.to(), lambda: torch.Tensor.to(device="cuda"),
+                     lambda: torch.Tensor.to("not a tensor", "cuda")):
+            with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is what is compared
+                call()
+            found.append(type(caught.value))
+        return found
+
+    plain = errors()
+    start(tmp_path)
+    assert errors() == plain

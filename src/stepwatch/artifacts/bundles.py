@@ -19,7 +19,7 @@ import msgspec
 from ..schema import SessionSummary, TelemetryEventV3
 from ._files import atomic_write_bytes
 
-__all__ = ["environment_info", "write_diagnose_bundle", "write_oom_bundle"]
+__all__ = ["environment_info", "new_oom_bundle_dir", "write_diagnose_bundle", "write_oom_bundle"]
 
 BUNDLE_SCHEMA_VERSION = 2
 _encoder = msgspec.json.Encoder()
@@ -97,7 +97,15 @@ def _allocator_summary(backend: str) -> dict[str, Any]:
     import psutil
 
     info = psutil.Process().memory_info()
-    return {"backend": backend, "process_rss_bytes": info.rss, "process_vms_bytes": info.vms}
+    summary: dict[str, Any] = {"backend": backend, "process_rss_bytes": info.rss, "process_vms_bytes": info.vms}
+    mps = getattr(torch, "mps", None) if backend == "mps" else None
+    if mps is not None:
+        try:
+            summary["mps_current_allocated_bytes"] = int(mps.current_allocated_memory())
+            summary["mps_driver_allocated_bytes"] = int(mps.driver_allocated_memory())
+        except Exception:  # noqa: BLE001 - the host view above is still a summary
+            pass
+    return summary
 
 
 def _memory_snapshot(directory: Path) -> str | None:
@@ -116,6 +124,13 @@ def _memory_snapshot(directory: Path) -> str | None:
         return None
 
 
+def new_oom_bundle_dir(root: Path, backend: str) -> Path:
+    """The path of the next ``oom_dump_<UTC>_<pid>_<backend>_<seq>/`` under ``root`` (not created):
+    named first so that the error record can point at its bundle, which holds that record."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return root / f"oom_dump_{stamp}_{os.getpid()}_{backend}_{next(_seq)}"
+
+
 def write_oom_bundle(
     root: Path,
     *,
@@ -124,10 +139,11 @@ def write_oom_bundle(
     session: SessionSummary,
     events: list[TelemetryEventV3],
     metadata: dict[str, Any],
+    directory: Path | None = None,
 ) -> Path:
-    """Writes ``oom_dump_<UTC>_<pid>_<backend>_<seq>/`` under ``root``; returns its path."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    directory = root / f"oom_dump_{stamp}_{os.getpid()}_{backend}_{next(_seq)}"
+    """Writes ``oom_dump_<UTC>_<pid>_<backend>_<seq>/`` under ``root`` (or ``directory``, from
+    ``new_oom_bundle_dir``); returns its path."""
+    directory = directory or new_oom_bundle_dir(root, backend)
     directory.mkdir(parents=True, exist_ok=True)
     files = [
         _dump(directory / "metadata.json", metadata),

@@ -22,7 +22,7 @@ import msgspec
 from ..errors import ArtifactError
 from ._files import cut_torn_tail
 
-__all__ = ["HeartbeatWriter", "heartbeat_filename", "heartbeat_record", "read_heartbeat"]
+__all__ = ["HeartbeatWriter", "heartbeat_filename", "heartbeat_record", "json_safe", "read_heartbeat"]
 
 _REQUIRED = ("ts", "rank", "step", "msg")
 _encoder = msgspec.json.Encoder()
@@ -33,21 +33,79 @@ def heartbeat_filename(rank: int) -> str:
     return f"heartbeat_rank{rank}.jsonl"
 
 
+_JSON_LEAVES = frozenset({bool, int, float, type(None)})
+_MAX_DEPTH = 8
+
+
+def json_safe(value: Any, _depth: int = 0) -> Any:
+    """``value`` as something ``msgspec.json`` always encodes, for values the user hands us
+    (phase attributes, progress metrics): an encode failure in a writer would lose the record.
+
+    Plain JSON values pass unchanged; numpy/torch scalars become their number (``.item()``);
+    subclasses of bool/int/float/str become the base type; mappings and sequences are converted
+    item by item (keys become strings); anything else, and text that is not valid UTF-8,
+    becomes ``str()`` of it.
+    """
+    kind = type(value)
+    if kind in _JSON_LEAVES:
+        return value
+    if kind is str:
+        return value if value.isascii() else _utf8(value)
+    if _depth >= _MAX_DEPTH:  # deep or self-referencing containers end as text
+        return _text(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return _utf8(str.__str__(value))
+    if isinstance(value, Mapping):
+        return {(k if type(k) is str else _text(k)): json_safe(v, _depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(v, _depth + 1) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            number = item()  # a numpy scalar or 0-d tensor (``loss=loss.detach()``): its number
+        except Exception:  # noqa: BLE001 - not a scalar after all (an array): its text below
+            pass
+        else:
+            if type(number) in _JSON_LEAVES:
+                return number
+    return _text(value)
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (os.fsdecode of bad bytes) cannot be written
+        return text.encode("utf-8", errors="replace").decode("utf-8")
+    return text
+
+
+def _text(value: Any) -> str:
+    try:
+        text = str(value)
+    except Exception:  # noqa: BLE001 - a __str__ that raises still leaves a readable value
+        return f"<unprintable {type(value).__name__}>"
+    return _utf8(text) if type(text) is str else _text(text)
+
+
 def heartbeat_record(
     *, ts: float, pid: int, rank: int, step: int, msg: str, **fields: Any
 ) -> dict[str, Any]:
     """A record in the spec's field order; None-valued extras are left out, numpy/torch scalars
-    become numbers and non-finite floats null, so every line stays strict JSON."""
+    become numbers, other values JSON-safe (``json_safe``) and non-finite floats null, so every
+    line stays strict JSON."""
     iso = datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
     record: dict[str, Any] = {"ts": round(ts, 6), "iso": iso, "pid": pid, "rank": rank, "step": step, "msg": msg}
     for key, value in fields.items():
         if value is None:
             continue
-        if type(value) not in (bool, int, float, str) and callable(getattr(value, "item", None)):
-            try:
-                value = value.item()  # a numpy scalar or 0-d tensor (``loss=loss.detach()``): its number
-            except (TypeError, ValueError, RuntimeError):  # not a scalar after all
-                value = str(value)
+        if type(value) not in _JSON_LEAVES:
+            value = json_safe(value)
         if isinstance(value, float) and not math.isfinite(value):
             value = None
         record[key] = value

@@ -78,7 +78,7 @@ def read_manifest(path: Path) -> SinkManifest:
     except msgspec.ValidationError as exc:
         error = translate_validation_error(exc)
         raise ArtifactError(path, f"invalid manifest: {error}", field=error.field) from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec: the latter for non-UTF-8
         raise ArtifactError(path, f"manifest is not valid JSON (half-written?): {exc}") from exc
     return manifest
 

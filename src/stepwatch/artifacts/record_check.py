@@ -111,7 +111,7 @@ def _records(file: Path) -> Iterator[tuple[int | None, int | None, Any, str | No
                 continue
             try:
                 yield number, None, _any.decode(raw), None
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # not UTF-8: the latter
                 last = number == len(lines)  # no newline after it: a write torn by a crash
                 yield number, None, None, ("torn final line (ignored by loaders)" if last else f"malformed JSON: {exc}")
         return
@@ -120,7 +120,7 @@ def _records(file: Path) -> Iterator[tuple[int | None, int | None, Any, str | No
         return
     try:
         payload = _any.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         yield None, None, None, f"not valid JSON: {exc}"
         return
     if isinstance(payload, dict):

@@ -43,6 +43,11 @@ from .manifest import (
 __all__ = ["SinkConfig", "TelemetrySink"]
 
 _monotonic = time.monotonic
+# Records appended are encoded together once this many are pending (or a flush bound or the
+# flush interval is reached first): one msgspec call per batch instead of one per record.
+_ENCODE_BATCH = 256
+# fsync="close": a closed segment at least this large is synced on a helper thread
+_BACKGROUND_SYNC_BYTES = 1 << 20
 
 FsyncPolicy = Literal["flush", "close", "never"]
 
@@ -118,10 +123,19 @@ class TelemetrySink:
         self._manifest_path = self.root / MANIFEST_FILENAME
         self._lock = threading.Lock()
         self._encoder = msgspec.json.Encoder()
-        self._buffer = bytearray()
+        self._pending: list[TelemetryEventV3] = []  # appended, not yet encoded
+        self._pending_room = 1
+        # Encoded, not yet written: the first `_buffer_size` bytes of `_buf` (whole lines, their
+        # count in `_buffered`). `_buf` keeps its size between writes: a new buffer per write
+        # would be page-faulted in again each time (glibc gives large blocks back to the OS).
+        self._buf = bytearray()
+        self._buffer_size = 0
         self._buffered = 0
+        self._session_id: str | None = None
         self._last_flush = time.monotonic()
         self._fd: int | None = None
+        self._sync_thread: threading.Thread | None = None
+        self._sync_errors: list[OSError] = []
         self._session: SessionSummary | None = None
         self._closed = False
         self._bytes_room = 0
@@ -157,6 +171,7 @@ class TelemetrySink:
             )
             summary = msgspec.structs.replace(summary, status="running", ended_at_ns=None)
             self._session = summary
+            self._session_id = summary.session_id
             self._closed = False
             self._manifest.sessions.append(summary)
             self._new_segment()
@@ -167,85 +182,164 @@ class TelemetrySink:
     def append(self, event: TelemetryEventV3 | Mapping[str, Any]) -> None:
         """Buffers one record of the active session; writes when the flush policy says so.
 
-        Structs built by stepwatch are trusted; a mapping is validated as v3 first.
+        Structs built by stepwatch are trusted; a mapping is validated as v3 first. The sink
+        keeps the struct (up to ``_ENCODE_BATCH`` of them) and encodes them together, so do
+        not change an event after appending it. A record ``msgspec`` cannot encode (a metadata
+        value of an unsupported type) is dropped when its batch is encoded, and that error is
+        raised from the call that encoded it (this one or a later append, flush or close).
         """
-        if not isinstance(event, TelemetryEventV3):
+        if type(event) is not TelemetryEventV3 and not isinstance(event, TelemetryEventV3):
             event = telemetry_event_from_record(event, permissive_legacy=False)
         with self._lock:
-            session = self._session
-            if session is None:
-                raise ArtifactError(self.root, "append before start_session (or after close)")
-            if event.session_id != session.session_id:
-                raise ArtifactError(
-                    self.root,
-                    f"record of session {event.session_id} appended to session {session.session_id}",
-                    field="$.session_id",
-                )
-            buffer = self._buffer
-            start = len(buffer)
-            self._encoder.encode_into(event, buffer, -1)
-            buffer.append(10)  # b"\n"
-            self._buffered += 1
-            # Fast path: one comparison per bound; the exact checks run only near a bound
-            # (bench/bench_sink_write.py: the per-record checks were a third of append's cost).
-            if (
-                len(buffer) >= self._bytes_room
-                or self._buffered >= self._events_room
-                or _monotonic() >= self._flush_deadline
-            ):
-                self._near_bound_locked(start)
+            if event.session_id != self._session_id:
+                self._reject(event)
+            pending = self._pending
+            pending.append(event)
+            # The per-record work is one list append and two comparisons; the bounds are
+            # checked per batch (bench/README.md, "Where the time goes").
+            if len(pending) >= self._pending_room or _monotonic() >= self._flush_deadline:
+                self._encode_pending_locked()
+                self._flush_if_due_locked()
 
-    def _near_bound_locked(self, start: int) -> None:
+    def _reject(self, event: TelemetryEventV3) -> None:
+        if self._session is None:
+            raise ArtifactError(self.root, "append before start_session (or after close)")
+        raise ArtifactError(
+            self.root,
+            f"record of session {event.session_id} appended to session {self._session_id}",
+            field="$.session_id",
+        )
+
+    def _encode_pending_locked(self) -> None:
+        """Moves the pending records into the byte buffer, rolling over at the exact bound."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        try:
+            lines = self._encoder.encode_lines(pending)  # one C loop for the batch
+        except (TypeError, ValueError, OverflowError):
+            lines = None  # some record cannot be encoded: find it below, keep the others
+        try:
+            if (
+                lines is not None
+                and self._buffer_size + len(lines) <= self._bytes_room  # the segment's byte bound
+                and self._buffered + len(pending) <= self._events_room
+            ):
+                self._put(lines)
+                self._buffered += len(pending)
+            else:
+                self._encode_each_locked(pending)
+        finally:
+            self._update_pending_room()
+
+    def _encode_each_locked(self, pending: list[TelemetryEventV3]) -> None:
+        """Record by record: near a rollover bound, or to isolate a record that cannot be encoded."""
+        error: Exception | None = None
+        encode = self._encoder.encode
+        for event in pending:
+            try:
+                line = encode(event) + b"\n"
+            except (TypeError, ValueError, OverflowError) as exc:
+                error = error or exc
+                continue
+            self._put(line)
+            self._buffered += 1
+            if self._buffer_size >= self._bytes_room or self._buffered >= self._events_room:
+                self._near_bound_locked(line)
+        if error is not None:
+            raise error
+
+    def _flush_if_due_locked(self) -> None:
+        """Writes the buffer if a flush bound is reached (events, a segment bound, or time)."""
+        if (
+            self._buffered >= self._events_room
+            or self._buffer_size >= self._bytes_room
+            or _monotonic() >= self._flush_deadline
+        ):
+            self._flush_at_bounds_locked(self._manifest.segments[-1])
+
+    def _put(self, data: bytes) -> None:
+        end = self._buffer_size + len(data)
+        buf = self._buf
+        if end <= len(buf):
+            buf[self._buffer_size:end] = data  # same length: a copy, no resize
+        else:
+            del buf[self._buffer_size:]
+            buf += data
+        self._buffer_size = end
+
+    def _near_bound_locked(self, line: bytes) -> None:
+        """After ``line``, the last record buffered, reached a bound: roll over before it if it
+        would carry the segment past its byte bound, then flush if a bound says so."""
         segment = self._manifest.segments[-1]
-        if start + segment.size_bytes and segment.size_bytes + len(self._buffer) > self.config.rollover_max_bytes:
+        before = self._buffer_size - len(line)
+        if before + segment.size_bytes and segment.size_bytes + self._buffer_size > self.config.rollover_max_bytes:
             # This record would carry the segment past its byte bound: it starts the next one.
-            line = bytes(self._buffer[start:])
-            del self._buffer[start:]
+            self._buffer_size = before
             self._buffered -= 1
             self._flush_locked()
             if self._manifest.segments[-1] is segment:
                 self._rollover()
                 self._write_manifest()
-            self._buffer += line
+            self._put(line)
             self._buffered += 1
             segment = self._manifest.segments[-1]
+        self._flush_at_bounds_locked(segment)
+
+    def _flush_at_bounds_locked(self, segment: SegmentEntry) -> None:
         if (
             self._buffered >= self.config.flush_every_events
             # a segment never grows past its rollover bounds, whatever the flush cadence
             or segment.event_count + self._buffered >= self.config.rollover_max_events
-            or segment.size_bytes + len(self._buffer) >= self.config.rollover_max_bytes
+            or segment.size_bytes + self._buffer_size >= self.config.rollover_max_bytes
             or time.monotonic() - self._last_flush >= self.config.flush_every_seconds
         ):
             self._flush_locked()
         self._update_rooms()
 
     def _update_rooms(self) -> None:
-        """Buffer sizes at which ``append`` must look closer (flush or roll over)."""
+        """Buffer sizes at which the sink must look closer (flush or roll over)."""
         segments = self._manifest.segments
         if not segments:
             self._bytes_room = self._events_room = 0
+            self._update_pending_room()
             return
         segment = segments[-1]
         self._flush_deadline = self._last_flush + self.config.flush_every_seconds
         self._bytes_room = max(1, self.config.rollover_max_bytes - segment.size_bytes)
         self._events_room = max(1, min(self.config.flush_every_events,
                                        self.config.rollover_max_events - segment.event_count))
+        self._update_pending_room()
+
+    def _update_pending_room(self) -> None:
+        # Encode at the latest when the buffered records reach the events bound, so a flush by
+        # count happens on the same append as when every record was encoded at once.
+        self._pending_room = max(1, min(_ENCODE_BATCH, self._events_room - self._buffered))
 
     def flush(self) -> None:
         """Writes the buffer to the segment (and syncs, per policy) before returning."""
         with self._lock:
-            self._flush_locked()
+            try:
+                self._encode_pending_locked()
+            finally:
+                self._flush_locked()
 
     def maybe_flush(self) -> None:
         """Writes the buffer if ``flush_every_seconds`` has passed (the runtime calls it per tick)."""
         with self._lock:
-            if self._buffer and time.monotonic() - self._last_flush >= self.config.flush_every_seconds:
-                self._flush_locked()
+            if (self._buffer_size or self._pending) and time.monotonic() - self._last_flush >= self.config.flush_every_seconds:
+                try:
+                    self._encode_pending_locked()
+                finally:
+                    self._flush_locked()
 
     def discard_buffer(self) -> int:
         """Drops what a failing disk could not take, so memory stays bounded; returns the count."""
         with self._lock:
-            dropped, self._buffer, self._buffered = self._buffered, bytearray(), 0
+            dropped = self._buffered + len(self._pending)
+            self._pending, self._buf, self._buffer_size, self._buffered = [], bytearray(), 0, 0
+            self._update_pending_room()
             return dropped
 
     def close(self, status: SessionStatus = "completed") -> SessionSummary | None:
@@ -253,17 +347,30 @@ class TelemetrySink:
         with self._lock:
             if self._session is None:
                 return None
+            deferred: Exception | None = None  # raised once the session is closed
+            try:
+                self._encode_pending_locked()
+            except (TypeError, ValueError, OverflowError) as exc:
+                deferred = exc  # that record is dropped, the others are written
             self._flush_locked()
             if self._fd is not None:
                 if self.config.fsync != "never":
                     os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = None
+            try:
+                self._join_sync()
+            except OSError as exc:
+                deferred = deferred or exc
             self._manifest.segments[-1].closed = True
             finished = self._session.finished(status)
             self._replace_session(finished)
             self._session = None
+            self._session_id = None
+            self._buf = bytearray()  # an idle sink holds no write buffer
             self._write_manifest(force_sync=True)
+            if deferred is not None:
+                raise deferred
             return finished
 
     def __enter__(self) -> TelemetrySink:
@@ -276,17 +383,20 @@ class TelemetrySink:
     # -- internals ---------------------------------------------------------------------------
 
     def _flush_locked(self) -> None:
+        """Writes the encoded buffer (pending records stay pending: callers encode them first)."""
         self._last_flush = time.monotonic()
         self._flush_deadline = self._last_flush + self.config.flush_every_seconds
-        if not self._buffer or self._fd is None:
+        if not self._buffer_size or self._fd is None:
             return
-        data = memoryview(self._buffer)
-        while data:
-            data = data[os.write(self._fd, data):]
+        with memoryview(self._buf) as view:
+            data = view[:self._buffer_size]
+            while data:
+                data = data[os.write(self._fd, data):]
+            data.release()
         segment = self._manifest.segments[-1]
         segment.event_count += self._buffered
-        segment.size_bytes += len(self._buffer)
-        self._buffer = bytearray()
+        segment.size_bytes += self._buffer_size
+        self._buffer_size = 0
         self._buffered = 0
         if self.config.fsync == "flush":
             os.fsync(self._fd)
@@ -314,13 +424,33 @@ class TelemetrySink:
 
     def _rollover(self) -> None:
         assert self._fd is not None
-        if self.config.fsync != "never":
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        self._manifest.segments[-1].closed = True
+        fd, self._fd = self._fd, None
+        segment = self._manifest.segments[-1]
+        segment.closed = True
+        if self.config.fsync == "close" and segment.size_bytes >= _BACKGROUND_SYNC_BYTES:
+            # The disk writes the closed segment while this thread encodes the next one; at
+            # most one such sync is in flight, and close() waits for it (bench/README.md).
+            self._join_sync()
+            self._sync_thread = threading.Thread(
+                target=_sync_and_close, args=(fd, self._sync_errors), name="stepwatch-sink-sync", daemon=True
+            )
+            self._sync_thread.start()
+        else:
+            try:
+                if self.config.fsync != "never":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
         self._new_segment()
         self._prune()
+
+    def _join_sync(self) -> None:
+        """Waits for the background sync of the last closed segment; raises its error, if any."""
+        if self._sync_thread is not None:
+            self._sync_thread.join()
+            self._sync_thread = None
+        if self._sync_errors:
+            raise self._sync_errors.pop()
 
     def _prune(self) -> None:
         closed = [s for s in self._manifest.segments if s.closed]
@@ -392,6 +522,15 @@ class TelemetrySink:
         return manifest
 
 
+def _sync_and_close(fd: int, errors: list[OSError]) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        errors.append(exc)
+    finally:
+        os.close(fd)
+
+
 def _segment_index(filename: str) -> int:
     stem = filename[len(SEGMENT_PREFIX):-len(SEGMENT_SUFFIX)]
     return int(stem) if stem.isdigit() else 0
@@ -405,7 +544,7 @@ def _first_session_id(path: Path) -> str | None:
         line = handle.readline()
     try:
         value = _probe.decode(line).get("session_id")
-    except (msgspec.DecodeError, AttributeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, AttributeError):
         return None
     return value if isinstance(value, str) else None
 
@@ -418,7 +557,7 @@ def _last_timestamp_ns(root: Path, manifest: SinkManifest, session_id: str) -> i
         lines = path.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)
         try:
             value = _probe.decode(lines[-1]).get("timestamp_ns")
-        except (msgspec.DecodeError, AttributeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, AttributeError):
             continue
         if type(value) is int:
             return value

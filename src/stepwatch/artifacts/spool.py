@@ -55,9 +55,12 @@ class SpoolWriter:
         }
         self._total = sum(size for size, _ in self._on_disk.values())
 
-    def write(self, spans: list[dict[str, Any]], marks: list[dict[str, Any]],
-              snapshots: list[dict[str, Any]]) -> list[Path]:
-        """Seals one batch (or several, if it would not fit the cap); returns the files written."""
+    def write(self, spans: list[Any], marks: list[Any], snapshots: list[Any]) -> list[Path]:
+        """Seals one batch (or several, if it would not fit the cap); returns the files written.
+
+        Records are dicts or msgspec Structs (the runtime's ``SpoolSpan``/``SpoolMark``): the
+        whole batch is one ``encode`` call either way.
+        """
         if not (spans or marks or snapshots):
             return []
         batch_id = uuid.uuid4().hex
@@ -69,7 +72,7 @@ class SpoolWriter:
         try:
             body = _encoder.encode(batch)
         except UnicodeEncodeError:  # a lone surrogate in some attr must not cost the whole batch
-            body = _encoder.encode(_valid_text(batch))
+            body = _encoder.encode(_valid_text(msgspec.to_builtins(batch)))
         records = len(spans) + len(marks) + len(snapshots)
         if len(body) > self.max_bytes:
             if records == 1:

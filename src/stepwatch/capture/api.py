@@ -40,7 +40,7 @@ def current_runtime() -> Runtime | NullRuntime:
 
 def init(
     out: str | os.PathLike[str] | None = None,
-    interval: float = 1.0,
+    interval: float | None = None,
     *,
     enabled: bool = True,
     **options: Any,
@@ -50,7 +50,8 @@ def init(
     Args:
         out: run directory; default ``./stepwatch_runs/<UTC time>-<short session id>/``, or
             ``$STEPWATCH_RUN_DIR`` under ``stepwatch track``/``run``.
-        interval: seconds between memory samples.
+        interval: seconds between memory samples (default 1 s, or ``$STEPWATCH_INTERVAL_MS``
+            under ``stepwatch track``/``run``; an explicit value wins).
         enabled: False installs nothing and writes nothing.
         **options: any other ``RuntimeConfig`` field (heartbeat_interval, table_rows, rank, ...).
 
@@ -67,7 +68,7 @@ def init(
         except TypeError:
             raise ConfigError(f"out must be a path, got {type(out).__name__}") from None
         overrides = {"out": path, **options}
-        if interval != 1.0 or not env.get("STEPWATCH_INTERVAL_MS"):
+        if interval is not None:
             overrides["interval"] = interval
         config = RuntimeConfig.from_env(env, **overrides)  # raises ConfigError: nothing installed yet
         if not enabled:

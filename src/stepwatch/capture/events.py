@@ -2,7 +2,8 @@
 
 Runs on the background thread only. Phase and lifecycle records carry the memory counters of
 the latest sample (marked ``counters_source: "last_sample"``) instead of sampling again on the
-caller's thread — that is what keeps a phase pair in microseconds.
+caller's thread — that is what keeps a phase pair in microseconds. Phase attributes are the
+user's objects, made JSON-safe here too (``json_safe``), never on the caller's thread.
 """
 
 from __future__ import annotations
@@ -10,13 +11,30 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
+from ..artifacts.heartbeat import json_safe
 from ..schema import SCHEMA_VERSION_V3, TelemetryEventV3
 from .collectors.base import Reading
 from .identity import DistributedIdentity
 
-__all__ = ["EventFactory"]
+__all__ = ["EventFactory", "safe_attributes"]
 
 _NO_READING = Reading(device_id=-1, allocated=0, reserved=0, used=0)
+_replace = msgspec.structs.replace
+_PHASE_TYPES = {"enter": ("phase_enter", "Phase entered: "), "exit": ("phase_exit", "Phase exited: ")}
+_PLAIN = frozenset({bool, int, float, type(None)})
+
+
+def safe_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Phase attributes as the sink can always encode them: ``epoch=numpy.int64(3)`` or a custom
+    object would otherwise fail the encode of the record (and lose it). The usual attributes
+    (ints, floats, ASCII text) pass as they are, uncopied."""
+    for value in attributes.values():
+        kind = type(value)
+        if kind not in _PLAIN and (kind is not str or not value.isascii()):
+            return json_safe(attributes)  # type: ignore[no-any-return]
+    return attributes
 
 
 class EventFactory:
@@ -30,6 +48,13 @@ class EventFactory:
         self.interval_ms = interval_ms
         self._previous: dict[tuple[str, int], int] = {}
         self.last: tuple[str, Reading, dict[str, Any]] | None = None  # collector, reading, its metadata
+        # Point and phase records differ from one another only in four fields: they are copies
+        # of one record built from ``last`` (msgspec.structs.replace: ~0.2 us against ~1.3 us
+        # for the constructor), rebuilt when a new sample becomes ``last``.
+        self._template: TelemetryEventV3 | None = None
+        self._template_of: tuple[str, Reading, dict[str, Any]] | None = None
+        self._backend = "cpu"
+        self._counters_source = "none"
 
     def _event(
         self, *, timestamp_ns: int, event_type: str, collector: str, reading: Reading, change: int,
@@ -78,18 +103,33 @@ class EventFactory:
             change=0 if previous is None else reading.allocated - previous, context=None, metadata=metadata,
         )
 
+    def _base(self) -> TelemetryEventV3:
+        """The record every point and phase record is a copy of, for the current ``last``."""
+        last = self.last
+        template = self._template
+        if template is None or self._template_of is not last:
+            collector, reading, health = last or ("stepwatch.runtime", _NO_READING, {})
+            template = self._template = self._event(
+                timestamp_ns=0, event_type="point", collector=collector, reading=reading, change=0,
+                context=None, metadata={},
+            )
+            self._template_of = last
+            self._backend = health.get("backend", "cpu")
+            self._counters_source = "last_sample" if last else "none"
+        return template
+
     def point(
         self, event_type: str, *, context: str | None = None, metadata: dict[str, Any] | None = None,
         timestamp_ns: int | None = None, collector: str | None = None,
     ) -> TelemetryEventV3:
         """A lifecycle, health, phase or error record carrying the last sampled counters."""
-        last_collector, reading, health = self.last or ("stepwatch.runtime", _NO_READING, {})
-        meta = {"backend": health.get("backend", "cpu"), "counters_source": "last_sample" if self.last else "none"}
+        base = self._base()
+        meta = {"backend": self._backend, "counters_source": self._counters_source}
         if metadata:
             meta.update(metadata)
-        return self._event(
-            timestamp_ns=timestamp_ns or time.time_ns(), event_type=event_type,
-            collector=collector or last_collector, reading=reading, change=0, context=context, metadata=meta,
+        return _replace(
+            base, timestamp_ns=timestamp_ns or time.time_ns(), event_type=event_type,
+            collector=collector or base.collector, context=context, metadata=meta,
         )
 
     def phase(self, row: tuple[Any, ...], prefix: str) -> TelemetryEventV3:
@@ -107,9 +147,10 @@ class EventFactory:
             "sequence": sequence,
         }
         if attributes:
-            scope["attributes"] = attributes
-        verb = "entered" if action == "enter" else "exited"
-        return self.point(
-            f"phase_{action}", context=f"Phase {verb}: {' / '.join(path)}",
-            metadata={"phase_scope": scope}, timestamp_ns=timestamp_ns,
+            scope["attributes"] = safe_attributes(attributes)
+        event_type, verb = _PHASE_TYPES[action]
+        return _replace(
+            self._base(), timestamp_ns=timestamp_ns, event_type=event_type,
+            context=verb + (path[0] if len(path) == 1 else " / ".join(path)),
+            metadata={"backend": self._backend, "counters_source": self._counters_source, "phase_scope": scope},
         )

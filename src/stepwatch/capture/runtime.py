@@ -4,11 +4,18 @@ tables into the run directory (telemetry sink, heartbeat file, bundles).
 Threads: the training thread only appends to ``BoundedTable``s (phases, progress, errors).
 The sampler thread owns the sink and the heartbeat writer; ``stop`` joins it first and only
 then writes the last records itself. Every failure inside is logged once and swallowed.
+
+Shutdown is bounded in time: the sampler drains a chunk of rows at a time and gives way to
+``stop`` between chunks; ``stop`` writes what is still queued until its deadline (``timeout``
+seconds after it was called) and counts the rest as ``*_dropped_at_stop``. A sampler stuck
+inside a tick past the deadline (a disk that blocks a write) is never closed under: ``stop``
+returns and the sampler closes the session itself once that tick returns.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -18,25 +25,35 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from ..artifacts.bundles import write_oom_bundle
+from ..artifacts.bundles import new_oom_bundle_dir, write_oom_bundle
 from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
 from ..artifacts.sink import TelemetrySink
 from ..artifacts.spool import SpoolWriter
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
-from .collectors import CollectorHealth, CpuCollector, discover_accelerators, discover_nvml
+from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
 from .events import EventFactory
 from .guard import guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
-from .spans import ClosedSpan, MarkRow, SpanRecorder
+from .spans import SpanRecorder
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
 
 __all__ = ["NullRuntime", "Runtime", "is_oom"]
 
 _DISCOVER_EVERY_S = 5.0
+# Rows taken out of a table per step of a drain: the extra memory while the table refills, and
+# how long ``stop`` waits for the sampler to give way (about 2048 records at ~5-20 us each).
+_DRAIN_CHUNK = 2048
+# A tick that found a table a quarter full (or more) looks again this soon, not a whole period
+# later: a burst is written before the bound evicts it.
+_BACKLOG_WAIT_S = 0.05
+# The device a torch OOM message names: "CUDA out of memory", "HIP out of memory", "MPS backend
+# out of memory", "DefaultCPUAllocator: can't allocate memory".
+_OOM_DEVICE = re.compile(r"\b(?:HIP|CUDA|MPS)\b|CPU")
+_OOM_BACKENDS = {"HIP": "rocm", "CUDA": "cuda", "MPS": "mps", "CPU": "cpu"}
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -47,38 +64,6 @@ def is_oom(exc: BaseException) -> bool:
 def _is_torch_oom(exc: BaseException) -> bool:
     # by name, so torch need not be imported; along the MRO, so subclasses count too
     return any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
-
-
-def _json_safe(value: Any) -> Any:
-    """Attrs as strict JSON: non-finite floats become "nan"/"inf"/"-inf", unknown types str()."""
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value in (float("inf"), float("-inf")):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if hasattr(value, "item"):
-        return _json_safe(value.item())
-    return str(value)
-
-
-_PLAIN_TYPES = frozenset({int, str, bool, type(None)})
-
-
-def _clean_attrs(attrs: dict[str, Any] | None) -> dict[str, Any]:
-    """Attrs of plain values pass as they are (the usual case, once per span); others are cleaned."""
-    if not attrs:
-        return {}
-    for value in attrs.values():
-        if type(value) not in _PLAIN_TYPES:
-            return _json_safe(attrs)  # type: ignore[no-any-return]
-    return attrs
 
 
 class NullRuntime:
@@ -98,18 +83,23 @@ class NullRuntime:
         return None
 
 
-def _shared_session_id(identity: DistributedIdentity) -> str | None:
-    """One session id for all ranks of a job started without ``stepwatch run``."""
+def _shared_origin(identity: DistributedIdentity) -> tuple[str, int | None] | None:
+    """(session id, start time in ns or None) that every rank of a job started without
+    ``stepwatch run`` derives alike: the run directory is named from them, so all ranks land
+    in one directory whatever second each of them started in."""
     if identity.world_size <= 1:
         return None
     if identity.job_id and identity.job_id != "none":
-        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{identity.job_id}"))
+        # the launcher's job id names the job; no start time is shared across nodes
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{identity.job_id}")), None
     # same parent (the torchrun agent) on this node: its pid and start time name the job
     try:
         import psutil
 
         parent = psutil.Process(os.getppid())
-        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{socket.gethostname()}:{parent.pid}:{parent.create_time()}"))
+        created = parent.create_time()
+        return (str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{socket.gethostname()}:{parent.pid}:{created}")),
+                int(created * 1e9))
     except Exception:  # noqa: BLE001
         return None
 
@@ -126,6 +116,34 @@ def _fully_imported_torch() -> Any:
     return torch if hasattr(torch, "cuda") else None
 
 
+def _program_cuda_device() -> int | None:
+    """The CUDA device current on the calling thread, once the program has initialised CUDA
+    (never initialises it). Called on the program's threads: the current device is per thread."""
+    try:
+        torch = _fully_imported_torch()
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - a broken CUDA setup is not the program's problem here
+        return None
+
+
+def _oom_backend(exc: BaseException, sampled: set[str]) -> str:
+    """The memory an OOM is about: ``MemoryError`` is host memory; a torch OOM names its device
+    in the message (CUDA, HIP, MPS, CPU), else it is the accelerator this process samples."""
+    if not _is_torch_oom(exc):
+        return "cpu"
+    named = _OOM_DEVICE.search(str(exc)[:300])
+    if named is not None:
+        backend = _OOM_BACKENDS[named.group(0)]
+        return "rocm" if backend == "cuda" and "rocm" in sampled else backend  # a HIP build may say CUDA
+    for backend in ("cuda", "rocm", "mps"):
+        if backend in sampled:
+            return backend
+    torch = sys.modules.get("torch")
+    return "rocm" if getattr(getattr(torch, "version", None), "hip", None) else "cuda"
+
+
 class Runtime:
     """Started by ``stepwatch.init``; see ``RuntimeConfig`` for the options."""
 
@@ -137,8 +155,14 @@ class Runtime:
             job_id=config.job_id, rank=config.rank, local_rank=config.local_rank, world_size=config.world_size
         )
         self.started_ns = time.time_ns()
-        self.session_id = config.session_id or _shared_session_id(self.identity) or new_session_id()
-        self.run_dir = config.run_dir(self.session_id, self.started_ns)
+        shared = None if config.session_id else _shared_origin(self.identity)
+        self.session_id = config.session_id or (shared[0] if shared else None) or new_session_id()
+        # The default directory's name: ranks of one job must all pick the same one, so it
+        # carries the session id and only a time every rank shares (the agent's start) or none.
+        if self.identity.world_size > 1 and (shared or config.session_id):
+            self.run_dir = config.run_dir(self.session_id, shared[1] if shared else None)
+        else:
+            self.run_dir = config.run_dir(self.session_id, self.started_ns)
         self.launched = launched
         self.host = socket.gethostname()
         self.pid = os.getpid()
@@ -192,24 +216,34 @@ class Runtime:
                 "world_size": self.identity.world_size, "job_id": self.identity.job_id, "host": self.host,
                 "pid": self.pid, "started_ns": self.started_ns,
             })
-        self._deferred: list[ClosedSpan] = []
         self.spool_write_lost = 0
         self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
-        self._recent_lock = threading.RLock()  # re-entered if SIGTERM lands inside record_oom
         self.step = 0
         self.sink_dropped = 0
         self._stop = threading.Event()
         # Held for each tick and for the final drain: the last records are never written by two
         # threads at once, and the sink is never closed under a tick still appending.
-        self._tick_lock = threading.Lock()
+        self._tick_lock = threading.RLock()
         self._stopped = False
+        # A stop that could not get the tick lock before its deadline is handed to the sampler,
+        # which runs it when its tick returns (``_handoff_lock`` orders the two sides).
+        self._handoff_lock = threading.Lock()
+        self._handoff: tuple[SessionStatus, float, int | None] | None = None  # status, timeout, exit code
+        self._loop_done = False
+        self.dropped_at_stop: dict[str, int] = {"phases": 0, "progress": 0}
+        self.rows_unwritable = 0  # rows whose record could not be built or encoded (counted, never raised)
+        self._backlog = False
         self._next_sample = 0.0
         self._next_heartbeat = 0.0
         # The first tick looks right away: a device the program set up before init() (or early
         # in a short run) must not wait _DISCOVER_EVERY_S for its first sample.
         self._next_discovery = 0.0
         self._last_cuda_mb: tuple[int, int] | None = None
+        # The CUDA device the program works on, read on its own thread (at init, then at the
+        # first and every 64th progress call and step): the sampler thread's is always 0.
+        self._cuda_device: int | None = _program_cuda_device()
+        self._progress_calls = 0
         if rank == 0 and not launched:
             write_run_manifest(
                 self.run_dir,
@@ -235,45 +269,68 @@ class Runtime:
         step = int(step)  # a numpy or tensor step number must still encode as a JSON integer
         self.step = step
         self.progress_rows.append((time.time(), step, metrics))
+        calls = self._progress_calls = self._progress_calls + 1
+        if calls & 63 == 1:  # the first call, then every 64th: ~0.4-1 us, on the caller's thread
+            self._note_program_device()
 
     def record_oom(self, exc: BaseException) -> Path | None:
-        """Records an OOM as an ``error`` event and writes a flight-recorder bundle."""
-        backend = "cuda" if _is_torch_oom(exc) else "cpu"
+        """Records an OOM as an ``error`` event and writes a flight-recorder bundle; the event
+        names the bundle (``oom_dump_path``), and is recorded even if the bundle cannot be."""
+        backend = _oom_backend(exc, {h.collector.backend for h in self.collectors})
         reason = f"{type(exc).__name__}: {exc}"[:4000]
+        directory = new_oom_bundle_dir(self.run_dir / "bundles", backend)
         event = self.factory.point(
             "error", context=reason.splitlines()[0][:500] if reason else None,
-            metadata={"oom_reason": reason, "exception_type": f"{type(exc).__module__}.{type(exc).__name__}",
+            metadata={"oom_reason": reason, "oom_dump_path": str(directory.resolve()),
+                      "exception_type": f"{type(exc).__module__}.{type(exc).__name__}",
                       "step": self.step, "phase_path": list(self.scopes.current_path())},
         )
-        self.error_events.append(event)
-        with self._recent_lock:
-            recent = list(self.recent)
-        return write_oom_bundle(
-            self.run_dir / "bundles", reason=reason, backend=backend, session=self.session,
-            events=[*recent, event],
-            metadata={"rank": self.identity.rank, "step": self.step, "exception": reason,
-                      "timestamp_ns": event.timestamp_ns, "phase_path": list(self.scopes.current_path())},
-        )
+        recent = list(self.recent)  # one C-level copy: atomic under the GIL (see _write)
+        try:
+            return write_oom_bundle(
+                self.run_dir / "bundles", reason=reason, backend=backend, session=self.session,
+                events=[*recent, event], directory=directory,
+                metadata={"rank": self.identity.rank, "step": self.step, "exception": reason,
+                          "timestamp_ns": event.timestamp_ns, "phase_path": list(self.scopes.current_path())},
+            )
+        except Exception as error:  # noqa: BLE001 - the error record must not be lost with the bundle
+            event.metadata.pop("oom_dump_path", None)  # not appended anywhere yet: still ours to change
+            event.metadata["oom_dump_error"] = f"{type(error).__name__}: {error}"[:500]
+            report_internal(error, "oom.bundle")
+            return None
+        finally:
+            self.error_events.append(event)
 
     # -- background thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        # wake for whichever comes first: a sample, a heartbeat, or the once-a-second flush
+        # wake for whichever comes first: a sample, a heartbeat, or the once-a-second flush;
+        # sooner while the tables hold a backlog
         period = min(self.config.interval, self.config.heartbeat_interval, 1.0)
-        while not self._stop.wait(period):
+        backlog_wait = min(period, _BACKLOG_WAIT_S)
+        while not self._stop.wait(backlog_wait if self._backlog else period):
             with self._tick_lock:
                 if self._stop.is_set():
                     break
                 with guarded:
                     self.tick()
+        with self._handoff_lock:
+            self._loop_done = True
+            handoff = self._handoff
+        if handoff is not None:  # stop gave up waiting for this thread: finish its work here
+            status, timeout, exit_code = handoff
+            with self._tick_lock, guarded:
+                self._stop_locked(status, timeout, exit_code, time.monotonic() + timeout)
 
     def tick(self) -> None:
         now = time.time()
         mono = time.monotonic()
+        quarter = self.phase_rows.maxlen // 4
+        self._backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
         if mono >= self._next_discovery:
             self._next_discovery = mono + _DISCOVER_EVERY_S
             known = {h.collector.name for h in self.collectors}
-            for collector in discover_accelerators(known):
+            for collector in discover_accelerators(known, self._program_device):
                 self.collectors.append(CollectorHealth(collector))
             self._enable_gpu_timing()
         if self.patches is None and self.config.auto_instrument:
@@ -281,7 +338,8 @@ class Runtime:
         if mono >= self._next_sample:
             self._next_sample = mono + self.config.interval
             self._sample(now)
-        self._drain()
+        if not self._drain():
+            return  # stop is waiting: it writes the rest and closes the files
         if mono >= self._next_seal:
             self._next_seal = mono + self.config.spool_interval
             self._seal_spool()
@@ -305,16 +363,65 @@ class Runtime:
             primary = health.collector.backend != "cpu" or not accelerators
             for reading in readings:
                 self._write(self.factory.sample(health.collector.name, reading, meta, timestamp_ns, primary=primary))
-                if health.collector.backend in ("cuda", "rocm") and reading.device_id == 0:
-                    self._last_cuda_mb = (reading.allocated >> 20, reading.reserved >> 20)
+            if readings and health.collector.backend in ("cuda", "rocm"):
+                self._note_gpu_memory(readings, getattr(health.collector, "current_device", None))
 
-    def _drain(self) -> None:
-        for row in self.phase_rows.drain():
-            self._write(self.factory.phase(row, self.scopes.prefix))
-        for event in self.error_events.drain():
+    def _note_gpu_memory(self, readings: list[Reading], current: int | None) -> None:
+        """The heartbeat's ``gpu_mem_*``: the program's own device (seen on its thread, else the
+        collector's ``current``), else the one it holds most memory on."""
+        device = self._cuda_device if self._cuda_device is not None else current
+        chosen = next((r for r in readings if r.device_id == device), None)
+        if chosen is None:
+            chosen = max(readings, key=lambda r: (r.reserved, -r.device_id))
+        self._last_cuda_mb = (chosen.allocated >> 20, chosen.reserved >> 20)
+
+    def _drain(self, deadline: float | None = None) -> bool:
+        """Writes the queued rows, oldest first, ``_DRAIN_CHUNK`` at a time.
+
+        On the sampler (``deadline`` None): at most the rows queued when it starts (later ones
+        wait for the next tick, so a fast producer cannot starve sampling), and it returns
+        False as soon as ``stop`` is waiting, leaving the rest queued for it. In ``stop``: all
+        rows, until ``deadline`` (monotonic); phase and progress rows still queued then are
+        counted in ``dropped_at_stop`` (error events are few and always written).
+        """
+        for table, write in ((self.phase_rows, self._write_phases), (self.error_events, self._write_errors),
+                             (self.progress_rows, self._write_progress)):
+            budget = len(table)
+            while budget > 0:
+                if deadline is not None and table is not self.error_events and time.monotonic() >= deadline:
+                    self.dropped_at_stop[table.name] += len(table.drain())
+                    break
+                rows = table.drain(min(budget, _DRAIN_CHUNK))
+                if not rows:
+                    break
+                budget -= len(rows)
+                write(rows)
+                if deadline is None and self._stopped:  # set by stop() before it waits for the lock
+                    return False
+        return True
+
+    def _write_phases(self, rows: list[tuple[Any, ...]]) -> None:
+        phase, prefix, write = self.factory.phase, self.scopes.prefix, self._write
+        for row in rows:
+            try:
+                event = phase(row, prefix)
+            except Exception as exc:  # noqa: BLE001 - one bad row must not lose the chunk
+                self.rows_unwritable += 1
+                report_internal(exc, "drain.phase")
+                continue
+            write(event)
+
+    def _write_errors(self, rows: list[TelemetryEventV3]) -> None:
+        for event in rows:
             self._write(event)
-        for ts, step, metrics in self.progress_rows.drain():
-            self._heartbeat_write(self._heartbeat("progress", ts=ts, step=step, **metrics))
+
+    def _write_progress(self, rows: list[tuple[float, int, dict[str, Any]]]) -> None:
+        for ts, step, metrics in rows:
+            try:
+                self._heartbeat_write(self._heartbeat("progress", ts=ts, step=step, **metrics))
+            except Exception as exc:  # noqa: BLE001 - e.g. a metric named like a required field
+                self.rows_unwritable += 1
+                report_internal(exc, "drain.progress")
 
     def _heartbeat_write(self, record: dict[str, Any]) -> None:
         self.heartbeat.write(record)
@@ -332,13 +439,18 @@ class Runtime:
     def _write(self, event: TelemetryEventV3) -> None:
         if self.sender is not None:
             self._wire["telemetry"].append(event)
-        with self._recent_lock:
-            self.recent.append(event)
+        # No lock: deque.append is atomic under the GIL, and record_oom's list(self.recent) runs
+        # in C without running Python code, so it cannot see the deque change mid-copy.
+        self.recent.append(event)
         try:
             self.sink.append(event)
         except OSError as exc:  # disk full or gone: keep memory bounded, count what is lost
             self.sink_dropped += self.sink.discard_buffer()
             report_internal(exc, "sink.append")
+        except Exception as exc:  # noqa: BLE001 - a record the sink could not encode (it drops
+            # that one and raises, maybe from a later append): the rest of the chunk goes on
+            self.rows_unwritable += 1
+            report_internal(exc, "sink.encode")
 
     def _flush_sink(self) -> None:
         try:
@@ -376,6 +488,17 @@ class Runtime:
 
     def _on_step(self, step: int) -> None:
         self.step = step
+        if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
+            self._note_program_device()
+
+    def _note_program_device(self) -> None:
+        """Remembers the CUDA device current on the calling (the program's) thread."""
+        device = _program_cuda_device()
+        if device is not None:
+            self._cuda_device = device
+
+    def _program_device(self) -> int | None:
+        return self._cuda_device
 
     def _blob_uri(self, span_id: str, kind: str) -> str:
         return (self.run_dir / "snapshots" / span_id / f"{kind}.safetensors").resolve().as_uri()
@@ -383,41 +506,11 @@ class Runtime:
     def _snapshot_sink(self, records: list[dict[str, Any]], job: Any) -> None:
         self.snapshot_rows.append((records, job))
 
-    def _span_record(self, closed: ClosedSpan) -> dict[str, Any]:
-        span = closed.span
-        fmt = self.spans.format_id
-        return {
-            "id": fmt(span.id), "name": span.name, "parent_id": fmt(span.parent_id), "index": span.index,
-            "start_ns": span.start_ns, "end_ns": closed.end_ns, "cpu_ns": None,
-            "gpu_ns": span.gpu if isinstance(span.gpu, int) else None, "memory_peak_bytes": None,
-            "thread_id": span.thread_id, "pid": self.pid, "rank": self.identity.rank,
-            "attrs": _clean_attrs(span.attrs), "mark_ids": [fmt(m) for m in span.mark_ids or ()],
-        }
-
-    def _mark_record(self, row: MarkRow) -> dict[str, Any]:
-        fmt = self.spans.format_id
-        record = {"id": fmt(row.id), "span_id": fmt(row.span_id), "name": row.name, "value_type": row.value_type,
-                  "value": row.value, "attrs": _clean_attrs(row.attrs), "ts_ns": row.ts_ns, "kind": row.kind}
-        if row.nonfinite is not None:
-            record["value_nonfinite"] = row.nonfinite
-        return record
-
     def _seal_spool(self, final: bool = False) -> None:
         """Writes closed spans (those whose GPU time is resolved), marks and snapshots as a batch."""
-        timer = self.training.gpu_timer
-        if timer is not None:
-            timer.resolve()
-        ready: list[ClosedSpan] = []
-        waiting: list[ClosedSpan] = []
-        for closed in [*self._deferred, *self.spans.closed.drain()]:
-            gpu = closed.span.gpu
-            if gpu is not None and not isinstance(gpu, int) and not final and timer is not None and timer.outstanding(closed.span):
-                waiting.append(closed)
-            else:
-                ready.append(closed)
-        self._deferred = waiting
-        spans = [self._span_record(c) for c in ready]
-        marks = [self._mark_record(m) for m in self.spans.marks.drain()]
+        # Records (msgspec Structs) are built here, on this thread, by the recorder (spans.py).
+        spans: list[Any] = self.spans.span_records(self.training.gpu_timer, final=final)
+        marks: list[Any] = self.spans.mark_records()
         snapshots: list[dict[str, Any]] = []
         for records, job in self.snapshot_rows.drain():
             snapshots.extend(records)
@@ -446,6 +539,9 @@ class Runtime:
         return {
             "phase_rows_evicted": self.phase_rows.evicted,
             "progress_rows_evicted": self.progress_rows.evicted,
+            "phase_rows_dropped_at_stop": self.dropped_at_stop["phases"],
+            "progress_rows_dropped_at_stop": self.dropped_at_stop["progress"],
+            "rows_unwritable": self.rows_unwritable,
             "error_events_evicted": self.error_events.evicted,
             "sink_records_dropped": self.sink_dropped,
             "span_rows_evicted": self.spans.closed.evicted,
@@ -462,17 +558,38 @@ class Runtime:
         }
 
     def stop(self, status: SessionStatus = "completed", timeout: float = 2.0, exit_code: int | None = None) -> None:
-        """Flushes to a deadline and closes the session with ``status``. Idempotent."""
+        """Writes what is queued until ``timeout`` seconds from now, then closes the session with
+        ``status``. Idempotent.
+
+        Rows still queued at the deadline are counted (``*_dropped_at_stop``), not written; the
+        stop record, the closing of the files and (when configured) the exporter's and the
+        sender's last batch come after it. A sampler stuck past the deadline closes the session
+        itself once its tick returns.
+        """
         if self._stopped:
             return
         self._stopped = True
+        deadline = time.monotonic() + max(0.0, float(timeout))
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        with self._tick_lock:
-            self._stop_locked(status, timeout, exit_code)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        # The sampler gives way between chunks, so this wait is short unless a write blocks.
+        if not self._tick_lock.acquire(timeout=max(0.01, deadline - time.monotonic())):
+            with self._handoff_lock:
+                if not self._loop_done:
+                    self._handoff = (status, max(0.0, float(timeout)), exit_code)
+                    report_internal(TimeoutError(f"sampler busy past the {timeout} s stop deadline; "
+                                                 "it closes the session when its write returns"), "stop.handoff")
+                    return
+            self._tick_lock.acquire()  # the sampler has left its loop: the lock is free now
+        try:
+            self._stop_locked(status, timeout, exit_code, deadline)
+        finally:
+            self._tick_lock.release()
 
-    def _stop_locked(self, status: SessionStatus, timeout: float, exit_code: int | None) -> None:
+    def _stop_locked(self, status: SessionStatus, timeout: float, exit_code: int | None, deadline: float) -> None:
+        with guarded:  # first: the deadline bounds this, not the exporter's wait below
+            self._drain(deadline)
         if self.patches is not None:
             with guarded:
                 self.patches.uninstall()
@@ -486,7 +603,8 @@ class Runtime:
                 self.exporter.close(timeout)
         with guarded:
             self._sample(time.time())
-            self._drain()
+            self._drain(deadline)  # an error event recorded meanwhile (phases and progress are off now)
+        with guarded:
             self._write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),

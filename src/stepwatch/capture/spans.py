@@ -1,8 +1,10 @@
 """Spans and marks (spool-format-v1.md): the training timeline the spool records.
 
-The calling thread keeps a per-thread stack of open spans and, on close, appends one tuple to
-a bounded table; the background thread turns tuples into spool records. Ids are 32 lowercase
-hex: a random 64-bit process prefix plus a counter, so making one costs no syscall.
+The calling thread keeps a per-thread stack of open spans and, on close, appends the span
+itself to a bounded table; the background thread turns closed spans into spool records
+(``span_records``), formatting ids, building a step's phase breakdown and cleaning attrs there,
+never on the training thread. Ids are 32 lowercase hex: a random 64-bit process prefix plus a
+counter, so making one costs no syscall.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import msgspec
 
 from .tables import BoundedTable
 
-__all__ = ["ClosedSpan", "MarkRow", "OpenSpan", "SpanRecorder", "cut_utf8", "mark_value"]
+__all__ = ["ClosedSpan", "MarkRow", "OpenSpan", "SpanRecorder", "SpoolMark", "SpoolSpan", "clean_attrs", "cut_utf8",
+           "mark_value", "step_attrs"]
 
 MAX_DEPTH = 64
 MAX_STRING_BYTES = 256
 ROOT_SENTINEL = "root"  # legacy span id of marks made before init / after shutdown
 SESSION_SPAN = "stepwatch.session"
+PHASES = ("data_load", "h2d", "forward", "backward", "optimizer_step")
+_NO_TIMES = dict.fromkeys(PHASES, 0)
 
 
 def cut_utf8(text: str, limit: int = MAX_STRING_BYTES) -> str:
@@ -54,8 +59,41 @@ def mark_value(value: Any) -> tuple[str, Any, str | None]:
     return "string", cut_utf8(value if isinstance(value, str) else str(value)), None
 
 
+def _json_safe(value: Any) -> Any:
+    """Attrs as strict JSON: non-finite floats become "nan"/"inf"/"-inf", unknown types str()."""
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item"):
+        return _json_safe(value.item())
+    return str(value)
+
+
+_PLAIN_TYPES = frozenset({int, str, bool, type(None)})
+
+
+def clean_attrs(attrs: dict[str, Any] | None) -> dict[str, Any]:
+    """Attrs of plain values pass as they are (the usual case, once per span); others are cleaned."""
+    if not attrs:
+        return {}
+    for value in attrs.values():
+        if type(value) not in _PLAIN_TYPES:
+            return _json_safe(attrs)  # type: ignore[no-any-return]
+    return attrs
+
+
 class OpenSpan(msgspec.Struct, gc=False):
-    """A span being timed. ``phase_ns`` accumulates child phase times when this is a step.
+    """A span being timed, and once closed (``end_ns`` set) the row the background thread turns
+    into a spool record. ``phase_ns`` accumulates child phase times when this is a step.
 
     A C-level Struct kept out of the garbage collector: spans are made several times a step and
     live until the next spool seal, and tracking them made collections part of every step's
@@ -65,25 +103,28 @@ class OpenSpan(msgspec.Struct, gc=False):
 
     id: int
     name: str
-    parent_id: int | None
+    parent_id: int | str | None
     index: int | None
     start_ns: int
     attrs: dict[str, Any] | None
     thread_id: int
     mark_ids: list[int] | None = None  # made on the first mark: most spans have none
-    gpu: Any = None  # a pending GPU timing (start, end events) when CUDA timed it
-    phase_ns: dict[str, int] | None = None
+    gpu: Any = None  # a pending GPU timing (start, end events) when CUDA timed it; then its ns
+    phase_ns: dict[str, int] | None = None  # a step's phase breakdown; its attrs are built at seal
     closed: bool = False
+    end_ns: int = 0
 
 
 class ClosedSpan(NamedTuple):
+    """Kept for callers of the older API: a closed span and its end (``OpenSpan.end_ns`` now)."""
+
     span: OpenSpan
     end_ns: int
 
 
 class MarkRow(NamedTuple):
-    id: str
-    span_id: str
+    id: int | str
+    span_id: int | str
     name: str
     value_type: str
     value: Any
@@ -93,33 +134,120 @@ class MarkRow(NamedTuple):
     kind: str
 
 
+class SpoolSpan(msgspec.Struct, gc=False):
+    """One ``spans[]`` record of a spool batch (spool-format-v1.md), in the spec's field order.
+
+    Encoded by msgspec straight from the Struct: no dict per span, and nothing for the cyclic
+    GC to track while thousands of them wait for the next seal."""
+
+    id: str
+    name: str
+    parent_id: str | None
+    index: int | None
+    start_ns: int
+    end_ns: int
+    cpu_ns: None
+    gpu_ns: int | None
+    memory_peak_bytes: None
+    thread_id: int
+    pid: int
+    rank: int
+    attrs: dict[str, Any]
+    mark_ids: list[str] | tuple[()]
+
+
+class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
+    """One ``marks[]`` record; ``value_nonfinite`` is written only for nan/inf values."""
+
+    id: str
+    span_id: str
+    name: str
+    value_type: str
+    value: Any
+    attrs: dict[str, Any]
+    ts_ns: int
+    kind: str
+    value_nonfinite: str | None = None
+
+
+class SpanTable(BoundedTable[OpenSpan]):
+    """The closed-span table: a ``BoundedTable`` whose append the training thread makes inline.
+
+    ``push(span)`` (the deque's own append) and ``tally()`` (an ``itertools.count``) are two
+    C calls and no Python frame; ``appended`` reads the tally (reading advances it too, so the
+    reads are subtracted; they happen on the background thread only).
+    """
+
+    __slots__ = ("push", "tally", "_peeks")
+
+    def __init__(self, name: str, maxlen: int) -> None:
+        super().__init__(name, maxlen)
+        self.push = self._rows.append
+        self.tally = itertools.count().__next__
+        self._peeks = 0
+
+    def append(self, row: OpenSpan) -> None:
+        self.push(row)
+        self.tally()
+
+    @property  # type: ignore[override]
+    def appended(self) -> int:
+        """Rows ever appended (approximate under races, as ``BoundedTable.appended``)."""
+        count = self.tally() - self._peeks
+        self._peeks += 1
+        return count
+
+    @appended.setter
+    def appended(self, value: int) -> None:  # BoundedTable.__init__ sets 0; the tally holds it
+        if value:
+            raise AttributeError("SpanTable.appended is counted by its tally")
+
+
+def step_attrs(span: OpenSpan, end_ns: int) -> dict[str, Any]:
+    """A step's attrs with its breakdown: ``step_ns``, ``<phase>_ns`` and ``wait_ns``, the
+    residual (aggregator-architecture.md), after the attrs it was opened with (cleaned)."""
+    times = span.phase_ns or _NO_TIMES
+    h2d, forward, backward, optimizer = times["h2d"], times["forward"], times["backward"], times["optimizer_step"]
+    step_ns = end_ns - span.start_ns
+    breakdown = {"step_ns": step_ns, "data_load_ns": times["data_load"], "h2d_ns": h2d, "forward_ns": forward,
+                 "backward_ns": backward, "optimizer_step_ns": optimizer,
+                 "wait_ns": max(0, step_ns - h2d - forward - backward - optimizer)}
+    return {**clean_attrs(span.attrs), **breakdown} if span.attrs else breakdown
+
+
 class SpanRecorder:
-    """Per-runtime span state. Thread-safe for many producer threads; one consumer."""
+    """Per-runtime span state. Thread-safe for many producer threads; one consumer.
+
+    ``new_id`` is the counter's C-level ``__next__``; the hot paths of ``TrainingState`` use it
+    and the thread's stack (``thread_stack``) directly, so a phase costs no call into here.
+    """
 
     def __init__(self, *, rank: int, rows: int, max_depth: int = MAX_DEPTH) -> None:
         self.rank = rank
         self.pid = os.getpid()
         self.max_depth = max_depth
         self._prefix = os.urandom(8).hex()
+        self._base = int(self._prefix, 16) << 64  # an id is base | counter, written as 32 hex digits
         self._counter = itertools.count(1)
+        self.new_id = self._counter.__next__  # a plain counter on the hot path, formatted by ``format_id`` later
         self._local = threading.local()
         self._stacks: dict[int, list[OpenSpan]] = {}  # thread id -> its stack, to close leftovers
         self._orphans: list[list[OpenSpan]] = []  # stacks of exited threads whose ident was reused
-        self.closed: BoundedTable[ClosedSpan] = BoundedTable("spans", rows)
+        self.closed = SpanTable("spans", rows)
         self.marks: BoundedTable[MarkRow] = BoundedTable("marks", rows)
+        self._deferred: list[OpenSpan] = []  # closed spans whose GPU time is not resolved yet
         self.depth_dropped = 0
-        self.session = self.open(SESSION_SPAN, parent_id=None, root=True)
-
-    def new_id(self) -> int:
-        """A span or mark id: a plain counter on the hot path, formatted by ``format_id`` later."""
-        return next(self._counter)
+        session = self.open(SESSION_SPAN, parent_id=None, root=True)
+        assert session is not None
+        self.session = session
 
     def format_id(self, value: int | str | None) -> str | None:
         """The 32-hex id of a counter (strings such as the legacy ``"root"`` pass unchanged)."""
-        return f"{self._prefix}{value:016x}" if type(value) is int else value  # type: ignore[return-value]
+        return (self._base | value).to_bytes(16, "big").hex() if type(value) is int else value  # type: ignore[return-value]
 
-    def _stack(self) -> list[OpenSpan]:
-        stack = getattr(self._local, "stack", None)
+    def thread_stack(self) -> list[OpenSpan]:
+        """This thread's stack of open spans (registered for ``close_all`` on first use)."""
+        stack: list[OpenSpan] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
             ident = threading.get_ident()
@@ -129,18 +257,21 @@ class SpanRecorder:
             self._stacks[ident] = stack
         return stack
 
+    _stack = thread_stack
+
     def current(self) -> OpenSpan:
         """Innermost open span of this thread, else the session span."""
-        stack = self._stack()
+        stack = self.thread_stack()
         return stack[-1] if stack else self.session
 
     def open(self, name: str, *, index: int | None = None, attrs: dict[str, Any] | None = None,
-             parent_id: str | None | bool = False, root: bool = False, start_ns: int | None = None) -> OpenSpan | None:
+             parent_id: int | str | None | bool = False, root: bool = False,
+             start_ns: int | None = None) -> OpenSpan | None:
         """Opens a span under the innermost open one (or ``parent_id`` when given; ``root``: none).
 
         Returns None (and counts a drop) past the depth cap.
         """
-        stack = self._stack() if not root else None
+        stack = self.thread_stack() if not root else None
         if stack is not None and len(stack) >= self.max_depth:
             self.depth_dropped += 1
             return None
@@ -157,7 +288,7 @@ class SpanRecorder:
             return
         span.closed = True
         end_ns = end_ns or time.time_ns()
-        stack = self._stack()
+        stack = self.thread_stack()
         if stack and stack[-1] is span:
             stack.pop()
         elif span in stack:
@@ -166,14 +297,16 @@ class SpanRecorder:
                 child = stack.pop()
                 child.closed = True
                 child.attrs = {**(child.attrs or {}), "unclosed": True}
-                self.closed.append(ClosedSpan(child, end_ns))
+                child.end_ns = end_ns
+                self.closed.append(child)
             stack.pop()
-        self.closed.append(ClosedSpan(span, end_ns))
+        span.end_ns = end_ns
+        self.closed.append(span)
 
-    def mark(self, name: str, value: Any, kind: str, attrs: dict[str, Any] | None) -> str:
+    def mark(self, name: str, value: Any, kind: str, attrs: dict[str, Any] | None) -> int:
         return self.mark_on(self.current(), name, value, kind, attrs)
 
-    def mark_on(self, span: OpenSpan, name: str, value: Any, kind: str, attrs: dict[str, Any] | None) -> str:
+    def mark_on(self, span: OpenSpan, name: str, value: Any, kind: str, attrs: dict[str, Any] | None) -> int:
         value_type, json_value, nonfinite = mark_value(value)
         mark_id = self.new_id()
         if span.mark_ids is None:
@@ -195,8 +328,64 @@ class SpanRecorder:
                     continue
                 span.attrs = {**(span.attrs or {}), "unclosed": True}
                 span.closed = True
-                self.closed.append(ClosedSpan(span, now))
+                span.end_ns = now
+                self.closed.append(span)
                 left += 1
         self.session.closed = True
-        self.closed.append(ClosedSpan(self.session, now))
+        self.session.end_ns = now
+        self.closed.append(self.session)
         return left
+
+    # -- background thread: closed spans and marks to spool records ------------------------------
+
+    def span_records(self, timer: Any = None, *, final: bool = False) -> list[SpoolSpan]:
+        """Spool records of the spans closed since the last call, oldest first.
+
+        A span whose GPU events ``timer`` has not resolved yet is held for a later call (every
+        span is written once); ``final`` writes them all.
+        """
+        if timer is not None:
+            timer.resolve()
+        rows = self.closed.drain()
+        if self._deferred:
+            rows = [*self._deferred, *rows]
+            self._deferred = []
+        base, pid, rank = self._base, self.pid, self.rank
+        # Parents close after their children, so a step's id is formatted once for its first
+        # child and found here for the other children and for the step itself.
+        parents: dict[int, str] = {}
+        out: list[SpoolSpan] = []
+        append = out.append
+        for span in rows:
+            gpu = span.gpu
+            if gpu is not None and type(gpu) is not int:
+                if not final and timer is not None and timer.outstanding(span):
+                    self._deferred.append(span)
+                    continue
+                gpu = None
+            if span.phase_ns is not None:
+                attrs = step_attrs(span, span.end_ns)
+            elif span.attrs:
+                attrs = clean_attrs(span.attrs)
+            else:
+                attrs = {}
+            own = parents.get(span.id) or (base | span.id).to_bytes(16, "big").hex()
+            parent = span.parent_id
+            if type(parent) is int:
+                parent_hex = parents.get(parent)
+                if parent_hex is None:
+                    parent_hex = parents[parent] = (base | parent).to_bytes(16, "big").hex()
+            else:
+                parent_hex = parent  # type: ignore[assignment]
+            marks = span.mark_ids
+            append(SpoolSpan(own, span.name, parent_hex, span.index, span.start_ns, span.end_ns, None, gpu, None,
+                             span.thread_id, pid, rank, attrs,
+                             [(base | m).to_bytes(16, "big").hex() for m in marks] if marks else ()))
+        return out
+
+    def mark_records(self) -> list[SpoolMark]:
+        """Spool records of the marks made since the last call, oldest first."""
+        fmt = self.format_id
+        return [SpoolMark(fmt(row.id), fmt(row.span_id), row.name, row.value_type, row.value,  # type: ignore[arg-type]
+                          clean_attrs(row.attrs), row.ts_ns, row.kind, row.nonfinite)
+                for row in self.marks.drain()]

@@ -2,7 +2,9 @@
 
 ``append`` is one ``deque.append`` (atomic under the GIL, no lock); past ``maxlen`` the oldest
 row is evicted and counted. The background thread ``drain``s with ``popleft`` (also atomic), never
-by iterating or swapping the deque, which a concurrent append would break.
+by iterating or swapping the deque, which a concurrent append would break. It drains a chunk at a
+time (``limit``): rows it has taken out and not yet written are memory on top of the table's
+bound, so a chunk keeps that extra small while the training thread refills the table.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ class BoundedTable(Generic[T]):
         self._rows.append(row)
         self.appended += 1
 
-    def drain(self) -> list[T]:
-        """Takes every row appended so far, oldest first."""
+    def drain(self, limit: int | None = None) -> list[T]:
+        """Takes the rows appended so far (at most ``limit`` of them), oldest first."""
         rows = self._rows
         out: list[T] = []
         pop = rows.popleft
-        for _ in range(len(rows)):
+        count = len(rows) if limit is None else min(limit, len(rows))
+        for _ in range(count):
             try:
                 out.append(pop())
             except IndexError:

@@ -90,12 +90,16 @@ class TorchPatches:
         local = state.local
         loss_type = self.torch.nn.modules.loss._Loss
 
-        def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
+        # Every submodule call inside a forward passes through here: that path is one check and
+        # the call, with the caller's argument tuple passed on as it is (no repacking of the
+        # module and its arguments, no empty kwargs dict): ~0.15 µs a call, not ~0.35.
+        def __call__(*args: Any, **kwargs: Any) -> Any:
             if local.in_forward:
-                return original(module, *args, **kwargs)
+                return original(*args, **kwargs) if kwargs else original(*args)
+            module = args[0] if args else None
             model = local.model
-            if (model is not None and module is not model) or isinstance(module, loss_type):
-                return original(module, *args, **kwargs)  # not the traced model / a loss function
+            if module is None or (model is not None and module is not model) or isinstance(module, loss_type):
+                return original(*args, **kwargs)  # not the traced model / a loss function
             span = None
             try:
                 span = state.begin_phase("forward")
@@ -103,7 +107,7 @@ class TorchPatches:
                 report_internal(exc, "patch.forward")
             local.in_forward = True
             try:
-                return original(module, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 local.in_forward = False
                 try:
@@ -121,7 +125,7 @@ class TorchPatches:
 
         def backward(*args: Any, **kwargs: Any) -> Any:
             if local.in_backward:  # Tensor.backward calls torch.autograd.backward
-                return original(*args, **kwargs)
+                return original(*args, **kwargs) if kwargs else original(*args)
             span = None
             try:
                 span = state.begin_phase("backward")
@@ -182,10 +186,19 @@ class TorchPatches:
         state = self.state
         torch = self.torch
 
-        def to(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if tensor.device.type != "cpu" or not _targets_accelerator(torch, args, kwargs):
-                return original(tensor, *args, **kwargs)
-            return _timed_copy(state, original, tensor, args, kwargs)
+        def to(*args: Any, **kwargs: Any) -> Any:
+            # Most calls are host-side (x.to("cpu"), .to(dtype)): decided from the target first,
+            # with a string test, before asking the tensor where it lives; the arguments are
+            # passed on as they came.
+            if not kwargs:
+                target = args[1] if len(args) > 1 else None
+                if type(target) is str and target.startswith(_HOST):
+                    return original(*args)
+            else:
+                target = _target(args[1:], kwargs)
+            if not args or target is None or not getattr(args[0], "is_cpu", False) or not _is_accelerator(torch, target):
+                return original(*args, **kwargs)
+            return _timed_copy(state, original, args[0], args[1:], kwargs)
 
         return to
 
@@ -193,19 +206,33 @@ class TorchPatches:
         state = self.state
 
         def cuda(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if tensor.device.type != "cpu":
+            if not tensor.is_cpu:
                 return original(tensor, *args, **kwargs)
             return _timed_copy(state, original, tensor, args, kwargs)
 
         return cuda
 
 
-def _targets_accelerator(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+_HOST = ("cpu", "meta")
+
+
+def _target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What ``Tensor.to`` was asked to move to: ``device=``, else its first argument."""
     target = kwargs.get("device")
     if target is None and args:
         target = args[0]
+    return target
+
+
+def _targets_accelerator(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    target = _target(args, kwargs)
     if target is None:
         return False
+    return _is_accelerator(torch, target)
+
+
+def _is_accelerator(torch: Any, target: Any) -> bool:
+    """True when ``target`` (a device, device string or index, or a tensor) is not the host."""
     if isinstance(target, torch.Tensor):
         return target.device.type not in ("cpu", "meta")
     if isinstance(target, torch.device):

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest
 from ..artifacts.sink import TelemetrySink
 from ..schema import SessionStatus, SessionSummary, new_session_id
@@ -22,7 +23,9 @@ from .identity import DistributedIdentity
 __all__ = ["default_run_dir", "sample_process", "track_command"]
 
 AUTOSTART_DIR = Path(__file__).parent / "_autostart"
-_RUNTIME_GRACE_S = 3.0
+_RUNTIME_GRACE_S = 3.0  # how long a Python child has to start capture before it is sampled from outside
+_LAUNCHER_GRACE_S = 20.0  # the same for torchrun & co., whose workers start seconds later
+_LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 
 
 def default_run_dir(session_id: str) -> Path:
@@ -41,6 +44,14 @@ def _runs_python(command: list[str]) -> bool:
     except OSError:
         return False
     return head.startswith(b"#!") and b"python" in head
+
+
+def _capture_grace_s(command: list[str]) -> float:
+    if not _runs_python(command):
+        return 0.0
+    words = {os.path.basename(word) for word in command[:3]}
+    launcher = bool(words & set(_LAUNCHERS)) or "torch.distributed.run" in command[:3]
+    return _LAUNCHER_GRACE_S if launcher else _RUNTIME_GRACE_S
 
 
 def _exit_code(returncode: int) -> int:
@@ -79,14 +90,14 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deadline = time.monotonic() + (_RUNTIME_GRACE_S if _runs_python(command) else 0)
+        deadline = time.monotonic() + _capture_grace_s(command)
         claims = f".autostart-{session_id}-rank*"
         while child.poll() is None and time.monotonic() < deadline and not any(run_dir.glob(claims)):
             time.sleep(0.02)
         if child.poll() is None and not any(run_dir.glob(claims)):
             # not a Python program (or it never imported site): sample it from outside
             sample_process(child.pid, run_dir=run_dir, interval_ms=interval_ms, session_id=session_id,
-                           stop_when=lambda: child.poll() is not None)
+                           stop_when=lambda: child.poll() is not None, write_manifest=False)
         interrupted_at: float | None = None
         while child.poll() is None:
             if signal.SIGINT in forwarded and interrupted_at is None:
@@ -120,13 +131,29 @@ def _close_child_session(run_dir: Path, session_id: str) -> SessionStatus:
 
 def sample_process(
     pid: int, *, run_dir: Path, interval_ms: int, session_id: str | None = None,
-    stop_when: object = None,
+    stop_when: object = None, write_manifest: bool = True, heartbeat_interval: float = 5.0,
 ) -> SessionStatus:
     """Samples process ``pid`` from outside (RSS, and NVML per-process GPU memory) until it exits
-    or Ctrl-C; writes a session into ``run_dir/telemetry/rank0``."""
+    or Ctrl-C; writes a session into ``run_dir/telemetry/rank0`` and the process's liveness into
+    ``heartbeat_rank0.jsonl`` (boot, a ``heartbeat`` every ``heartbeat_interval`` s, stop).
+
+    ``write_manifest``: also write ``run.json`` (launcher "track", the pid, status, end time), as
+    ``stepwatch track --pid`` does; ``track_command`` writes its own.
+    """
     import psutil
 
     session_id = session_id or new_session_id()
+    started_ns = time.time_ns()
+    manifest: RunManifest | None = None
+    if write_manifest:
+        try:
+            command_line = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            command_line = []
+        manifest = RunManifest(session_id=session_id, started_at_ns=started_ns, command_line=command_line,
+                               launcher="track", pid=pid, versions=current_versions(),
+                               extra={"sampled_from_outside": True})
+        write_run_manifest(run_dir, manifest)
     cpu = CpuCollector(pid)
     collectors = [CollectorHealth(cpu)]
     nvml = discover_nvml(pid)
@@ -134,11 +161,15 @@ def sample_process(
         collectors.append(CollectorHealth(nvml))
     sink = TelemetrySink(run_dir / "telemetry" / "rank0")
     host = socket.gethostname()
-    sink.start_session(SessionSummary(session_id=session_id, status="running", started_at_ns=time.time_ns(),
+    sink.start_session(SessionSummary(session_id=session_id, status="running", started_at_ns=started_ns,
                                       host=host, pid=pid, source="stepwatch.track_pid"))
     factory = EventFactory(session_id=session_id, identity=DistributedIdentity(), host=host, pid=pid,
                            interval_ms=interval_ms)
+    heartbeat = HeartbeatWriter(run_dir, 0)
     status: SessionStatus = "completed"
+
+    def beat(msg: str, **fields: object) -> None:
+        heartbeat.write(heartbeat_record(ts=time.time(), pid=pid, rank=0, step=0, msg=msg, **fields))
 
     def alive() -> bool:
         try:
@@ -160,15 +191,30 @@ def sample_process(
                                            primary=health.collector.backend != "cpu"))
         return True
 
+    beat("boot", phase="start", sampled_from_outside=True)
+    heartbeat.flush()
+    next_beat = time.monotonic() + heartbeat_interval
+    next_flush = time.monotonic() + 1.0
     try:
         if sample():
             sink.append(factory.point("start", context=f"sampling pid {pid} from outside"))
         while sample() and not (callable(stop_when) and stop_when()):
             sink.maybe_flush()
+            mono = time.monotonic()
+            if mono >= next_beat:
+                next_beat = mono + heartbeat_interval
+                beat("heartbeat")
+            if mono >= next_flush:  # at least once a second, as the in-process writer does
+                next_flush = mono + 1.0
+                heartbeat.flush()
             time.sleep(interval_ms / 1000)
     except KeyboardInterrupt:
         pass  # Ctrl-C ends sampling; the session still closes cleanly
     sink.append(factory.point("stop", context=f"pid {pid} sampling ended"))
     sink.close(status)
+    beat("stop", status=status)
+    heartbeat.close()
+    if manifest is not None:
+        manifest.status, manifest.ended_at_ns = status, time.time_ns()
+        write_run_manifest(run_dir, manifest)
     return status
-

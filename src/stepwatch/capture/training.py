@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .guard import report_internal
-from .spans import ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value
+from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
 
 __all__ = [
     "FRAMEWORK_PRIORITY", "TrainingState", "activate", "batches", "epochs", "inference", "mark",
@@ -38,8 +38,9 @@ T = TypeVar("T")
 
 # Who owns epoch and step when several hooks are active (spool-format-v1.md): highest wins.
 FRAMEWORK_PRIORITY = {"transformers": 3, "lightning": 2, "torch": 1}
-PHASES = ("data_load", "h2d", "forward", "backward", "optimizer_step")
 _PRE_INIT_MARKS_MAX = 1024
+_NO_PHASE_TIME = dict.fromkeys(PHASES, 0)  # copied for each step: a small dict's copy beats fromkeys
+_time_ns = time.time_ns
 
 _state: TrainingState | None = None
 _request: contextvars.ContextVar[OpenSpan | None] = contextvars.ContextVar("stepwatch_request", default=None)
@@ -47,7 +48,12 @@ _pre_init_marks: deque[MarkRow] = deque(maxlen=_PRE_INIT_MARKS_MAX)
 
 
 class _Local(threading.local):
-    def __init__(self) -> None:
+    """This thread's training bookkeeping, and its span stack and ident, so that a phase reads
+    one thread-local object (the stack is the very list the recorder uses for the thread)."""
+
+    def __init__(self, recorder: SpanRecorder) -> None:
+        self.stack: list[OpenSpan] = recorder.thread_stack()
+        self.ident = threading.get_ident()
         self.step: OpenSpan | None = None
         self.model: Any = None
         self.pending_fetch: tuple[int, int] | None = None
@@ -69,7 +75,13 @@ class TrainingState:
         self.snapshot_sink = snapshot_sink
         self.blob_uri = blob_uri
         self.on_step = on_step
-        self.local = _Local()
+        self.local = _Local(recorder)
+        # What the hot paths below take from the recorder, held here: one attribute read each.
+        self._new_id = recorder.new_id
+        self._push = recorder.closed.push  # with _tally: SpanTable.append, inline
+        self._tally = recorder.closed.tally
+        self._max_depth = recorder.max_depth
+        self._session_id = recorder.session.id
         self.steps = itertools.count()
         self.epoch: OpenSpan | None = None
         self.owners: set[str] = set()
@@ -97,37 +109,59 @@ class TrainingState:
     # -- phases (torch patches) -------------------------------------------------------------
 
     def begin_phase(self, name: str, *, timed: bool = True) -> OpenSpan | None:
+        """Opens phase ``name`` under the innermost open span of this thread.
+
+        The hot path of every patch: one thread-local read, the span made and pushed here
+        (no call into the recorder), the id a C-level counter, nothing formatted.
+        """
         local = self.local
         # Only after a fetch: a warm-up forward before the loop hangs under the session, not a step.
-        if local.step is None and self.auto_steps and not self.owners and local.pending_fetch is not None:
+        if local.step is None and local.pending_fetch is not None and self.auto_steps and not self.owners:
             self.open_step(None, {"implicit": True}, implicit=True)
-        span = self.recorder.open(name)
-        if span is not None and timed and self.gpu_timer is not None:
+        stack = local.stack
+        if len(stack) >= self._max_depth:
+            self.recorder.depth_dropped += 1
+            return None
+        span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, _time_ns(), None,
+                        local.ident)
+        stack.append(span)
+        if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
         return span
 
     def end_phase(self, span: OpenSpan | None) -> None:
         if span is None:
             return
-        end_ns = time.time_ns()
-        if self.gpu_timer is not None and span.gpu is not None:
+        end_ns = _time_ns()
+        if span.gpu is not None and self.gpu_timer is not None:
             self.gpu_timer.end(span.gpu)
-        self.recorder.close(span, end_ns)
         local = self.local
+        stack = local.stack
+        if stack and stack[-1] is span and not span.closed:
+            stack.pop()
+            span.closed = True
+            span.end_ns = end_ns
+            self._push(span)
+            self._tally()
+        else:  # closed already, or children left open above it: the recorder sorts it out
+            self.recorder.close(span, end_ns)
         step = local.step
-        if step is not None and step.phase_ns is not None and span.name in step.phase_ns:
-            step.phase_ns[span.name] += end_ns - span.start_ns
-            if span.name == "optimizer_step" and local.implicit:
-                self.close_step(step, None)
+        if step is not None:
+            name = span.name
+            times = step.phase_ns
+            if times is not None and name in times:
+                times[name] += end_ns - span.start_ns
+                if local.implicit and name == "optimizer_step":
+                    self.close_step(step, None)
 
     def record_fetch(self, start_ns: int, end_ns: int) -> None:
         """A batch fetch: a child of the open step, else held for the next step to adopt."""
         local = self.local
-        if local.step is not None and local.implicit:
-            self.close_step(local.step, None, end_ns=start_ns)  # an inferred step ends at the next fetch
         if local.step is not None:
-            self._data_load_span(start_ns, end_ns)
-            return
+            if not local.implicit:
+                self._data_load_span(start_ns, end_ns)
+                return
+            self.close_step(local.step, None, end_ns=start_ns)  # an inferred step ends at the next fetch
         if local.pending_fetch is not None:  # never adopted (no trace_step): keep it where it ran
             self._data_load_span(*local.pending_fetch)
         local.pending_fetch = (start_ns, end_ns)
@@ -135,14 +169,21 @@ class TrainingState:
     def end_inferred_step(self, end_ns: int | None = None) -> None:
         """Closes an inferred step open on this thread: when its loader is exhausted (not at the
         next epoch's fetch) and at epoch boundaries (it must not enclose, then close, an epoch)."""
-        if self.local.step is not None and self.local.implicit:
-            self.close_step(self.local.step, None, end_ns=end_ns)
+        local = self.local
+        if local.step is not None and local.implicit:
+            self.close_step(local.step, None, end_ns=end_ns)
 
     def _data_load_span(self, start_ns: int, end_ns: int) -> None:
-        span = self.recorder.open("data_load", start_ns=start_ns)
-        if span is not None:
-            self.recorder.close(span, end_ns)
-        step = self.local.step
+        """A closed ``data_load`` span under the innermost open one (never pushed: it is over)."""
+        local = self.local
+        stack = local.stack
+        if len(stack) >= self._max_depth:
+            self.recorder.depth_dropped += 1
+        else:
+            self._push(OpenSpan(self._new_id(), "data_load", stack[-1].id if stack else self._session_id, None,
+                                start_ns, None, local.ident, closed=True, end_ns=end_ns))
+            self._tally()
+        step = local.step
         if step is not None and step.phase_ns is not None:
             step.phase_ns["data_load"] += end_ns - start_ns
 
@@ -154,49 +195,69 @@ class TrainingState:
             self.auto_steps = False  # the program marks its own steps from now on
             if local.step is not None and local.implicit:
                 self.close_step(local.step, None)
-        fetch, local.pending_fetch = local.pending_fetch, None
-        span = self.recorder.open("step", index=None if implicit else next(self.steps), attrs=attrs,
-                                  start_ns=fetch[0] if fetch else None)
-        if span is None:
+        fetch = local.pending_fetch
+        local.pending_fetch = None
+        index = None if implicit else next(self.steps)
+        stack = local.stack
+        if len(stack) >= self._max_depth:
+            self.recorder.depth_dropped += 1
             return None
-        span.phase_ns = dict.fromkeys(PHASES, 0)
-        local.step, local.model, local.implicit = span, model, implicit
-        if fetch is not None:
-            self._data_load_span(*fetch)
+        times = _NO_PHASE_TIME.copy()
+        span = OpenSpan(self._new_id(), "step", stack[-1].id if stack else self._session_id, index,
+                        fetch[0] if fetch else _time_ns(), attrs, local.ident, None, None, times)
+        stack.append(span)
+        local.step = span
+        local.model = model
+        local.implicit = implicit
+        if fetch is not None:  # the adopted fetch: the step's data_load child (what _data_load_span does)
+            start_ns, end_ns = fetch
+            if len(stack) >= self._max_depth:
+                self.recorder.depth_dropped += 1
+            else:
+                self._push(OpenSpan(self._new_id(), "data_load", span.id, None, start_ns, None, local.ident,
+                                    None, None, None, True, end_ns))
+                self._tally()
+            times["data_load"] = end_ns - start_ns
         return span
 
     def close_step(self, span: OpenSpan | None, error: BaseException | None, *, end_ns: int | None = None) -> None:
+        """Closes the open step. Its breakdown attrs (step_ns, <phase>_ns, wait_ns) are built
+        from ``phase_ns`` by the background thread at the seal (``spans.step_attrs``)."""
         local = self.local
         if span is None or local.step is not span:
             return
-        end_ns = end_ns or time.time_ns()
-        implicit, local.step, local.model, local.implicit = local.implicit, None, None, False
-        times = span.phase_ns or {}
+        end_ns = end_ns or _time_ns()
+        implicit = local.implicit
+        local.step = local.model = None
         if implicit:
+            local.implicit = False
+            times = span.phase_ns or _NO_PHASE_TIME
             trained = times["backward"] or times["optimizer_step"]
             span.name = "step" if trained else "eval_step"
             span.index = next(self.steps) if trained else next(self.eval_steps)
-        step_ns = end_ns - span.start_ns
-        busy = times["h2d"] + times["forward"] + times["backward"] + times["optimizer_step"]
-        span.attrs = {
-            **(span.attrs or {}),
-            "step_ns": step_ns,
-            **{f"{name}_ns": value for name, value in times.items()},
-            "wait_ns": max(0, step_ns - busy),  # aggregator-architecture.md: wait is the residual
-        }
-        if error is not None:
-            span.attrs["error"] = type(error).__name__
-        self.recorder.close(span, end_ns)
+        if error is not None:  # rare: built here, so that "error" follows the breakdown as it always has
+            span.attrs = {**step_attrs(span, end_ns), "error": type(error).__name__}
+            span.phase_ns = None
+        stack = local.stack
+        if stack and stack[-1] is span and not span.closed:
+            stack.pop()
+            span.closed = True
+            span.end_ns = end_ns
+            self._push(span)
+            self._tally()
+        else:
+            self.recorder.close(span, end_ns)
         if self.on_step is not None and span.index is not None:
             self.on_step(span.index + 1)
 
     def finish(self) -> None:
         """At shutdown: a step still open on this thread closes as what it was, with its
         breakdown; one that ``trace_step`` opened (cut by SIGTERM or exit) is flagged unclosed."""
-        step = self.local.step
+        local = self.local
+        step = local.step
         if step is None:
             return
-        if not self.local.implicit:
+        if not local.implicit:
             step.attrs = {**(step.attrs or {}), "unclosed": True}
         self.close_step(step, None)
 
@@ -250,7 +311,8 @@ class trace_step:  # noqa: N801 - a statement: `with stepwatch.trace_step(model)
 
     def __enter__(self) -> trace_step:
         state = _state
-        if state is not None and not state.yields(self.framework) and state.local.step is None:
+        if (state is not None and state.local.step is None
+                and (not state.owners or not state.yields(self.framework))):
             try:
                 self._span = state.open_step(self.model, self.attrs)
             except Exception as exc:  # noqa: BLE001

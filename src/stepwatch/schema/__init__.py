@@ -34,6 +34,7 @@ from ._telemetry import (
     TelemetryEventV2,
     TelemetryEventV3,
     TelemetryEventV4,
+    identity_problem,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "TelemetryEventV2",
     "TelemetryEventV3",
     "TelemetryEventV4",
+    "identity_problem",
     "json_schema",
     "new_session_id",
     "select_default_session",

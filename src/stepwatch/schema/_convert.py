@@ -24,6 +24,7 @@ from ._telemetry import (
     TelemetryEventV2,
     TelemetryEventV3,
     TelemetryEventV4,
+    identity_problem,
 )
 
 __all__ = [
@@ -97,9 +98,14 @@ def _schema_version(record: Mapping[str, Any]) -> int:
 
 def _convert(record: Mapping[str, Any], struct: type[TelemetryEvent]) -> Any:
     try:
-        return msgspec.convert(record, struct, strict=True)
+        event = msgspec.convert(record, struct, strict=True)
     except msgspec.ValidationError as exc:
         raise translate_validation_error(exc) from None
+    if struct is TelemetryEventV3:  # v3's cross-field rule is not in the Struct (see _telemetry.py)
+        problem = identity_problem(event.rank, event.local_rank, event.world_size)
+        if problem is not None:
+            raise ValidationError(f"$.{problem[0]}", problem[1])
+    return event
 
 
 def validate_telemetry_record(record: Any) -> TelemetryEvent:

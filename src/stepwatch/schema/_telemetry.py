@@ -1,8 +1,11 @@
 """TelemetryEvent records (v2, v3, v4) as msgspec Structs.
 
 One Struct per schema version so that decoding, type checks and the integer minimums run in
-msgspec's C core in one pass; the cross-field rules the JSON Schemas cannot express
-(`rank < world_size`, v4's capability/null pairing) live in ``__post_init__``.
+msgspec's C core in one pass. The cross-field rules the JSON Schemas cannot express: v4's
+capability/null pairing and identity live in its ``__post_init__``; v3's `rank < world_size`
+is checked where records enter (``validate_telemetry_record``, ``telemetry_event_from_record``,
+the loaders, through ``identity_problem``), not per decoded Struct: a Python ``__post_init__``
+call per record was ~0.2 µs of the ~2 µs a loaded v3 event costs (bench/README.md).
 Specs: ``telemetry-event-v3.md``, ``telemetry-event-v2.md``, ``telemetry-current-practice.md``.
 """
 
@@ -22,6 +25,7 @@ __all__ = [
     "TelemetryEventV2",
     "TelemetryEventV3",
     "TelemetryEventV4",
+    "identity_problem",
 ]
 
 SCHEMA_VERSION_V2 = 2
@@ -46,13 +50,19 @@ class _RecordError(ValueError):
         super().__init__(f"{rule} - at `$.{field}`")
 
 
-def _check_identity(rank: int, local_rank: int, world_size: int) -> None:
+def identity_problem(rank: int, local_rank: int, world_size: int) -> tuple[str, str] | None:
+    """``(field, rule)`` of the first broken `rank`/`local_rank` < `world_size` rule, else None."""
     if rank >= world_size:
-        raise _RecordError("rank", f"must be < world_size ({world_size}), got {rank}")
+        return "rank", f"must be < world_size ({world_size}), got {rank}"
     if local_rank >= world_size:
-        raise _RecordError(
-            "local_rank", f"must be < world_size ({world_size}), got {local_rank}"
-        )
+        return "local_rank", f"must be < world_size ({world_size}), got {local_rank}"
+    return None
+
+
+def _check_identity(rank: int, local_rank: int, world_size: int) -> None:
+    problem = identity_problem(rank, local_rank, world_size)
+    if problem is not None:
+        raise _RecordError(*problem)
 
 
 class TelemetryEventV2(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
@@ -80,6 +90,11 @@ class TelemetryEventV2(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
 
 class TelemetryEventV3(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
     """The canonical record stepwatch writes and every loader returns.
+
+    The identity rule (`rank`, `local_rank` < `world_size`) is not checked on construction or
+    by a bare ``msgspec`` decode: ``validate_telemetry_record``, ``telemetry_event_from_record``
+    and the loaders check it (``identity_problem``); stepwatch's own collectors build valid
+    identities from ``resolve_distributed_identity``.
 
     Example::
 
@@ -110,12 +125,6 @@ class TelemetryEventV3(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     rank: NonNegative = 0
     local_rank: NonNegative = 0
     world_size: WorldSize = 1
-
-    def __post_init__(self) -> None:
-        # Runs once per loaded record: the common case is one comparison, no extra call.
-        world_size = self.world_size
-        if self.rank >= world_size or self.local_rank >= world_size:
-            _check_identity(self.rank, self.local_rank, world_size)
 
 
 class MemoryCapabilities(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):

@@ -3,11 +3,27 @@
 Asyncio receives; the store write of each tick runs in one worker thread, so the event loop
 keeps reading other ranks while SQLite commits. Rejected frames are counted by reason and the
 connection that sent them is dropped only when the stream cannot continue (oversize).
+
+Rows wait as tuples in column order (JSON columns already text), so the writer only binds them.
+A tick writes when ``tick_s`` has passed or ``flush_rows`` rows are waiting, whichever is first;
+while ``pause_rows`` rows wait, TCP connections stop reading (their ranks' sockets fill and
+their senders queue, then drop, as for a slow aggregator) and HTTP uploads wait for room. So
+memory and the size of a commit stay bounded however fast the ranks send.
+
+Sessions: a session is ``running`` from its first frame; once every rank seen in it has sent its
+``stop`` telemetry event it is closed (status from the stop events, the worst of them, and
+``ended_at_ns`` the last stop), written by the writer after the stop rows themselves. The
+launcher's own final upsert comes after the aggregator has stopped, so it has the last word.
+
+Retention (``retention_ns``): the writer applies ``HistoryStore.apply_retention`` every tenth of
+the window (between 1 s and an hour), and forgets HTTP batch ids older than the 24 h dedupe
+window as often.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from collections import Counter
@@ -16,10 +32,16 @@ from typing import Any
 
 from ..errors import StoreError, TransportError
 from ..store.base import HistoryStore
-from ..store.rows import check_rows, to_rows
-from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, decode_body
+from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
+from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTables, decode_body, decode_typed
 
 __all__ = ["Aggregator"]
+
+_ROW_ERRORS = (KeyError, TypeError, ValueError, AttributeError, OverflowError)
+_STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "failed": 2, "incomplete": 3}
+# the runtime's stop event says how it stopped: context "stepwatch capture stopped (<status>)"
+_STOP_STATUS = re.compile(r"\((completed|interrupted|failed|incomplete)\)\s*$")
+DEDUPE_WINDOW_NS = 24 * 3600 * 10**9
 
 
 class Aggregator:
@@ -31,15 +53,32 @@ class Aggregator:
     """
 
     def __init__(self, store: HistoryStore, *, max_frame: int = DEFAULT_MAX_FRAME, tick_s: float = 0.2,
-                 max_pending_rows: int = 2_000_000) -> None:
+                 max_pending_rows: int = 2_000_000, flush_rows: int = 10_000, pause_rows: int = 50_000,
+                 session_id: str | None = None, retention_ns: int | None = None) -> None:
         self.store = store
+        self.session_id = session_id  # this aggregator's own session (``stepwatch run``'s), for legacy frames
+        self.retention_ns = retention_ns
+        self.maintenance_s = (3600.0 if retention_ns is None
+                              else min(3600.0, max(1.0, retention_ns / 1e9 / 10)))
+        self._last_maintenance = float("-inf")
+        self.retention_removed = 0
+        self.carry = PhaseCarry()  # phase times of steps still to come (store.rows.derive_steps)
+        self._session_ranks: dict[str, set[int]] = {}
+        self._stops: dict[str, dict[int, tuple[int, str]]] = {}  # session -> rank -> (stop ns, status)
+        self._session_updates: dict[str, dict[str, Any]] = {}
+        self._pending_batches: list[tuple[str, int]] = []
+        self._logged_reasons: set[str] = set()
         self.max_frame = max_frame
         self.tick_s = tick_s
         self.max_pending_rows = max_pending_rows
-        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self.flush_rows = flush_rows
+        self.pause_rows = min(pause_rows, max_pending_rows)
+        self._pending: dict[str, list[tuple[Any, ...]]] = {}
         self._pending_rows = 0
         self._sessions_seen: set[str] = set()
         self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()  # flush_rows reached, or stopping: write now
+        self._room = asyncio.Event()  # a tick took the pending rows: paused readers may go on
         self.frames_accepted = 0
         self.rows_accepted = 0
         self.rows_written = 0
@@ -57,6 +96,26 @@ class Aggregator:
     def full(self) -> bool:
         return self._pending_rows >= self.max_pending_rows
 
+    @property
+    def paused(self) -> bool:
+        """Enough rows wait that intake should pause until the writer takes them."""
+        return self._pending_rows >= self.pause_rows
+
+    async def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Waits while ``paused`` (until a tick takes the pending rows); False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self.paused and not self._stopping.is_set():
+            self._room.clear()
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._room.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
     def accept(self, message: Message, source: str = "tcp") -> int:
         """Queues the rows of one message for the next write; returns how many.
 
@@ -65,12 +124,45 @@ class Aggregator:
         """
         meta = message.meta
         session_id, rank = str(meta["session_id"]), int(meta.get("rank", 0))
+        update = CarryUpdate()
         try:
-            tables = to_rows(message.tables, session_id, rank)
-            for table, rows in tables.items():
-                check_rows(table, rows)
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            tables = to_rows(message.tables, session_id, rank, self.carry, update)
+            rows = {}
+            for table, table_rows in tables.items():
+                check_rows(table, table_rows)
+                rows[table] = row_tuples(table, table_rows)
+        except _ROW_ERRORS as exc:
             raise TransportError("bad_rows", f"{type(exc).__name__}: {exc}") from None
+        count = self._queue(meta, session_id, rank, rows, source)
+        self.carry.apply(update)
+        return count
+
+    def accept_body(self, body: bytes, source: str = "tcp") -> int:
+        """``accept(decode_body(body))``, by the typed fast path when the frame fits it: the rows
+        go from msgpack to store tuples without a dict per row. Same rows, same refusals."""
+        typed = decode_typed(body)
+        if typed is not None:
+            meta, tables = typed
+            count = self.accept_wire(meta, meta["session_id"], meta.get("rank", 0), tables, source)
+            if count is not None:
+                return count
+        return self.accept(decode_body(body, self.session_id), source)
+
+    def accept_wire(self, meta: Mapping[str, Any], session_id: str, rank: int, tables: WireTables,
+                    source: str) -> int | None:
+        """Queues typed wire rows (``decode_typed``); None, with nothing queued, when a value
+        needs the general path (``accept``) to be stored or refused with its reason."""
+        update = CarryUpdate()
+        try:
+            rows = wire_tuples(session_id, rank, tables, self.carry, update)
+        except _ROW_ERRORS:
+            return None
+        count = self._queue(meta, session_id, rank, rows, source)
+        self.carry.apply(update)
+        return count
+
+    def _queue(self, meta: Mapping[str, Any], session_id: str, rank: int, rows: dict[str, list[tuple[Any, ...]]],
+               source: str) -> int:
         if (session_id, rank) not in self.ranks:  # each rank's start counts: the session keeps the earliest
             session = {
                 "session_id": session_id, "status": "running", "started_at_ns": meta.get("started_ns") or time.time_ns(),
@@ -83,15 +175,54 @@ class Aggregator:
                 raise TransportError("bad_meta", str(exc)) from None
             self._sessions_seen.add(session_id)
             self.store.upsert_session(session)
+            self._session_ranks.setdefault(session_id, set()).add(rank)
         self.ranks.add((session_id, rank))
+        telemetry = rows.get("telemetry")
+        if telemetry:
+            stops = [row for row in telemetry if row[3] == "stop"]
+            if stops:
+                self._note_stops(session_id, rank, stops)
         count = 0
-        for table, rows in tables.items():
-            self._pending.setdefault(table, []).extend(rows)
-            count += len(rows)
+        pending = self._pending
+        for table, table_rows in rows.items():
+            if table in pending:
+                pending[table].extend(table_rows)
+            else:
+                pending[table] = table_rows
+            count += len(table_rows)
         self._pending_rows += count
+        if self._pending_rows >= self.flush_rows:
+            self._wake.set()
         self.frames_accepted += 1
         self.rows_accepted += count
         return count
+
+    def _note_stops(self, session_id: str, rank: int, stops: list[tuple[Any, ...]]) -> None:
+        """A rank's stop event(s); once every rank seen in the session has stopped, the session
+        is closed by the next write."""
+        ended = max((row[2] for row in stops if type(row[2]) is int), default=time.time_ns())
+        found = _STOP_STATUS.search(stops[-1][16] or "") if type(stops[-1][16]) is str else None
+        self._stops.setdefault(session_id, {})[rank] = (ended, found.group(1) if found else "completed")
+        stopped = self._stops[session_id]
+        if self._session_ranks.get(session_id, set()) <= stopped.keys():
+            status = max((status for _, status in stopped.values()), key=lambda s: _STATUS_WEIGHT.get(s, 9))
+            self._session_updates[session_id] = {
+                "session_id": session_id, "status": status, "started_at_ns": None,
+                "ended_at_ns": max(ns for ns, _ in stopped.values()), "host": None, "world_size": None,
+                "source": None, "command_line": None,
+            }
+
+    def note_batch(self, batch_id: str, seen_at_ns: int) -> None:
+        """An HTTP batch whose rows were just queued: its id is stored with them (dedupe)."""
+        self._pending_batches.append((batch_id, seen_at_ns))
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Counts a refused frame; the first of each reason is also said on stderr, with why."""
+        self.rejected[reason] += 1
+        if reason not in self._logged_reasons:
+            self._logged_reasons.add(reason)
+            print(f"[stepwatch] aggregator: refused a frame ({reason}): {detail} "
+                  f"(later ones of this reason are only counted)", file=sys.stderr, flush=True)
 
     def accept_tables(self, meta: Mapping[str, Any], tables: Mapping[str, list[dict[str, Any]]], source: str) -> int:
         return self.accept(Message(meta=dict(meta), tables={k: list(v) for k, v in tables.items()}), source)
@@ -105,23 +236,23 @@ class Aggregator:
                 data = await reader.read(1 << 16)
                 if not data:
                     if decoder.pending_bytes:
-                        self.rejected["truncated"] += 1
+                        self.reject("truncated", f"the connection closed {decoder.pending_bytes} bytes into a frame")
                     break
                 try:
                     bodies = decoder.feed(data)
                 except TransportError as exc:
-                    self.rejected[exc.reason] += 1
+                    self.reject(exc.reason, str(exc))
                     break  # cannot resynchronise after a bad length prefix
                 for body in bodies:
                     try:
-                        self.accept(decode_body(body))
+                        self.accept_body(body)
                     except TransportError as exc:
-                        self.rejected[exc.reason] += 1
+                        self.reject(exc.reason, str(exc))
                         continue
-                    while self.full and not self._stopping.is_set():
-                        await asyncio.sleep(self.tick_s)  # backpressure: stop reading this rank
-        except (ConnectionError, asyncio.IncompleteReadError):
-            self.rejected["connection_reset"] += 1
+                if self.paused:
+                    await self.wait_for_room()  # backpressure: stop reading this rank
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            self.reject("connection_reset", f"{type(exc).__name__}: {exc}")
         finally:
             self._writers.discard(writer)
             writer.close()
@@ -132,38 +263,74 @@ class Aggregator:
 
     # -- the single writer -----------------------------------------------------------------------
 
-    def _take(self) -> dict[str, list[dict[str, Any]]]:
+    def _take(self) -> tuple[dict[str, list[tuple[Any, ...]]], list[tuple[str, int]], list[dict[str, Any]]]:
         batch, self._pending, self._pending_rows = self._pending, {}, 0
-        return batch
+        batch_ids, self._pending_batches = self._pending_batches, []
+        sessions = list(self._session_updates.values())
+        self._session_updates = {}
+        self._room.set()
+        return batch, batch_ids, sessions
+
+    def _write(self, batch: dict[str, list[tuple[Any, ...]]], batch_ids: list[tuple[str, int]],
+               sessions: list[dict[str, Any]]) -> int:
+        """One tick in the writer thread: the rows (with their batch ids), then the sessions
+        closed by stop events among them."""
+        written = self.store.append_tuples(batch, batch_ids) if batch or batch_ids else 0
+        for row in sessions:
+            self.store.upsert_session(row)
+        return written
 
     async def flush(self) -> int:
-        batch = self._take()
-        if not batch:
+        batch, batch_ids, sessions = self._take()
+        if not batch and not batch_ids and not sessions:
             return 0
         started = time.perf_counter()
         try:
-            written = await asyncio.to_thread(self.store.append_many, batch)
+            written = await asyncio.to_thread(self._write, batch, batch_ids, sessions)
         except StoreError as exc:  # the single writer must outlive one failed write
             self.write_errors += 1
             self.rows_lost += sum(len(rows) for rows in batch.values())
             print(f"[stepwatch] aggregator: a write failed, its rows are lost: {exc}", file=sys.stderr, flush=True)
             return 0
-        self.write_batches.append((written, time.perf_counter() - started))
-        del self.write_batches[:-1000]
+        if batch:
+            self.write_batches.append((written, time.perf_counter() - started))
+            del self.write_batches[:-1000]
         self.rows_written += written
         return written
 
+    def _maintain(self) -> None:
+        """Writer thread: retention over the window, and batch ids out of the dedupe window."""
+        if self.retention_ns is not None:
+            self.retention_removed += self.store.apply_retention(self.retention_ns)
+        self.store.forget_batches(time.time_ns() - DEDUPE_WINDOW_NS)
+
+    async def maintain(self) -> None:
+        """Runs ``_maintain`` when it is due (every ``maintenance_s``)."""
+        now = time.monotonic()
+        if now - self._last_maintenance < self.maintenance_s:
+            return
+        self._last_maintenance = now
+        try:
+            await asyncio.to_thread(self._maintain)
+        except StoreError as exc:
+            print(f"[stepwatch] aggregator: retention failed (tried again later): {exc}", file=sys.stderr, flush=True)
+
     async def write_loop(self) -> None:
         while not self._stopping.is_set():
-            try:
-                await asyncio.wait_for(self._stopping.wait(), self.tick_s)
-            except asyncio.TimeoutError:
-                pass
+            if self._pending_rows < self.flush_rows:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.tick_s)
+                except asyncio.TimeoutError:
+                    pass
             await self.flush()
+            await self.maintain()
         await self.flush()
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
+        self._room.set()
 
     def close_connections(self) -> None:
         """Hangs up on every rank still connected (Server.wait_closed() waits for them on 3.12+)."""
@@ -175,8 +342,9 @@ class Aggregator:
         return {
             "connections": self.connections, "frames_accepted": self.frames_accepted,
             "rows_accepted": self.rows_accepted, "rows_written": self.rows_written,
-            "rejected": dict(self.rejected), "ranks": len(self.ranks),
+            "rejected": dict(self.rejected), "ranks": len(self.ranks), "pending_rows": self._pending_rows,
             "write_errors": self.write_errors, "rows_lost": self.rows_lost,
+            "retention_removed": self.retention_removed,
             "last_batch_rows": batches[-1][0] if batches else 0,
             "mean_batch_seconds": sum(s for _, s in batches) / len(batches) if batches else 0.0,
         }

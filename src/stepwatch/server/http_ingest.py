@@ -5,7 +5,21 @@ paths the real SDK uses today, ``POST /api/traces`` and ``PUT /api/traces/blobs/
 Contract: bearer-token auth (no token configured: loopback clients only), gzip bodies,
 ``202 Accepted`` with the batch id, idempotent by batch id for 24 hours, ``400`` with a reason,
 ``413`` over the size limit (compressed or not), ``429`` with ``Retry-After`` when the write
-queue is full. ``GET /openapi.json`` serves the OpenAPI description of all of it.
+queue is full (its hard bound, or its pause bound still reached after ``ROOM_WAIT_S`` of waiting
+for the writer). ``GET /openapi.json`` serves the OpenAPI description of all of it.
+
+Batches are decoded straight into the aggregator's typed wire rows when they fit them (the
+usual case); anything else goes through the general JSON path, which stores or refuses it.
+
+Idempotence survives a restart: the batch ids are stored with their rows (``ingest_batches``, in
+the same transaction) and read back when the app starts.
+
+Sessions: the ``X-Stepwatch-Session-Id`` header names one; otherwise every batch of one
+uploading process lands in one session. A batch with spans is keyed by (token, client address,
+the spans' pid); a batch that refers to a span an earlier batch brought or named as a parent
+(its marks' and snapshots' ``span_id``, its spans' ``parent_id``) joins that batch's session, so
+a marks-only batch (no pid to read) still lands with its process's spans; failing both, the last
+session of the same client.
 """
 
 from __future__ import annotations
@@ -23,13 +37,32 @@ from typing import Any
 import msgspec
 
 from ..errors import TransportError
+from ..transport.frames import WireMark, WireSpan, WireTables
 from .aggregator import Aggregator
 
 __all__ = ["IngestApp", "OPENAPI"]
 
 DEDUPE_WINDOW_S = 24 * 3600
+SPAN_MEMORY = 200_000  # span ids remembered for session assignment (oldest forgotten first)
+ROOM_WAIT_S = 5.0  # how long an upload waits for the writer to catch up before it is told 429
 _BLOB_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+_BATCH_ID = re.compile(r"[0-9a-f]{32}")
 _decoder = msgspec.json.Decoder()
+
+
+class _TypedBatch(msgspec.Struct, gc=False):
+    """A spool batch decoded straight into the aggregator's typed wire rows (``decode_typed``'s
+    HTTP twin). Whatever does not fit these types goes through ``IngestApp._batch`` instead."""
+
+    schema_version: Any = None
+    batch_id: Any = None
+    sdk_version: Any = None
+    spans: list[WireSpan] = []
+    marks: list[WireMark] = []
+    snapshots: list[dict[str, Any]] = []
+
+
+_typed_decoder = msgspec.json.Decoder(_TypedBatch)
 
 
 class _Reject(Exception):
@@ -62,7 +95,9 @@ OPENAPI: dict[str, Any] = {
                     "202": {"description": "Accepted (also for a batch already received)",
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Accepted"}}}},
                     "400": {"description": "Malformed body", "content": {"application/json": {"schema": _json_error(400, "why")}}},
-                    "401": {"description": "Missing or wrong bearer token", "content": {"application/json": {"schema": _json_error(401, "auth")}}},
+                    "401": {"description": "Missing or wrong bearer token",
+                            "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
+                            "content": {"application/json": {"schema": _json_error(401, "auth")}}},
                     "403": {"description": "No token configured and the client is not on loopback", "content": {"application/json": {"schema": _json_error(403, "forbidden")}}},
                     "413": {"description": "Body over the size limit", "content": {"application/json": {"schema": _json_error(413, "size")}}},
                     "429": {"description": "Write queue full; retry after Retry-After seconds",
@@ -83,7 +118,9 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"201": {"description": "Stored; Location is the stored blob's URI",
                                       "headers": {"Location": {"schema": {"type": "string"}}}},
                               "400": {"description": "Bad key"},
-                              "401": {"description": "Auth"}, "403": {"description": "Forbidden"},
+                              "401": {"description": "Auth",
+                                      "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}}},
+                              "403": {"description": "Forbidden"},
                               "413": {"description": "Too large"}},
             }
         },
@@ -122,7 +159,10 @@ class IngestApp:
         self.run_dir = run_dir
         self.token = token
         self.max_body = max_body
-        self._seen: dict[str, float] = {}  # batch_id -> accepted at (monotonic), 24 h window
+        # batch_id -> accepted at (wall-clock ns), 24 h window; the store holds those of earlier runs
+        self._seen: dict[str, int] = aggregator.store.seen_batches(time.time_ns() - DEDUPE_WINDOW_S * 10**9)
+        self._span_sessions: dict[str, tuple[str, int]] = {}  # span id -> (session, rank)
+        self._client_sessions: dict[tuple[str, str], tuple[str, int]] = {}  # (token, address) -> last one
         self.accepted = 0
         self.duplicates = 0
         self.rejected: dict[int, int] = {}
@@ -154,7 +194,7 @@ class IngestApp:
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
-            raise _Reject(401, "missing or wrong bearer token")
+            raise _Reject(401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="stepwatch"'})
 
     async def _body(self, request: Any) -> bytes:
         length = request.content_length
@@ -224,20 +264,81 @@ class IngestApp:
                 raise _Reject(400, "every snapshot needs 'id'")
         return batch
 
-    def _session_of(self, request: Any, batch: dict[str, Any]) -> tuple[str, int]:
-        """Which session a batch belongs to: the header if given, else one per uploading process."""
-        spans = batch.get("spans") or [{}]
-        rank = spans[0].get("rank", 0)
-        rank = rank if type(rank) is int and 0 <= rank < 1 << 31 else 0
+    @staticmethod
+    def _typed_batch(raw: bytes) -> _TypedBatch | None:
+        """The batch by the typed fast path, when it passes every check ``_batch`` makes; None
+        sends it to ``_batch``, which accepts it too or says why not."""
+        try:
+            batch = _typed_decoder.decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return None
+        if batch.schema_version != 1 or type(batch.batch_id) is not str or not _BATCH_ID.fullmatch(batch.batch_id):
+            return None
+        if None in [s.start_ns for s in batch.spans] or None in [s.end_ns for s in batch.spans]:
+            return None
+        if not all("id" in snap for snap in batch.snapshots):
+            return None
+        return batch
+
+    def _session_of(self, request: Any, spans: list[tuple[Any, Any, Any, Any]], refs: list[Any]) -> tuple[str, int]:
+        """(session, rank) of a batch; ``spans``: (id, parent_id, pid, rank) of its spans, ``refs``:
+        the span ids its marks and snapshots name. See the module docstring."""
+        rank = next((r for *_, r in spans if type(r) is int and 0 <= r < 1 << 31), None)
         given = request.headers.get("X-Stepwatch-Session-Id")
         if given:
-            return given, rank
-        pid = spans[0].get("pid", "?")
+            return given, rank or 0
+        known = self._span_sessions
+        for span_id, parent, _, _ in spans:
+            for ref in (parent, span_id):
+                if type(ref) is str and ref in known:
+                    session, ref_rank = known[ref]
+                    return session, ref_rank if rank is None else rank
+        for ref in refs:
+            if type(ref) is str and ref in known:
+                return known[ref]
         token = request.headers.get("Authorization", "anonymous")
-        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch-http:{token}:{request.remote}:{pid}")), rank
+        pid = next((p for _, _, p, _ in spans if p is not None), None)
+        if pid is None:
+            last = self._client_sessions.get((token, str(request.remote)))
+            if last is not None:
+                return last[0], last[1] if rank is None else rank
+            pid = "?"
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch-http:{token}:{request.remote}:{pid}")), rank or 0
+
+    def _remember(self, request: Any, session: tuple[str, int], spans: list[tuple[Any, Any, Any, Any]],
+                  refs: list[Any]) -> None:
+        """After a batch is queued: its span ids (and the parents and spans it names) point to
+        its session, for the batches of the same process that carry no pid."""
+        known = self._span_sessions
+        for span_id, parent, _, _ in spans:
+            for ref in (span_id, parent):
+                if type(ref) is str:
+                    known[ref] = session
+        for ref in refs:
+            if type(ref) is str and ref != "root":  # "root" is every process's sentinel
+                known[ref] = session
+        if len(known) > SPAN_MEMORY:
+            for key in list(known)[: len(known) - SPAN_MEMORY // 2]:
+                del known[key]
+        token = request.headers.get("Authorization", "anonymous")
+        self._client_sessions[(token, str(request.remote))] = session
+        if len(self._client_sessions) > 10_000:
+            self._client_sessions.clear()
+
+    @staticmethod
+    def _views(batch: dict[str, Any]) -> tuple[list[tuple[Any, Any, Any, Any]], list[Any]]:
+        spans = [(s.get("id"), s.get("parent_id"), s.get("pid"), s.get("rank", 0)) for s in batch.get("spans", [])]
+        refs = [m.get("span_id") for m in batch.get("marks", [])] + [x.get("span_id") for x in batch.get("snapshots", [])]
+        return spans, refs
+
+    @staticmethod
+    def _typed_views(batch: _TypedBatch) -> tuple[list[tuple[Any, Any, Any, Any]], list[Any]]:
+        spans = [(s.id, s.parent_id, s.pid, s.rank) for s in batch.spans]
+        refs = [m.span_id for m in batch.marks] + [x.get("span_id") for x in batch.snapshots]
+        return spans, refs
 
     def _expire(self) -> None:
-        cutoff = time.monotonic() - DEDUPE_WINDOW_S
+        cutoff = time.time_ns() - DEDUPE_WINDOW_S * 10**9
         if len(self._seen) > 100_000 or (self._seen and next(iter(self._seen.values())) < cutoff):
             self._seen = {k: t for k, t in self._seen.items() if t >= cutoff}
 
@@ -248,28 +349,53 @@ class IngestApp:
 
         try:
             self._authorise(request)
-            batch = self._batch(await self._body(request))
-            batch_id = batch["batch_id"]
+            raw = await self._body(request)
+            typed = self._typed_batch(raw)
+            batch = self._batch(raw) if typed is None else None
+            batch_id = typed.batch_id if typed is not None else batch["batch_id"]  # type: ignore[index]
+            # backpressure: while the writer catches up, answer later rather than 429 at once
+            room = not self.aggregator.full and await self.aggregator.wait_for_room(ROOM_WAIT_S)
             self._expire()
             if batch_id in self._seen:
                 self.duplicates += 1
                 return web.json_response({"batch_id": batch_id, "duplicate": True}, status=202)
-            if self.aggregator.full:
+            if not room or self.aggregator.full:
                 raise _Reject(429, "write queue full", {"Retry-After": "1"})
-            session_id, rank = self._session_of(request, batch)
-            tables = {k: batch.get(k, []) for k in ("spans", "marks", "snapshots")}
-            meta = {"session_id": session_id, "rank": rank, "sdk_version": batch.get("sdk_version"),
-                    "batch_id": batch_id}
-            try:
-                self.aggregator.accept_tables(meta, tables, source="http")
-            except TransportError as exc:
-                raise _Reject(400, f"batch cannot be stored: {exc}") from None
-            self._seen[batch_id] = time.monotonic()
+            if typed is None or not self._accept_typed(request, typed):
+                if batch is None:
+                    batch = self._batch(raw)
+                spans, refs = self._views(batch)
+                session_id, rank = self._session_of(request, spans, refs)
+                tables = {k: batch.get(k, []) for k in ("spans", "marks", "snapshots")}
+                meta = {"session_id": session_id, "rank": rank, "sdk_version": batch.get("sdk_version"),
+                        "batch_id": batch_id}
+                try:
+                    self.aggregator.accept_tables(meta, tables, source="http")
+                except TransportError as exc:
+                    raise _Reject(400, f"batch cannot be stored: {exc}") from None
+                self._remember(request, (session_id, rank), spans, refs)
+            now = time.time_ns()
+            self._seen[batch_id] = now
+            self.aggregator.note_batch(batch_id, now)
             self.accepted += 1
             return web.json_response({"batch_id": batch_id}, status=202)
         except _Reject as exc:
             self.rejected[exc.status] = self.rejected.get(exc.status, 0) + 1
             return web.json_response({"error": exc.reason}, status=exc.status, headers=exc.headers)
+
+    def _accept_typed(self, request: Any, batch: _TypedBatch) -> bool:
+        """Queues a typed batch's rows; False (nothing queued) where the general path must decide."""
+        spans, refs = self._typed_views(batch)
+        session_id, rank = self._session_of(request, spans, refs)
+        meta = {"session_id": session_id, "rank": rank, "sdk_version": batch.sdk_version, "batch_id": batch.batch_id}
+        tables = WireTables(spans=batch.spans, marks=batch.marks, snapshots=batch.snapshots)
+        try:
+            if self.aggregator.accept_wire(meta, session_id, rank, tables, source="http") is None:
+                return False
+        except TransportError:
+            return False  # bad session fields: the general path gives the 400 with its reason
+        self._remember(request, (session_id, rank), spans, refs)
+        return True
 
     async def _blob(self, request: Any) -> Any:
         from aiohttp import web

@@ -1,7 +1,11 @@
 """Runs the aggregator: TCP frames and HTTP ingestion into ``<run>/history.sqlite``.
 
 Prints one JSON line ``{"event": "ready", "tcp": "H:P", "http": "H:Q", ...}`` on stdout once
-it listens, so a launcher can read the ports; SIGTERM/SIGINT drain and stop it.
+it listens, so a launcher can read the ports; SIGTERM/SIGINT drain and stop it. A port it cannot
+listen on (in use, not allowed) is one ``error:`` line on stderr and exit code 2, no traceback.
+
+Its own session (for legacy frames that name none) is ``--session-id``, else the one in the run
+directory's ``run.json`` (``stepwatch run`` writes it before starting the aggregator).
 """
 
 from __future__ import annotations
@@ -9,35 +13,80 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["serve"]
+from ..errors import StepwatchError
+
+__all__ = ["ListenError", "parse_duration", "serve"]
+
+RETENTION_ENV = "STEPWATCH_RETENTION"  # how ``stepwatch run --retention`` reaches the aggregator it starts
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class ListenError(StepwatchError):
+    """The aggregator cannot listen on its address (port in use, not allowed)."""
+
+
+def parse_duration(text: str) -> int:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"90s"``, ``"1.5h"`` (or plain seconds) in nanoseconds."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*", text.lower())
+    if not found:
+        raise ValueError(f"{text!r} is not a duration (a number and s, m, h, d or w, e.g. 7d or 12h)")
+    value = float(found.group(1)) * _UNITS[found.group(2) or "s"]
+    if value <= 0:
+        raise ValueError(f"{text!r}: a retention window must be longer than 0")
+    return int(value * 1e9)
+
+
+def _own_session(run_dir: Path) -> str | None:
+    try:
+        value = json.loads((run_dir / "run.json").read_text()).get("session_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
-                 max_frame: int, ready: Any) -> dict[str, Any]:
+                 max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None) -> dict[str, Any]:
     from ..store.sqlite import SqliteStore
     from .aggregator import Aggregator
 
     store = SqliteStore(run_dir / "history.sqlite")
-    aggregator = Aggregator(store, max_frame=max_frame)
-    tcp = await asyncio.start_server(aggregator.handle_connection, host, port)
-    tcp_port = tcp.sockets[0].getsockname()[1]
-    runner = None
+    aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or _own_session(run_dir),
+                            retention_ns=retention_ns)
+    tcp = runner = None
     http_bound = None
-    if http_port is not None:
-        from aiohttp import web
+    try:
+        try:
+            tcp = await asyncio.start_server(aggregator.handle_connection, host, port)
+        except OSError as exc:
+            raise ListenError(f"cannot listen for frames on {host}:{port}: {exc.strerror or exc}") from None
+        tcp_port = tcp.sockets[0].getsockname()[1]
+        if http_port is not None:
+            from aiohttp import web
 
-        from .http_ingest import IngestApp
+            from .http_ingest import IngestApp
 
-        runner = web.AppRunner(IngestApp(aggregator, run_dir=run_dir, token=token).build(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, http_port)
-        await site.start()
-        http_bound = runner.addresses[0][1] if runner.addresses else http_port
+            runner = web.AppRunner(IngestApp(aggregator, run_dir=run_dir, token=token).build(), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, host, http_port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise ListenError(f"cannot listen for HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
+            http_bound = runner.addresses[0][1] if runner.addresses else http_port
+    except BaseException:
+        if runner is not None:
+            await runner.cleanup()
+        if tcp is not None:
+            tcp.close()
+            await tcp.wait_closed()
+        store.close()
+        raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, aggregator.stop)
@@ -47,6 +96,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                             "store": str(run_dir / "history.sqlite"), "pid": os.getpid()}) + "\n")
     ready.flush()
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
+    assert tcp is not None
     tcp.close()
     aggregator.close_connections()
     await tcp.wait_closed()
@@ -60,10 +110,13 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
 
 
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-          token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None) -> dict[str, Any]:
-    """Blocks until stopped; returns the aggregator's counters."""
+          token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
+          session_id: str | None = None, retention_ns: int | None = None) -> dict[str, Any]:
+    """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
+    nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready or sys.stdout))
+    stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready or sys.stdout, session_id,
+                               retention_ns))
     (run_dir / "aggregator_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
 
@@ -77,9 +130,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--http-port", type=int, default=None)
     parser.add_argument("--token-env", default=None)
+    parser.add_argument("--session-id", default=None)
+    parser.add_argument("--retention", default=os.environ.get(RETENTION_ENV) or None,
+                        help=f"history window per session and rank, e.g. 7d, 12h (default: ${RETENTION_ENV}, else none)")
     args = parser.parse_args(argv)
     token = os.environ.get(args.token_env) if args.token_env else None
-    serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token)
+    try:
+        retention_ns = parse_duration(args.retention) if args.retention else None
+    except ValueError as exc:
+        parser.error(f"--retention: {exc}")
+    try:
+        serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
+              session_id=args.session_id, retention_ns=retention_ns)
+    except StepwatchError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

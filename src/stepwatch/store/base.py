@@ -59,6 +59,12 @@ class HistoryStore(Protocol):
     def append_many(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> int:
         """All tables of one tick in one transaction."""
 
+    def append_tuples(self, batches: Mapping[str, list[tuple[Any, ...]]],
+                      batch_ids: Iterable[tuple[str, int]] = ()) -> int:
+        """Like ``append_many``, for rows already as tuples in COLUMNS order with their JSON
+        columns encoded (``rows.row_tuples``): what the aggregator's writer hands over. Records
+        the (batch id, seen at ns) of the HTTP batches they came in, in the same transaction."""
+
     def upsert_session(self, row: Mapping[str, Any]) -> None: ...
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]: ...
@@ -72,6 +78,11 @@ class HistoryStore(Protocol):
     def memory_peaks(self, session_id: str) -> list[dict[str, Any]]: ...
 
     def apply_retention(self, window_ns: int, now_ns: int | None = None) -> int: ...
+
+    def seen_batches(self, since_ns: int) -> dict[str, int]:
+        """HTTP batch ids recorded at or after ``since_ns`` (the dedupe window), with when."""
+
+    def forget_batches(self, before_ns: int) -> int: ...
 
     def close(self) -> None: ...
 

@@ -6,14 +6,17 @@ means the same whichever way it arrived.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .base import COLUMNS
 
-__all__ = ["check_rows", "heartbeat_row", "mark_row", "snapshot_row", "span_row", "step_row", "telemetry_row",
-           "to_rows"]
+if TYPE_CHECKING:
+    from ..transport.frames import WireTables
+
+__all__ = ["PhaseCarry", "check_rows", "derive_steps", "heartbeat_row", "json_texts", "mark_row", "row_tuples",
+           "snapshot_row", "span_row", "step_row", "telemetry_row", "to_rows", "wire_tuples"]
 
 
 def telemetry_row(e: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,7 +41,8 @@ def span_row(s: Mapping[str, Any], session_id: str, rank: int | None = None) -> 
 
 
 def step_row(s: Mapping[str, Any], session_id: str, rank: int | None = None) -> dict[str, Any] | None:
-    """The per-step phase row of a ``step`` span (its attrs carry the phase times)."""
+    """The per-step phase row of a ``step`` span whose attrs carry the phase times (stepwatch's
+    own steps); None otherwise (``derive_steps`` builds those of other producers' steps)."""
     attrs = s.get("attrs") or {}
     if s.get("name") != "step" or "step_ns" not in attrs:
         return None
@@ -50,6 +54,128 @@ def step_row(s: Mapping[str, Any], session_id: str, rank: int | None = None) -> 
         "forward_ns": attrs.get("forward_ns", 0), "backward_ns": attrs.get("backward_ns", 0),
         "optimizer_ns": attrs.get("optimizer_step_ns", 0), "wait_ns": attrs.get("wait_ns", 0),
     }
+
+
+# -- step rows from the span tree -----------------------------------------------------------------
+#
+# stepwatch's step spans carry their phase breakdown in attrs; the cirron SDK's do not: its step
+# span has children named after the phases (spool-format-v1.md "Canonical scope shape"). For
+# those the step row is built from the tree: the step's duration from its start/end, each phase
+# from the summed durations of its direct children of that name (two ``forward`` children, as
+# when the loss module has its own, add up), ``data_load`` from the child's ``attrs.data_load_ns``
+# where the SDK hides the real fetch time (spool-current-practice.md), and wait as the spec's
+# residual, max(0, step - h2d - forward - backward - optimizer). Children close, and so ship,
+# before their parent, so a step's children may come in an earlier batch: ``PhaseCarry`` keeps
+# their times until the step comes.
+
+_PHASES = {"data_load": 0, "h2d": 1, "forward": 2, "backward": 3, "optimizer_step": 4}
+_I64_LO, _I64_HI = -(1 << 63), (1 << 63) - 1
+
+# (id, parent_id, name, index, start_ns, end_ns, attrs) of one span, from a dict or a WireSpan
+SpanView = tuple[Any, Any, Any, Any, Any, Any, Any]
+
+
+class PhaseCarry:
+    """Phase times of children whose step was not in their batch, per (session, rank, step id),
+    for the batch that brings the step. Bounded (oldest dropped first); only kept for the
+    (session, rank) pairs seen sending a step without a breakdown, so stepwatch's own frames pay
+    nothing for it."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self.times: dict[tuple[str, int, str], list[int]] = {}
+        self.deriving: set[tuple[str, int]] = set()
+
+    def apply(self, update: CarryUpdate) -> None:
+        """Commits what one accepted batch took from and left for later batches."""
+        times = self.times
+        for key in update.taken:
+            times.pop(key, None)
+        if update.deriving is not None:
+            self.deriving.add(update.deriving)
+        for key, value in update.left.items():
+            known = times.get(key)
+            times[key] = value if known is None else [a + b for a, b in zip(known, value)]
+        if len(times) > self.limit:
+            for key in list(times)[: len(times) - self.limit // 2]:
+                del times[key]
+
+
+class CarryUpdate:
+    """What one batch would change in a ``PhaseCarry``; applied only once the batch is queued, so
+    a batch that the fast path hands to the general path is not counted twice."""
+
+    __slots__ = ("taken", "left", "deriving")
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[str, int, str]] = []
+        self.left: dict[tuple[str, int, str], list[int]] = {}
+        self.deriving: tuple[str, int] | None = None
+
+
+def _span_ns(start: Any, end: Any) -> int | None:
+    if type(start) is not int or type(end) is not int:
+        return None
+    value = end - start
+    return value if _I64_LO <= value <= _I64_HI else None
+
+
+def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: PhaseCarry | None = None,
+                 update: CarryUpdate | None = None) -> list[tuple[Any, ...]]:
+    """Step tuples (COLUMNS["steps"] order) for the ``step`` spans without ``attrs.step_ns``,
+    from the span tree (see above). A step whose times are not 64-bit integers gets no row, as
+    before, rather than failing its batch. ``carry``/``update``: children from earlier batches
+    are looked up in ``carry``; what this batch takes and leaves goes into ``update``."""
+    bare = [s for s in spans if s[2] == "step" and not (s[6] and "step_ns" in s[6])]
+    deriving = carry is not None and (session_id, rank) in carry.deriving
+    if not bare and not deriving:
+        return []
+    phases: dict[Any, list[int]] = {}
+    for span_id, parent, name, _index, start, end, attrs in spans:
+        slot = _PHASES.get(name) if type(name) is str else None
+        if slot is None or type(parent) is not str:
+            continue
+        took = _span_ns(start, end)
+        if slot == 0 and type(attrs) is dict:
+            hidden = attrs.get("data_load_ns")
+            if type(hidden) is int and 0 <= hidden <= _I64_HI:
+                took = hidden
+        if took is None:
+            continue
+        times = phases.get(parent)
+        if times is None:
+            times = phases[parent] = [0, 0, 0, 0, 0]
+        times[slot] += took
+    rows = []
+    for span_id, _parent, _name, index, start, end, _attrs in bare:
+        step_ns = _span_ns(start, end)
+        times = phases.pop(span_id, None) if type(span_id) is str else None
+        if carry is not None and update is not None and type(span_id) is str:
+            key = (session_id, rank, span_id)
+            earlier = carry.times.get(key)
+            if earlier is not None:
+                update.taken.append(key)
+                times = earlier if times is None else [a + b for a, b in zip(times, earlier)]
+        if step_ns is None or not (index is None or type(index) is int):
+            continue
+        d, h2d, fwd, bwd, opt = times or (0, 0, 0, 0, 0)
+        wait = max(0, step_ns - h2d - fwd - bwd - opt)
+        if not all(_I64_LO <= v <= _I64_HI for v in (d, h2d, fwd, bwd, opt, wait)):
+            continue
+        rows.append((session_id, rank, -1 if index is None else index, start, end, step_ns, d, h2d, fwd, bwd, opt,
+                     wait))
+    if update is not None:
+        if bare:
+            update.deriving = (session_id, rank)
+        steps_here = {s[0] for s in spans if s[2] == "step" and type(s[0]) is str}
+        update.left = {(session_id, rank, parent): times for parent, times in phases.items()
+                       if parent not in steps_here}
+    return rows
+
+
+def _views(spans: list[Mapping[str, Any]]) -> list[SpanView]:
+    return [(s.get("id"), s.get("parent_id"), s.get("name"), s.get("index"), s.get("start_ns"), s.get("end_ns"),
+             s.get("attrs")) for s in spans]
 
 
 def mark_row(m: Mapping[str, Any], session_id: str, rank: int) -> dict[str, Any]:
@@ -83,8 +209,10 @@ def heartbeat_row(h: Mapping[str, Any], session_id: str) -> dict[str, Any]:
     }
 
 
-def to_rows(tables: Mapping[str, list[Mapping[str, Any]]], session_id: str, rank: int) -> dict[str, list[dict[str, Any]]]:
-    """Wire/artifact tables of one rank into store tables (spans also give step rows)."""
+def to_rows(tables: Mapping[str, list[Mapping[str, Any]]], session_id: str, rank: int,
+            carry: PhaseCarry | None = None, update: CarryUpdate | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Wire/artifact tables of one rank into store tables (spans also give step rows: from their
+    attrs, or from the span tree, ``derive_steps``)."""
     out: dict[str, list[dict[str, Any]]] = {}
     if tables.get("telemetry"):
         out["telemetry"] = [telemetry_row(e) for e in tables["telemetry"]]
@@ -92,6 +220,8 @@ def to_rows(tables: Mapping[str, list[Mapping[str, Any]]], session_id: str, rank
         spans = tables["spans"]
         out["spans"] = [span_row(s, session_id, rank) for s in spans]
         steps = [r for r in (step_row(s, session_id, rank) for s in spans) if r is not None]
+        columns = [c for c, _ in COLUMNS["steps"]]
+        steps += [dict(zip(columns, row)) for row in derive_steps(session_id, rank, _views(spans), carry, update)]
         if steps:
             out["steps"] = steps
     if tables.get("marks"):
@@ -130,3 +260,106 @@ def check_rows(table: str, rows: list[dict[str, Any]]) -> None:
             ints = [v for v in values if type(v) is int]
             if min(ints) < _INT64_MIN or max(ints) > _INT64_MAX:
                 raise ValueError(f"{table}.{name}: an integer outside the 64-bit range")
+
+
+# -- rows as the store binds them: tuples in COLUMNS order, JSON columns already text -------------
+
+_EMPTY: dict[str, Any] = {}
+_JSON_COLUMNS = {table: frozenset(c for c, t in cols if t == "json") for table, cols in COLUMNS.items()}
+_NUMERIC = frozenset({int, float, bool})
+_STEP_FIELDS = ("data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns", "wait_ns")
+
+
+def json_texts(values: list[Any]) -> list[str]:
+    """The JSON text of each value, from one encoder call: JSON Lines never holds a raw newline
+    inside a value, so splitting on newlines gives back one text per value. Raises ValueError
+    for a value that does not encode."""
+    if not values:
+        return []
+    try:
+        texts = _json.encode_lines(values).decode().split("\n")
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"not encodable as JSON ({exc})") from None
+    texts.pop()  # the empty string after the last newline
+    return texts
+
+
+def row_tuples(table: str, rows: list[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+    """Dict rows (as ``check_rows`` passed them) as tuples in COLUMNS order; a missing key is
+    NULL, a JSON column is its JSON text (None stays NULL). Column at a time, like check_rows."""
+    columns = []
+    for name, kind in COLUMNS[table]:
+        values = [row.get(name) for row in rows]
+        if kind == "json":
+            values = [None if v is None else t for v, t in zip(values, json_texts(values))]
+        columns.append(values)
+    return list(zip(*columns))
+
+
+def _check_step_values(rows: list[tuple[Any, ...]]) -> None:
+    """The phase times of step rows come from span attrs, which no wire type constrains."""
+    values = [v for row in rows for v in row[5:]]
+    kinds = set(map(type, values))
+    if not kinds <= _ALLOWED["int"]:
+        raise ValueError("steps: a phase time that is not a number")
+    if int in kinds:
+        ints = [v for v in values if type(v) is int]
+        if min(ints) < _INT64_MIN or max(ints) > _INT64_MAX:
+            raise ValueError("steps: a phase time outside the 64-bit range")
+
+
+def wire_tuples(session_id: str, rank: int, tables: WireTables, carry: PhaseCarry | None = None,
+                update: CarryUpdate | None = None) -> dict[str, list[tuple[Any, ...]]]:
+    """Store tuples straight from the typed wire rows of one frame (``decode_typed``): the same
+    rows ``to_rows`` + ``check_rows`` + ``row_tuples`` give for that frame, without building a
+    dict per row. Raises (ValueError, TypeError, KeyError...) where a value needs the general
+    path's checks; the caller then takes that path, which stores or refuses it as before."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    telemetry = tables.telemetry
+    if telemetry:
+        metadata = json_texts([e.metadata or _EMPTY for e in telemetry])
+        out["telemetry"] = [
+            (e.session_id, e.rank, e.timestamp_ns, e.event_type, e.collector, e.device_id,
+             e.allocator_allocated_bytes, e.allocator_reserved_bytes, e.allocator_active_bytes,
+             e.allocator_inactive_bytes, e.allocator_change_bytes, e.device_used_bytes, e.device_free_bytes,
+             e.device_total_bytes, e.pid, e.host, e.context, m)
+            for e, m in zip(telemetry, metadata)
+        ]
+    spans = tables.spans
+    if spans:
+        attrs = json_texts([s.attrs or _EMPTY for s in spans])
+        out["spans"] = [
+            (session_id, rank, s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.gpu_ns, s.thread_id,
+             s.pid, a)
+            for s, a in zip(spans, attrs)
+        ]
+        steps = [
+            (session_id, rank, -1 if s.index is None else s.index, s.start_ns, s.end_ns, s.attrs["step_ns"],
+             *[s.attrs.get(k, 0) for k in _STEP_FIELDS])
+            for s in spans if s.name == "step" and s.attrs and "step_ns" in s.attrs
+        ]
+        if len(steps) < sum(1 for s in spans if s.name == "step") or (
+                carry is not None and (session_id, rank) in carry.deriving):
+            steps += derive_steps(session_id, rank, [(s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.attrs)
+                                                     for s in spans], carry, update)
+        if steps:
+            _check_step_values(steps)
+            out["steps"] = steps
+    marks = tables.marks
+    if marks:
+        attrs = json_texts([m.attrs or _EMPTY for m in marks])
+        out["marks"] = [
+            (session_id, rank, m.id, m.span_id, m.name, m.value_type,
+             float(m.value) if type(m.value) in _NUMERIC else None,
+             m.value if type(m.value) is str else m.value_nonfinite, m.ts_ns, m.kind, a)
+            for m, a in zip(marks, attrs)
+        ]
+    if tables.snapshots:
+        rows = [snapshot_row(s, session_id, rank) for s in tables.snapshots]
+        check_rows("snapshots", rows)
+        out["snapshots"] = row_tuples("snapshots", rows)
+    if tables.heartbeat:
+        rows = [heartbeat_row(h, session_id) for h in tables.heartbeat]
+        check_rows("heartbeats", rows)
+        out["heartbeats"] = row_tuples("heartbeats", rows)
+    return out

@@ -2,6 +2,11 @@
 
 Why WAL: renderers and ``stepwatch summary`` read while the aggregator writes, and in WAL
 readers never block the writer nor see half a transaction.
+
+Pages of 16 KiB and a 32 MiB page cache: every row extends several indexes, whose pages with
+SQLite's defaults (4 KiB, 2 MiB) split more often and fall out of the cache; the larger ones
+cut the writer's CPU time per row by about a sixth under the aggregator's load (bench/README.md).
+SQLite's automatic checkpoint (1000 pages, so 16 MiB of WAL) is kept.
 """
 
 from __future__ import annotations
@@ -13,27 +18,48 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from ..errors import StoreError
 from .base import COLUMNS
+from .rows import row_tuples
 
 __all__ = ["SqliteStore"]
 
 _SQL_TYPES = {"text": "TEXT", "int": "INTEGER", "real": "REAL", "json": "TEXT"}
+# Every index costs each insert a B-tree descent (bench/README.md: 7.7 us a row with ten, 4.3 with
+# none), so there is one only where a query reads it or it keeps a table idempotent. The unique
+# ones make re-imports and retried batches store nothing twice (INSERT OR IGNORE): spans, marks,
+# snapshots and steps by their ids; telemetry by (session, rank, time, type, collector, device)
+# and heartbeats by (session, rank, time, step, msg), which no two distinct records share. Their
+# (session_id, rank, time) prefix serves the per-rank time queries and retention.
 _INDEXES = (
-    "CREATE INDEX IF NOT EXISTS telemetry_by_session ON telemetry (session_id, rank, timestamp_ns)",
-    "CREATE INDEX IF NOT EXISTS spans_by_session ON spans (session_id, rank, start_ns)",
-    "CREATE INDEX IF NOT EXISTS spans_by_parent ON spans (session_id, parent_id)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS telemetry_unique ON telemetry "
+    "(session_id, rank, timestamp_ns, event_type, collector, ifnull(device_id, -1))",
     "CREATE UNIQUE INDEX IF NOT EXISTS spans_unique ON spans (session_id, rank, span_id)",
     "CREATE INDEX IF NOT EXISTS marks_by_session ON marks (session_id, rank, name, ts_ns)",
     "CREATE UNIQUE INDEX IF NOT EXISTS marks_unique ON marks (session_id, rank, mark_id)",
     "CREATE INDEX IF NOT EXISTS snapshots_by_span ON snapshots (session_id, span_id)",
-    "CREATE INDEX IF NOT EXISTS heartbeats_by_session ON heartbeats (session_id, rank, ts_ns)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS snapshots_unique ON snapshots (session_id, rank, snapshot_id)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS heartbeats_unique ON heartbeats (session_id, rank, ts_ns, step, ifnull(msg, ''))",
     "CREATE UNIQUE INDEX IF NOT EXISTS steps_unique ON steps (session_id, rank, step)",
-    "CREATE INDEX IF NOT EXISTS steps_by_time ON steps (session_id, start_ns)",
 )
-_encoder = msgspec.json.Encoder()
+# Indexes of earlier versions of this schema: unread ones (dropped), and the non-unique ones the
+# unique indexes above replace. A store written before keeps working; opening it for writing
+# drops these and removes the duplicate rows the new unique indexes would refuse.
+_RETIRED_INDEXES = ("spans_by_session", "spans_by_parent", "steps_by_time", "telemetry_by_session",
+                    "heartbeats_by_session")
+_UNIQUE_KEYS = {
+    "telemetry_unique": ("telemetry", "session_id, rank, timestamp_ns, event_type, collector, ifnull(device_id, -1)"),
+    "snapshots_unique": ("snapshots", "session_id, rank, snapshot_id"),
+    "heartbeats_unique": ("heartbeats", "session_id, rank, ts_ns, step, ifnull(msg, '')"),
+}
+# HTTP batch ids already stored, with when (wall clock): a retried batch is not stored twice, also
+# across a restart of the server (spool-format-v1.md: idempotent by batch_id for 24 hours).
+_BATCHES_TABLE = "CREATE TABLE IF NOT EXISTS ingest_batches (batch_id TEXT PRIMARY KEY, seen_at_ns INTEGER) WITHOUT ROWID"
+_RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("marks", "ts_ns"), ("spans", "start_ns"),
+                   ("steps", "start_ns"), ("snapshots", "ts_ns"))
+
+_PAGE_SIZE = 16384  # takes effect for a new file only (set before WAL mode)
+_CACHE_KIB = 32 * 1024
 
 
 class SqliteStore:
@@ -57,8 +83,11 @@ class SqliteStore:
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+                self._db.execute(f"PRAGMA page_size={_PAGE_SIZE}")  # a new file only; before WAL
                 self._db.execute("PRAGMA journal_mode=WAL")
+                # NORMAL in WAL: a commit survives a crash of this process (not a power loss)
                 self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute(f"PRAGMA cache_size=-{_CACHE_KIB}")
                 self._create()
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open history store: {exc}") from exc
@@ -68,7 +97,6 @@ class SqliteStore:
                 f"INSERT OR IGNORE INTO {table} ({', '.join(c for c, _ in cols)}) "
                 f"VALUES ({', '.join('?' for _ in cols)})",
                 tuple(c for c, _ in cols),
-                tuple(c for c, t in cols if t == "json"),
             )
             for table, cols in COLUMNS.items()
         }
@@ -79,25 +107,42 @@ class SqliteStore:
             if table == "sessions":
                 body = body.replace("session_id TEXT", "session_id TEXT PRIMARY KEY")
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {table} ({body})")
+        self._db.execute(_BATCHES_TABLE)
+        existing = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        for name in _RETIRED_INDEXES:
+            if name in existing:
+                self._db.execute(f"DROP INDEX {name}")
+        for name, (table, key) in _UNIQUE_KEYS.items():
+            if name not in existing:  # a store from before this index: keep the first of each key
+                self._db.execute(f"DELETE FROM {table} WHERE rowid NOT IN (SELECT MIN(rowid) FROM {table} GROUP BY {key})")
         for statement in _INDEXES:
             self._db.execute(statement)
 
     # -- writing -----------------------------------------------------------------------------
 
-    def _params(self, table: str, rows: Iterable[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
-        _, columns, json_columns = self._inserts[table]
-        out = []
-        for row in rows:
-            if json_columns:
-                row = {**row, **{c: _encoder.encode(row[c]).decode() if row.get(c) is not None else None
-                                 for c in json_columns}}
-            out.append(tuple(row.get(c) for c in columns))
-        return out
+    def _params(self, table: str, rows: list[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+        try:
+            return row_tuples(table, rows)
+        except ValueError as exc:  # a JSON column that does not encode
+            raise StoreError(f"{self.path}: write failed: {table}: {exc}") from None
 
     def append(self, table: str, rows: Iterable[Mapping[str, Any]]) -> int:
         return self.append_many({table: list(rows)})
 
     def append_many(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> int:
+        if self.read_only:
+            raise StoreError(f"{self.path}: store opened read-only")
+        for table in batches:
+            if table not in self._inserts:
+                raise StoreError(f"unknown table {table!r}")
+        return self.append_tuples({table: self._params(table, rows) for table, rows in batches.items() if rows})
+
+    def append_tuples(self, batches: Mapping[str, list[tuple[Any, ...]]],
+                      batch_ids: Iterable[tuple[str, int]] = ()) -> int:
+        """Writes rows already in column order (``rows.row_tuples``/``rows.wire_tuples``), all
+        tables in one transaction: the aggregator's path, with no per-row work left but binding.
+        ``batch_ids``: (batch id, seen at ns) of the HTTP batches whose rows these are, recorded
+        in the same transaction, so a batch is remembered exactly when its rows are stored."""
         if self.read_only:
             raise StoreError(f"{self.path}: store opened read-only")
         total = 0
@@ -108,12 +153,14 @@ class SqliteStore:
                     if table not in self._inserts:
                         raise StoreError(f"unknown table {table!r}")
                     if rows:
-                        self._db.executemany(self._inserts[table][0], self._params(table, rows))
+                        self._db.executemany(self._inserts[table][0], rows)
                         total += len(rows)
+                if batch_ids:
+                    self._db.executemany("INSERT OR IGNORE INTO ingest_batches VALUES (?, ?)", batch_ids)
                 self._db.execute("COMMIT")
             except BaseException as exc:
-                # Any failure (a bad table, a value SQLite or JSON cannot take, an interrupt) must
-                # undo the whole batch: an open transaction would swallow later writes.
+                # Any failure (a bad table, a value SQLite cannot take, an interrupt) must undo the
+                # whole batch: an open transaction would swallow later writes.
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 if isinstance(exc, StoreError) or not isinstance(exc, Exception):
@@ -146,24 +193,49 @@ class SqliteStore:
                 raise StoreError(f"{self.path}: session write failed: {exc}") from exc
 
     def apply_retention(self, window_ns: int, now_ns: int | None = None) -> int:
-        """Deletes rows older than ``window_ns`` before the newest row of their session and rank."""
+        """Deletes rows older than ``window_ns`` before the newest row of their session and rank
+        (a window per identity, aggregator-architecture.md), in one transaction.
+
+        Each table is read once for the newest time of each (session, rank), then once more to
+        delete against those cutoffs: linear, with no index on the time column needed."""
         removed = 0
         if self.read_only:
             raise StoreError(f"{self.path}: store opened read-only")
         with self._lock:
             try:
-                for table, time_column in (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"),
-                                           ("marks", "ts_ns"), ("spans", "start_ns"), ("steps", "start_ns")):
+                self._db.execute("BEGIN")
+                self._db.execute("CREATE TEMP TABLE IF NOT EXISTS retention_cutoff "
+                                 "(session_id TEXT, rank INTEGER, cutoff INTEGER, PRIMARY KEY (session_id, rank))")
+                for table, column in _RETENTION_TIME:
+                    self._db.execute("DELETE FROM retention_cutoff")
+                    self._db.execute(
+                        f"INSERT INTO retention_cutoff SELECT session_id, rank, MAX({column}) - ? FROM {table} "
+                        f"WHERE {column} IS NOT NULL GROUP BY session_id, rank", (window_ns,))
                     cursor = self._db.execute(
-                        f"DELETE FROM {table} WHERE {time_column} < "
-                        f"(SELECT MAX(t.{time_column}) FROM {table} t WHERE t.session_id = {table}.session_id "
-                        f"AND t.rank = {table}.rank) - ?",
-                        (window_ns,),
-                    )
+                        f"DELETE FROM {table} WHERE {column} < (SELECT c.cutoff FROM retention_cutoff c "
+                        f"WHERE c.session_id = {table}.session_id AND c.rank = {table}.rank)")
                     removed += cursor.rowcount
+                self._db.execute("COMMIT")
             except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise StoreError(f"{self.path}: retention failed: {exc}") from exc
         return removed
+
+    def seen_batches(self, since_ns: int) -> dict[str, int]:
+        """The HTTP batch ids stored at or after ``since_ns``, with when."""
+        rows = self.query("SELECT batch_id, seen_at_ns FROM ingest_batches WHERE seen_at_ns >= ?", (since_ns,))
+        return {r["batch_id"]: r["seen_at_ns"] for r in rows}
+
+    def forget_batches(self, before_ns: int) -> int:
+        """Drops batch ids stored before ``before_ns`` (out of the dedupe window)."""
+        if self.read_only:
+            raise StoreError(f"{self.path}: store opened read-only")
+        with self._lock:
+            try:
+                return self._db.execute("DELETE FROM ingest_batches WHERE seen_at_ns < ?", (before_ns,)).rowcount
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: forgetting batch ids failed: {exc}") from exc
 
     # -- reading -----------------------------------------------------------------------------
 

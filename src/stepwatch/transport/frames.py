@@ -8,13 +8,14 @@ to the rows appended since the last frame. The receiver also accepts the legacy 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from ..errors import TransportError
 
-__all__ = ["DEFAULT_MAX_FRAME", "TABLE_NAMES", "FrameDecoder", "Message", "decode_body", "encode_frame"]
+__all__ = ["DEFAULT_MAX_FRAME", "TABLE_NAMES", "FrameDecoder", "Message", "WireMark", "WireSpan", "WireTables",
+           "WireTelemetry", "decode_body", "decode_typed", "encode_frame"]
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 TABLE_NAMES = frozenset({"telemetry", "spans", "marks", "snapshots", "heartbeat"})
@@ -36,8 +37,21 @@ def encode_frame(meta: Mapping[str, Any], tables: Mapping[str, list[Any]]) -> by
     return len(body).to_bytes(4, "big") + body
 
 
-def decode_body(body: bytes) -> Message:
-    """Validates one frame body; raises TransportError with a reason on anything malformed."""
+def _sender(meta: dict[str, Any], default_session: str | None) -> dict[str, Any]:
+    """``meta`` with its rank and session settled: the rank is ``global_rank`` where given (the
+    envelope prefers it, aggregator-architecture.md "Glossary"), else ``rank``, else 0, written
+    back as ``meta["rank"]`` for every reader after this; a meta without ``session_id`` (a
+    legacy sender's) takes ``default_session``, the aggregator's own session, when it has one."""
+    if meta.get("global_rank") is not None:
+        meta["rank"] = meta["global_rank"]
+    if meta.get("session_id") is None and default_session:
+        meta["session_id"] = default_session
+    return meta
+
+
+def decode_body(body: bytes, default_session: str | None = None) -> Message:
+    """Validates one frame body; raises TransportError with a reason on anything malformed.
+    ``default_session``: the session of a frame whose meta names none (see ``_sender``)."""
     try:
         payload = _decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec raises the latter on bad UTF-8
@@ -56,11 +70,12 @@ def decode_body(body: bytes) -> Message:
         meta = {k: v for k, v in payload.items() if k != "tables" and not isinstance(v, list)}
     if not isinstance(tables, dict):
         raise TransportError("bad_shape", "tables must be a map of table name to rows")
+    meta = _sender(meta, default_session)
     session_id, rank = meta.get("session_id"), meta.get("rank", 0)
     if not isinstance(session_id, str) or not session_id:
         raise TransportError("bad_meta", "meta.session_id must be a non-empty string")
     if type(rank) is not int or rank < 0:
-        raise TransportError("bad_meta", f"meta.rank must be a non-negative integer, got {rank!r}")
+        raise TransportError("bad_meta", f"meta.global_rank/rank must be a non-negative integer, got {rank!r}")
     clean: dict[str, list[dict[str, Any]]] = {}
     for name, rows in tables.items():
         if name not in TABLE_NAMES:
@@ -69,6 +84,102 @@ def decode_body(body: bytes) -> Message:
             raise TransportError("bad_rows", f"table {name!r} must be a list of maps")
         clean[name] = rows
     return Message(meta=meta, tables=clean)
+
+
+# -- the typed fast path ---------------------------------------------------------------------------
+#
+# The rows the aggregator receives in bulk (telemetry, spans, marks), decoded straight into
+# untracked Structs that hold only the fields the store keeps, typed as strictly as the store's
+# columns: text is ``str``, integers are 64-bit ints. Decoding then checks most of what
+# ``check_rows`` checks, skips the fields nobody stores, and leaves nothing for the cyclic GC to
+# scan. Anything these types refuse (a float in an integer field, a number where text belongs, a
+# legacy envelope, an unknown table, a malformed body) makes ``decode_typed`` return None and the
+# caller takes the general path (``decode_body``), which accepts or rejects exactly as before.
+# Field names are the wire's; defaults mirror the ``.get`` defaults of ``store.rows``; a field
+# without a default is one ``store.rows`` reads with ``[...]``.
+
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+class WireTelemetry(msgspec.Struct, gc=False):
+    session_id: str
+    timestamp_ns: I64 | None
+    event_type: str | None
+    collector: str | None
+    device_id: I64 | None
+    allocator_allocated_bytes: I64 | None
+    allocator_reserved_bytes: I64 | None
+    rank: I64 | None = 0
+    allocator_active_bytes: I64 | None = None
+    allocator_inactive_bytes: I64 | None = None
+    allocator_change_bytes: I64 | None = None
+    device_used_bytes: I64 | None = None
+    device_free_bytes: I64 | None = None
+    device_total_bytes: I64 | None = None
+    pid: I64 | None = None
+    host: str | None = None
+    context: str | None = None
+    metadata: Any = None
+
+
+class WireSpan(msgspec.Struct, gc=False):
+    id: str | None
+    name: str | None
+    start_ns: I64 | None
+    end_ns: I64 | None
+    parent_id: str | None = None
+    index: I64 | None = None
+    gpu_ns: I64 | None = None
+    thread_id: I64 | None = None
+    pid: I64 | None = None
+    rank: Any = 0  # not stored (the frame's rank is); HTTP ingestion reads the first span's
+    attrs: dict[str, Any] | None = None
+
+
+class WireMark(msgspec.Struct, gc=False):
+    id: str | None
+    name: str | None
+    span_id: str | None = None
+    value_type: str | None = None
+    value: Any = None
+    value_nonfinite: str | None = None
+    ts_ns: I64 | None = None
+    kind: str | None = "point"
+    attrs: Any = None
+
+
+class WireTables(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    telemetry: list[WireTelemetry] = []
+    spans: list[WireSpan] = []
+    marks: list[WireMark] = []
+    snapshots: list[dict[str, Any]] = []
+    heartbeat: list[dict[str, Any]] = []
+
+
+class _WireBody(msgspec.Struct, gc=False):
+    tables: WireTables
+
+
+class _WireEnvelope(msgspec.Struct, gc=False):
+    meta: dict[str, Any]
+    body: _WireBody
+
+
+_typed_decoder = msgspec.msgpack.Decoder(_WireEnvelope)
+
+
+def decode_typed(body: bytes) -> tuple[dict[str, Any], WireTables] | None:
+    """The meta and typed tables of a current-envelope frame whose rows all fit the store's
+    column types, or None: then ``decode_body`` decides (and names the reason if it refuses)."""
+    try:
+        envelope = _typed_decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # ValidationError is a DecodeError
+        return None
+    meta = _sender(envelope.meta, None)  # no session: decode_body gives it the default one
+    session_id, rank = meta.get("session_id"), meta.get("rank", 0)
+    if not isinstance(session_id, str) or not session_id or type(rank) is not int or rank < 0:
+        return None
+    return meta, envelope.body.tables
 
 
 class FrameDecoder:

@@ -39,9 +39,10 @@ def track(interval_ms: int, out: Path | None, pid: int | None, command: tuple[st
 
         if not psutil.pid_exists(pid):
             raise click.BadParameter(f"no process with pid {pid}", param_hint="'--pid'")
-        run_dir = out or default_run_dir(new_session_id())
+        session_id = new_session_id()
+        run_dir = out or default_run_dir(session_id)
         console.print(f"[stepwatch] sampling pid {pid} into {run_dir} (Ctrl-C to stop)", markup=False)
-        status = sample_process(pid, run_dir=run_dir, interval_ms=interval_ms)
+        status = sample_process(pid, run_dir=run_dir, interval_ms=interval_ms, session_id=session_id)
         console.print(f"[stepwatch] session {status}; run directory: {run_dir}", markup=False)
         return
     if not command:

@@ -31,15 +31,25 @@ __all__: list[str] = []
 @click.option("--out", type=click.Path(path_type=Path), help="Run directory.")
 @click.option("--interval", "interval_ms", type=click.IntRange(10, 3_600_000), default=1000, show_default=True,
               help="Memory sampling interval in milliseconds.")
+@click.option("--retention", default=None, metavar="DURATION",
+              help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary.")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 @_reports_errors
-def run(script: tuple[str, ...], quiet: bool, **options: Any) -> None:
+def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank under stepwatch, with the aggregator and final summary.
 
     The training script needs no change. Exits with the training's exit code.
     """
     from ..server.launcher import LaunchOptions, launch
+    from ..server.serve import RETENTION_ENV, parse_duration
+
+    if retention:
+        try:
+            parse_duration(retention)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--retention") from None
+        os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
 
     console = _console(stderr=True)
     code, run_dir, summary = launch(LaunchOptions(script=list(script), **options),
@@ -58,20 +68,33 @@ def run(script: tuple[str, ...], quiet: bool, **options: Any) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="TCP port for rank frames (0: any free).")
 @click.option("--http-port", type=click.IntRange(0, 65535), default=None, help="HTTP port for trace ingestion.")
 @click.option("--token-env", help="Name of the environment variable holding the bearer token.")
+@click.option("--retention", default=None, metavar="DURATION",
+              help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
+@click.option("--session-id", help="Session of frames that name none (legacy senders).")
 @_reports_errors
-def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None) -> None:
+def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
+          session_id: str | None) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
     """
+    from ..server.serve import parse_duration
     from ..server.serve import serve as run_server
+
+    retention_ns = None
+    if retention:
+        try:
+            retention_ns = parse_duration(retention)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--retention") from None
 
     token = None
     if token_env:
         token = os.environ.get(token_env)
         if not token:
             raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
-    stats = run_server(out, host=host, port=port, http_port=http_port, token=token)
+    stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
+                       retention_ns=retention_ns)
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 
 

@@ -5,6 +5,7 @@ library is already imported by the program (torch, tensorflow) or installed (nvi
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from .base import Collector, Reading
 from .cpu import CpuCollector
@@ -15,15 +16,21 @@ __all__ = [
 ]
 
 
-def discover_accelerators(known: set[str]) -> list[Collector]:
-    """Collectors for backends that became usable since the last call (``known``: names taken)."""
+def discover_accelerators(
+    known: set[str], program_cuda_device: Callable[[], int | None] | None = None
+) -> list[Collector]:
+    """Collectors for backends that became usable since the last call (``known``: names taken).
+
+    ``program_cuda_device``: the CUDA device the program's own thread works on, when known
+    (see ``CudaCollector``).
+    """
     found: list[Collector] = []
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "cuda"):
         from .torch_devices import CudaCollector, MpsCollector
 
         if CudaCollector.usable(torch):
-            collector = CudaCollector(torch)
+            collector = CudaCollector(torch, program_cuda_device)
             if collector.name not in known:
                 found.append(collector)
         if "stepwatch.mps_tracker" not in known and MpsCollector.usable(torch):

@@ -7,6 +7,7 @@ a CUDA context (DataLoader workers, CPU-only ranks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .base import Reading
@@ -21,9 +22,17 @@ class CudaCollector:
     supports_device_free = True
     sampling_source = "torch.cuda.memory_stats"
 
-    def __init__(self, torch_module: Any) -> None:
+    def __init__(self, torch_module: Any, program_device: Callable[[], int | None] | None = None) -> None:
+        """``program_device``: the device the program works on, as its own thread sees it.
+
+        The current device is per thread: on the sampler thread ``current_device()`` is 0 on
+        every rank, so the runtime passes the one it saw on the training thread (None while it
+        has not seen one yet).
+        """
         self._torch = torch_module
         self._cuda = torch_module.cuda
+        self._program_device = program_device
+        self.current_device: int | None = None  # the device the last read took as the program's
         self.backend = "rocm" if getattr(torch_module.version, "hip", None) else "cuda"
         self.name = f"stepwatch.{self.backend}_tracker"
 
@@ -34,11 +43,20 @@ class CudaCollector:
 
     def read(self) -> list[Reading]:
         readings = []
-        current = self._cuda.current_device()
-        for device in range(self._cuda.device_count()):
-            stats = self._cuda.memory_stats(device)
+        # allocator stats need no CUDA context; the driver's free/total (mem_get_info) do
+        all_stats = [self._cuda.memory_stats(device) for device in range(self._cuda.device_count())]
+        current = self._program_device() if self._program_device is not None else None
+        if current is None:
+            # Not known yet: this thread's device stands in, but is read only if the process
+            # holds memory there, or nowhere yet (it is 0 on every rank's sampler thread).
+            current = int(self._cuda.current_device())
+            held = _reserved(all_stats[current]) if 0 <= current < len(all_stats) else 0
+            if not held and any(_reserved(stats) for stats in all_stats):
+                current = None
+        self.current_device = current
+        for device, stats in enumerate(all_stats):
             allocated = int(stats.get("allocated_bytes.all.current", 0))
-            reserved = int(stats.get("reserved_bytes.all.current", 0))
+            reserved = _reserved(stats)
             if device != current and reserved == 0:
                 # untouched by this process: asking the driver about it would create a CUDA
                 # context there (hundreds of MB on every GPU, from every rank)
@@ -102,6 +120,10 @@ class MpsCollector:
                 total=total if total is None or total >= driver else None,
             )
         ]
+
+
+def _reserved(stats: dict[str, Any]) -> int:
+    return int(stats.get("reserved_bytes.all.current", 0))
 
 
 def _opt(stats: dict[str, Any], key: str) -> int | None:
