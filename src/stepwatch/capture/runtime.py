@@ -208,6 +208,8 @@ class Runtime:
         self.patches: Any = None
         self.sender: Any = None
         self._wire: dict[str, list[Any]] = {"telemetry": [], "spans": [], "marks": [], "snapshots": [], "heartbeat": []}
+        self._shipped_spans: list[Any] = []  # sent to the aggregator ahead of the next spool seal
+        self._shipped_marks: list[Any] = []
         if config.aggregator:
             from ..transport.sender import FrameSender, parse_address
 
@@ -343,6 +345,8 @@ class Runtime:
         if mono >= self._next_seal:
             self._next_seal = mono + self.config.spool_interval
             self._seal_spool()
+        elif self.sender is not None:
+            self._ship_spans_early()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
             self._heartbeat_write(self._heartbeat("heartbeat"))
@@ -506,11 +510,24 @@ class Runtime:
     def _snapshot_sink(self, records: list[dict[str, Any]], job: Any) -> None:
         self.snapshot_rows.append((records, job))
 
+    def _ship_spans_early(self) -> None:
+        """Between spool seals the aggregator still gets closed spans and marks at every tick, so
+        they are in the history within about a second; the next spool batch holds them too."""
+        spans = self.spans.span_records(self.training.gpu_timer, final=False)
+        marks = self.spans.mark_records()
+        self._shipped_spans.extend(spans)
+        self._shipped_marks.extend(marks)
+        self._wire["spans"].extend(spans)
+        self._wire["marks"].extend(marks)
+
     def _seal_spool(self, final: bool = False) -> None:
         """Writes closed spans (those whose GPU time is resolved), marks and snapshots as a batch."""
         # Records (msgspec Structs) are built here, on this thread, by the recorder (spans.py).
-        spans: list[Any] = self.spans.span_records(self.training.gpu_timer, final=final)
-        marks: list[Any] = self.spans.mark_records()
+        fresh_spans: list[Any] = self.spans.span_records(self.training.gpu_timer, final=final)
+        fresh_marks: list[Any] = self.spans.mark_records()
+        spans = self._shipped_spans + fresh_spans
+        marks = self._shipped_marks + fresh_marks
+        self._shipped_spans, self._shipped_marks = [], []
         snapshots: list[dict[str, Any]] = []
         for records, job in self.snapshot_rows.drain():
             snapshots.extend(records)
@@ -520,8 +537,8 @@ class Runtime:
                 with guarded:
                     write_blobs(job, self.run_dir / "snapshots" / job.span_id)
         if self.sender is not None:
-            self._wire["spans"].extend(spans)
-            self._wire["marks"].extend(marks)
+            self._wire["spans"].extend(fresh_spans)
+            self._wire["marks"].extend(fresh_marks)
             self._wire["snapshots"].extend(snapshots)
         try:
             paths = self.spool.write(spans, marks, snapshots)
