@@ -21,6 +21,12 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/bench_sink_write.py
 	$(PY) bench/bench_load.py
+	$(PY) bench/bench_capture_overhead.py
+	$(PY) bench/bench_capture_footprint.py
+	$(PY) bench/bench_training_overhead.py --configs small large
+	$(PY) bench/bench_snapshot_spool.py
+	$(PY) bench/bench_ingest.py
+	$(PY) bench/bench_launcher.py
 
 clean:
 	rm -rf $(VENV) stepwatch_runs .pytest_cache .hypothesis
