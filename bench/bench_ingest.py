@@ -636,7 +636,7 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
         store.append_tuples(params)
         store.close()
 
-    timed("append_tuples: executemany + COMMIT (fresh store, 10 indexes)", execute, setup=fresh_store)
+    timed(f"append_tuples: executemany + COMMIT (fresh store, {len(_INDEXES)} indexes)", execute, setup=fresh_store)
     timed("append_tuples: executemany + COMMIT (fresh store, no secondary index)", execute,
           setup=lambda: fresh_store(False))
     gc.disable()
@@ -664,7 +664,7 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
         for body in bodies:
             agg.accept_body(body)
         t_accept = time.perf_counter() - t0
-        store2.append_tuples(agg._take())  # noqa: SLF001
+        store2.append_tuples(agg._take()[0])  # noqa: SLF001 - (rows, batch ids, sessions)
         t_all = time.perf_counter() - t0
         profiler.disable()
     store2.close()

@@ -567,6 +567,10 @@ def test_cirron_sdk_uploads_into_the_history(server: Aggregator, tmp_path: Path)
     (sid,), = sessions
     names = dict(query(store, "SELECT name, COUNT(*) FROM spans WHERE session_id = ? GROUP BY name", (sid,)))
     assert names.get("step", 0) >= 6 and names.get("forward", 0) >= 6 and names.get("optimizer_step", 0) >= 6
+    # the SDK's step spans carry no breakdown: their step rows come from the span tree
+    steps = query(store, "SELECT step_ns, forward_ns, backward_ns, optimizer_ns, data_load_ns FROM steps "
+                         "WHERE session_id = ?", (sid,))
+    assert len(steps) >= 6 and all(s[0] > 0 and s[1] > 0 and s[2] > 0 and s[3] > 0 for s in steps), steps
     marks = {r[0] for r in query(store, "SELECT mark_id FROM marks WHERE session_id = ? AND name = 'loss'", (sid,))}
     assert expected_marks <= marks and marks
     snaps = query(store, "SELECT tensor_name, blob_uri FROM snapshots WHERE session_id = ?", (sid,))

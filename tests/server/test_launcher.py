@@ -348,3 +348,17 @@ def test_two_nodes_share_one_history_on_node_zero(tmp_path: Path) -> None:
     assert summary["ranks"] == [0, 1] and summary["world_size"] == 2
     assert not (tmp_path / "node1" / "history.sqlite").exists()  # node 1 keeps only its local artifacts
     assert (tmp_path / "node1" / "telemetry" / "rank1").is_dir()
+
+
+def test_a_busy_port_is_one_error_line_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("print('trained')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([*STEPWATCH, "run", "--port", str(port), "--out", str(tmp_path / "run"), "job.py"],
+                              cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "trained" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: cannot listen for frames on 127.0.0.1:{port}" in proc.stderr

@@ -298,3 +298,71 @@ def test_random_batch_splits_store_the_same_rows(rows: list[tuple[str, dict[str,
         finally:
             whole.close()
             split.close()
+
+
+# -- idempotence, batch ids, an older store ------------------------------------------------------
+
+
+def snapshot(session: str, rank: int, snapshot_id: str) -> dict[str, Any]:
+    return {"session_id": session, "rank": rank, "snapshot_id": snapshot_id, "span_id": "e", "tensor_name": "w",
+            "mode": "stats", "ts_ns": 1, "stats": {"mean": 0.0}, "blob_uri": None}
+
+
+def test_the_same_rows_twice_are_stored_once_in_every_table(store: SqliteStore) -> None:
+    batch = {"telemetry": [telemetry(S1, 0, 1), telemetry(S1, 0, 2), telemetry(S1, 1, 1),
+                           telemetry(S1, 0, 1, device_id=1), telemetry(S1, 0, 1, event_type="stop", device_id=None)],
+             "heartbeats": [heartbeat(S1, 0, 5, 1), heartbeat(S1, 0, 5, 2), {**heartbeat(S1, 0, 5, 2), "msg": None}],
+             "snapshots": [snapshot(S1, 0, "x"), snapshot(S1, 0, "y")],
+             "spans": [span(S1, 0, "a", 1)], "marks": [mark(S1, 0, "m", 1)], "steps": [step(S1, 0, 0, 1)]}
+    store.append_many(batch)
+    first = {t: store.count(t) for t in TABLES}
+    assert first["telemetry"] == 5 and first["heartbeats"] == 3 and first["snapshots"] == 2
+    store.append_many(batch)
+    store.append_tuples({"telemetry": [tuple(telemetry(S1, 0, 1, event_type="stop", device_id=None).get(c)
+                                             if c != "metadata" else "{}" for c, _ in COLUMNS["telemetry"])]})
+    assert {t: store.count(t) for t in TABLES} == first
+
+
+def test_batch_ids_are_kept_with_their_rows_and_forgotten_after_the_window(store: SqliteStore) -> None:
+    store.append_tuples({}, [("a" * 32, 100), ("b" * 32, 200)])
+    store.append_tuples({"marks": []}, [("a" * 32, 300)])  # already known: the first time stays
+    assert store.seen_batches(0) == {"a" * 32: 100, "b" * 32: 200}
+    assert store.seen_batches(150) == {"b" * 32: 200}
+    assert store.forget_batches(150) == 1
+    assert store.seen_batches(0) == {"b" * 32: 200}
+    with pytest.raises(StoreError):  # a failed write records no batch id either
+        store.append_tuples({"nope": [(1,)]}, [("c" * 32, 1)])
+    assert store.seen_batches(0) == {"b" * 32: 200}
+
+
+def test_a_store_from_before_the_unique_indexes_is_migrated_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    for table, cols in COLUMNS.items():
+        db.execute(f"CREATE TABLE {table} ({', '.join(c for c, _ in cols)})")
+    for statement in ("CREATE INDEX telemetry_by_session ON telemetry (session_id, rank, timestamp_ns)",
+                      "CREATE INDEX spans_by_session ON spans (session_id, rank, start_ns)",
+                      "CREATE INDEX spans_by_parent ON spans (session_id, parent_id)",
+                      "CREATE INDEX steps_by_time ON steps (session_id, start_ns)",
+                      "CREATE INDEX heartbeats_by_session ON heartbeats (session_id, rank, ts_ns)"):
+        db.execute(statement)
+    row = (S1, 0, 5, "sample", "c", 0) + (None,) * 12
+    db.executemany(f"INSERT INTO telemetry VALUES ({', '.join('?' * 18)})", [row, row, (S1, 0, 6, *row[3:])])
+    db.commit()
+    db.close()
+    with SqliteStore(path) as store:
+        assert store.count("telemetry") == 2
+        names = {r["name"] for r in store.query("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert not names & {"spans_by_session", "spans_by_parent", "steps_by_time", "telemetry_by_session"}
+        assert {"telemetry_unique", "heartbeats_unique", "snapshots_unique", "spans_unique"} <= names
+        store.append_many({"telemetry": [telemetry(S1, 0, 5, event_type="sample")]})
+    with SqliteStore(path) as store:  # opening again changes nothing
+        assert store.count("telemetry") == 2
+
+
+def test_retention_needs_no_time_index_and_covers_snapshots(store: SqliteStore) -> None:
+    store.append_many({"spans": [span(S1, 0, f"s{t}", t) for t in range(0, 1000, 10)],
+                       "snapshots": [{**snapshot(S1, 0, f"x{t}"), "ts_ns": t} for t in (1, 500, 900)]})
+    assert store.apply_retention(100) == 89 + 2  # spans before 890, snapshots before 800
+    assert [r["start_ns"] for r in store.query("SELECT start_ns FROM spans ORDER BY 1")] == list(range(890, 1000, 10))
+    assert [r["ts_ns"] for r in store.query("SELECT ts_ns FROM snapshots")] == [900]

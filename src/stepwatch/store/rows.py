@@ -77,22 +77,26 @@ SpanView = tuple[Any, Any, Any, Any, Any, Any, Any]
 
 class PhaseCarry:
     """Phase times of children whose step was not in their batch, per (session, rank, step id),
-    for the batch that brings the step. Bounded (oldest dropped first); only kept for the
-    (session, rank) pairs seen sending a step without a breakdown, so stepwatch's own frames pay
-    nothing for it."""
+    for the batch that brings the step. Bounded (oldest dropped first). Not kept for the
+    (session, rank) pairs seen sending steps with their breakdown (``native``), so stepwatch's
+    own frames pay one set lookup for it."""
 
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
         self.times: dict[tuple[str, int, str], list[int]] = {}
-        self.deriving: set[tuple[str, int]] = set()
+        self.native: set[tuple[str, int]] = set()
+
+    def wants(self, session_id: str, rank: int) -> bool:
+        """Whether this sender's batches are read for their phase spans even with no bare step."""
+        return (session_id, rank) not in self.native
 
     def apply(self, update: CarryUpdate) -> None:
         """Commits what one accepted batch took from and left for later batches."""
         times = self.times
         for key in update.taken:
             times.pop(key, None)
-        if update.deriving is not None:
-            self.deriving.add(update.deriving)
+        if update.native is not None:
+            self.native.add(update.native)
         for key, value in update.left.items():
             known = times.get(key)
             times[key] = value if known is None else [a + b for a, b in zip(known, value)]
@@ -105,12 +109,12 @@ class CarryUpdate:
     """What one batch would change in a ``PhaseCarry``; applied only once the batch is queued, so
     a batch that the fast path hands to the general path is not counted twice."""
 
-    __slots__ = ("taken", "left", "deriving")
+    __slots__ = ("taken", "left", "native")
 
     def __init__(self) -> None:
         self.taken: list[tuple[str, int, str]] = []
         self.left: dict[tuple[str, int, str], list[int]] = {}
-        self.deriving: tuple[str, int] | None = None
+        self.native: tuple[str, int] | None = None  # the batch had steps with their breakdown
 
 
 def _span_ns(start: Any, end: Any) -> int | None:
@@ -127,8 +131,7 @@ def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: Phase
     before, rather than failing its batch. ``carry``/``update``: children from earlier batches
     are looked up in ``carry``; what this batch takes and leaves goes into ``update``."""
     bare = [s for s in spans if s[2] == "step" and not (s[6] and "step_ns" in s[6])]
-    deriving = carry is not None and (session_id, rank) in carry.deriving
-    if not bare and not deriving:
+    if not bare and not (carry is not None and carry.wants(session_id, rank)):
         return []
     phases: dict[Any, list[int]] = {}
     for span_id, parent, name, _index, start, end, attrs in spans:
@@ -165,8 +168,6 @@ def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: Phase
         rows.append((session_id, rank, -1 if index is None else index, start, end, step_ns, d, h2d, fwd, bwd, opt,
                      wait))
     if update is not None:
-        if bare:
-            update.deriving = (session_id, rank)
         steps_here = {s[0] for s in spans if s[2] == "step" and type(s[0]) is str}
         update.left = {(session_id, rank, parent): times for parent, times in phases.items()
                        if parent not in steps_here}
@@ -221,6 +222,8 @@ def to_rows(tables: Mapping[str, list[Mapping[str, Any]]], session_id: str, rank
         out["spans"] = [span_row(s, session_id, rank) for s in spans]
         steps = [r for r in (step_row(s, session_id, rank) for s in spans) if r is not None]
         columns = [c for c, _ in COLUMNS["steps"]]
+        if steps and update is not None:
+            update.native = (session_id, rank)
         steps += [dict(zip(columns, row)) for row in derive_steps(session_id, rank, _views(spans), carry, update)]
         if steps:
             out["steps"] = steps
@@ -338,8 +341,10 @@ def wire_tuples(session_id: str, rank: int, tables: WireTables, carry: PhaseCarr
              *[s.attrs.get(k, 0) for k in _STEP_FIELDS])
             for s in spans if s.name == "step" and s.attrs and "step_ns" in s.attrs
         ]
+        if steps and update is not None:
+            update.native = (session_id, rank)
         if len(steps) < sum(1 for s in spans if s.name == "step") or (
-                carry is not None and (session_id, rank) in carry.deriving):
+                carry is not None and carry.wants(session_id, rank)):
             steps += derive_steps(session_id, rank, [(s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.attrs)
                                                      for s in spans], carry, update)
         if steps:

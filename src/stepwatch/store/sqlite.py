@@ -15,6 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ _BATCHES_TABLE = "CREATE TABLE IF NOT EXISTS ingest_batches (batch_id TEXT PRIMA
 _RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("marks", "ts_ns"), ("spans", "start_ns"),
                    ("steps", "start_ns"), ("snapshots", "ts_ns"))
 
+# Rows go in as multi-row INSERTs of this many rows (the remainder by executemany): one statement
+# step per chunk instead of per row, so fewer VDBE resets and one GIL release per chunk rather than
+# per row. Measured in one process, interleaved, 103k wire rows: 3.2-3.4 us per stored row
+# against 4.1-4.5 with executemany alone, and 5.0-5.5 against 6.0-6.7 with a decoding thread
+# beside it (bench/README.md). 128 rows x 18 columns stays far under SQLite's variable limit.
+CHUNK_ROWS = 128
+
 _PAGE_SIZE = 16384  # takes effect for a new file only (set before WAL mode)
 _CACHE_KIB = 32 * 1024
 
@@ -98,6 +106,11 @@ class SqliteStore:
                 f"VALUES ({', '.join('?' for _ in cols)})",
                 tuple(c for c, _ in cols),
             )
+            for table, cols in COLUMNS.items()
+        }
+        self._chunk_inserts = {
+            table: f"INSERT OR IGNORE INTO {table} ({', '.join(c for c, _ in cols)}) VALUES "
+                   + ", ".join([f"({', '.join('?' for _ in cols)})"] * CHUNK_ROWS)
             for table, cols in COLUMNS.items()
         }
 
@@ -153,7 +166,7 @@ class SqliteStore:
                     if table not in self._inserts:
                         raise StoreError(f"unknown table {table!r}")
                     if rows:
-                        self._db.executemany(self._inserts[table][0], rows)
+                        self._insert(table, rows)
                         total += len(rows)
                 if batch_ids:
                     self._db.executemany("INSERT OR IGNORE INTO ingest_batches VALUES (?, ?)", batch_ids)
@@ -167,6 +180,17 @@ class SqliteStore:
                     raise
                 raise StoreError(f"{self.path}: write failed: {exc}") from exc
         return total
+
+    def _insert(self, table: str, rows: list[tuple[Any, ...]]) -> None:
+        """Whole chunks by the multi-row statement, the rest row by row (see CHUNK_ROWS); the
+        same rows in the same order, so INSERT OR IGNORE keeps the same first of duplicates."""
+        size = CHUNK_ROWS
+        whole = len(rows) - len(rows) % size if size > 1 else 0
+        if whole:
+            self._db.executemany(self._chunk_inserts[table],
+                                 (list(chain.from_iterable(rows[i:i + size])) for i in range(0, whole, size)))
+        if whole < len(rows):
+            self._db.executemany(self._inserts[table][0], rows[whole:] if whole else rows)
 
     def upsert_session(self, row: Mapping[str, Any]) -> None:
         """Creates or updates a session; an existing status only moves forward."""
