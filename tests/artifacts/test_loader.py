@@ -445,11 +445,48 @@ def test_unreadable_file_raises_artifact_error(tmp_path: Path, name: str, conten
         load_telemetry_events(path)
 
 
-def test_empty_segment_has_no_sessions(tmp_path: Path) -> None:
+def test_empty_segment_given_directly_is_an_error(tmp_path: Path) -> None:
+    # (It used to load as no sessions at all, which `stepwatch sessions` printed as an empty
+    # table with exit 0.)
     path = tmp_path / "segment-000001.jsonl"
     path.write_bytes(b"")
-    assert load_telemetry_sessions(path) == []
-    assert load_telemetry_events(path) == []
+    with pytest.raises(ArtifactError, match="file is empty") as info:
+        load_telemetry_sessions(path)
+    assert info.value.path == str(path)
+    with pytest.raises(ArtifactError, match="file is empty"):
+        load_telemetry_events(path)
+
+
+@pytest.mark.parametrize("content", [b"", b" \n"])
+def test_empty_json_export_says_file_is_empty(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "export.json"
+    path.write_bytes(content)
+    with pytest.raises(ArtifactError, match="file is empty") as info:
+        load_telemetry_sessions(path)
+    assert "truncated" not in str(info.value)
+
+
+def test_empty_segment_inside_a_sink_is_normal_unless_the_manifest_recorded_data(tmp_path: Path) -> None:
+    sink = TelemetrySink(tmp_path)
+    session = sink.start_session()  # its segment stays empty until the first flush
+    [loaded] = load_telemetry_sessions(tmp_path)
+    assert (loaded.summary.status, loaded.empty_segments, loaded.warnings) == ("running", 0, [])
+    sink.close()
+    sid, events = write_session(tmp_path, 3)
+    (tmp_path / "segment-000002.jsonl").write_bytes(b"")  # the manifest says it held 3 records
+    sessions = {s.summary.session_id: s for s in load_telemetry_sessions(tmp_path)}
+    hit = sessions[sid]
+    assert (hit.empty_segments, hit.events) == (1, [])
+    [warning] = hit.warnings
+    assert "file is empty" in warning and "segment-000002.jsonl" in warning
+    assert (sessions[session.session_id].empty_segments, sessions[session.session_id].warnings) == (0, [])
+
+
+def test_events_key_holding_something_else_names_the_field(tmp_path: Path) -> None:
+    path = dump_json(tmp_path / "export.json", {"events": 5})
+    with pytest.raises(ArtifactError, match=r"\$\.events must be an array") as info:
+        load_telemetry_sessions(path)
+    assert info.value.field == "$.events"
 
 
 def test_missing_path_and_empty_directory(tmp_path: Path) -> None:
@@ -460,13 +497,35 @@ def test_missing_path_and_empty_directory(tmp_path: Path) -> None:
         load_telemetry_sessions(tmp_path / "empty")
 
 
-def test_half_written_manifest_is_an_artifact_error(sink_two_sessions: tuple) -> None:
-    root = sink_two_sessions[0]
+@pytest.mark.parametrize("damage", ["half", "empty", "wrong_type"])
+def test_unreadable_manifest_falls_back_to_the_segments_as_incomplete(sink_two_sessions: tuple, damage: str) -> None:
+    # (A half-written manifest used to make the whole sink unreadable, its intact segments too.)
+    root, first, events_a, second, events_b = sink_two_sessions
     data = (root / "manifest.json").read_bytes()
-    (root / "manifest.json").write_bytes(data[: len(data) // 3])
+    broken = {"half": data[: len(data) // 3], "empty": b"", "wrong_type": b'{"segments": "nope"}'}[damage]
+    (root / "manifest.json").write_bytes(broken)
+    sessions = {s.summary.session_id: s for s in load_telemetry_sessions(root)}
+    assert set(sessions) == {first, second}
+    assert sessions[first].events == events_a and sessions[second].events == events_b
+    for loaded in sessions.values():
+        assert loaded.summary.status == "incomplete"
+        assert loaded.unreadable_manifests == 1
+        [warning] = loaded.warnings
+        assert str(root / "manifest.json") in warning
+        if damage == "empty":
+            assert "file is empty" in warning
+    assert load_telemetry_events(root, session_id=first) == events_a
+    # named directly, the manifest itself is what was asked for: an error naming it
     with pytest.raises(ArtifactError) as info:
-        load_telemetry_sessions(root)
+        load_telemetry_sessions(root / "manifest.json")
     assert info.value.path == str(root / "manifest.json")
+
+
+def test_unreadable_manifest_without_segments_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_bytes(b'{"schema_version": 2, "segm')
+    with pytest.raises(ArtifactError, match="no segments") as info:
+        load_telemetry_sessions(tmp_path)
+    assert info.value.path == str(tmp_path / "manifest.json")
 
 
 # -- missing pieces and statuses ---------------------------------------------------------------
@@ -480,7 +539,24 @@ def test_missing_segment_listed_in_manifest_warns_and_the_rest_loads(sink_two_se
     assert a.events == events_a[:3] + events_a[6:]
     assert len(a.warnings) == 1 and "segment-000002.jsonl" in a.warnings[0]
     assert b.events == events_b and b.warnings == []
-    assert a.summary.status == "completed"
+    # What is left cannot prove a clean stop (it used to stay "completed" with a warning only).
+    assert (a.summary.status, a.missing_segments) == ("incomplete", 1)
+    assert (b.summary.status, b.missing_segments) == ("completed", 0)
+
+
+def test_missing_segments_count_across_a_run_directory(tmp_path: Path, session_id: str) -> None:
+    run = tmp_path / "run"
+    for rank in (0, 1):
+        sink = TelemetrySink(run / "telemetry" / f"rank{rank}", SinkConfig(rollover_max_events=2))
+        sink.start_session(SessionSummary(session_id=session_id, status="running", started_at_ns=1, rank=rank,
+                                          world_size=2))
+        for i in range(5):
+            sink.append(make_event(session_id, i, rank=rank, world_size=2))
+        sink.close()
+    (run / "telemetry" / "rank1" / "segment-000001.jsonl").unlink()
+    (run / "telemetry" / "rank1" / "segment-000002.jsonl").unlink()
+    [merged] = load_telemetry_sessions(run)
+    assert (merged.summary.status, merged.missing_segments, merged.summary.event_count) == ("incomplete", 2, 6)
 
 
 def test_files_without_a_manifest_are_incomplete(sink_two_sessions: tuple) -> None:

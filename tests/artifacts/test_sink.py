@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.artifacts.manifest import MANIFEST_FORMAT
-from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
+from stepwatch.artifacts.sink import RecordNotEncodable, SinkConfig, TelemetrySink
 from stepwatch.errors import ArtifactError, ConfigError, StepwatchError, ValidationError
 from stepwatch.schema import SessionSummary, json_schema, telemetry_event_to_dict
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
@@ -63,7 +64,7 @@ def encoded_size(event: object) -> int:
 # `flushed`, prints its session id, then SIGKILLs itself.
 _DYING_WRITER = r"""
 import os, signal, socket, sys, time
-from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
+from stepwatch.artifacts.sink import RecordNotEncodable, SinkConfig, TelemetrySink
 from stepwatch.schema import TelemetryEventV3
 root, total, flushed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sink = TelemetrySink(root, SinkConfig(flush_every_events=10_000, flush_every_seconds=3600.0))
@@ -228,6 +229,71 @@ def test_a_record_that_cannot_be_encoded_is_dropped_and_its_error_raised(tmp_pat
         sink.close()  # the session is still closed and the manifest written
     assert read_manifest(tmp_path)["sessions"][0]["status"] == "completed"
     assert [e.metadata["i"] for e in load_telemetry_events(tmp_path)] == [0, 2]
+
+
+def test_unencodable_records_are_counted_and_raised_as_one_clear_error(tmp_path: Path) -> None:
+    sink = TelemetrySink(tmp_path, SinkConfig(flush_every_events=1000, flush_every_seconds=3600.0))
+    sid = sink.start_session().session_id
+    deep: list = []
+    for _ in range(100_000):  # msgspec raises RecursionError: it used to escape and lose the batch
+        deep = [deep]
+    sink.append(make_event(sid, 0))
+    sink.append(make_event(sid, 1, metadata={"ok": 1, "handle": {"inner": object()}}))
+    sink.append(make_event(sid, 2, metadata={"deep": deep}))
+    sink.append(make_event(sid, 3))
+    with pytest.raises(RecordNotEncodable) as info:
+        sink.flush()
+    error = info.value
+    assert isinstance(error, ValidationError) and isinstance(error, TypeError)
+    assert (error.field, error.dropped) == ("$.metadata.handle.inner", 2)
+    assert "cannot be encoded as JSON" in str(error) and "dropped" in str(error)
+    assert sink.unencodable_dropped == 2
+    sink.append(make_event(sid, 4))
+    sink.close()
+    segment = tmp_path / "segment-000001.jsonl"
+    assert [json.loads(line)["metadata"]["i"] for line in lines_of(segment)] == [0, 3, 4]
+    assert [e.metadata["i"] for e in load_telemetry_events(tmp_path)] == [0, 3, 4]
+
+
+# A writer whose disk fills up mid-write (RLIMIT_FSIZE: the write crossing the limit is cut
+# short, the next one fails with EFBIG), that then gets room again and goes on writing.
+_FULL_DISK_WRITER = r"""
+import errno, resource, signal, sys
+from stepwatch.artifacts.sink import RecordNotEncodable, SinkConfig, TelemetrySink
+from tests.conftest import make_event
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+sink = TelemetrySink(sys.argv[1], SinkConfig(flush_every_events=3, flush_every_seconds=3600.0))
+sid = sink.start_session().session_id
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), hard))
+failed = dropped = 0
+for i in range(30):
+    try:
+        sink.append(make_event(sid, i))
+    except OSError as exc:
+        assert exc.errno == errno.EFBIG, exc
+        failed += 1
+        dropped += sink.discard_buffer()  # what the runtime does
+        if failed == 2:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+sink.close()
+print(failed, dropped)
+"""
+
+
+def test_a_write_cut_short_never_leaves_a_partial_line_in_the_segment(tmp_path: Path) -> None:
+    line = encoded_size(make_event("00000000-0000-4000-8000-000000000001", 10))
+    limit = 4 * line + line // 2  # the second flush of three records breaks off mid-record
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_WRITER, str(tmp_path), str(limit)],
+                          cwd=REPO, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    failed, dropped = map(int, proc.stdout.split())
+    assert failed == 2 and dropped > 0
+    records = [json.loads(raw) for path in segment_files(tmp_path) for raw in lines_of(path)]
+    assert len(records) == 30 - dropped  # every line whole: the cut-off bytes were taken back
+    [loaded] = load_telemetry_sessions(tmp_path)
+    assert loaded.summary.status == "completed" and loaded.summary.event_count == 30 - dropped
+    assert loaded.torn_lines == 0
 
 
 def test_discard_buffer_counts_pending_and_encoded_records(tmp_path: Path) -> None:
@@ -667,6 +733,93 @@ def test_recovery_of_an_abandoned_in_process_sink(tmp_path: Path) -> None:
     events = load_telemetry_events(tmp_path, session_id=session.session_id)
     assert [e.metadata["i"] for e in events] == [0, 1, 2, 3]
     os.close(sink._fd)  # type: ignore[arg-type]  # release the abandoned descriptor
+
+
+# A writer that stays alive: one flushed record, then it waits for "close" (or to be killed).
+_LIVE_WRITER = r"""
+import sys
+from stepwatch.artifacts.sink import TelemetrySink
+from tests.conftest import make_event
+sink = TelemetrySink(sys.argv[1])
+sid = sink.start_session().session_id
+sink.append(make_event(sid, 0))
+sink.flush()
+print(sid, flush=True)
+if sys.stdin.readline().strip() == "close":
+    sink.close()
+    print("closed", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def start_live_writer(root: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(root)], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_second_writer_on_a_live_sink_is_refused_and_interrupts_nothing(tmp_path: Path) -> None:
+    proc, sid = start_live_writer(tmp_path)
+    try:
+        assert sid, proc.stderr.read() if proc.stderr else ""
+        before = (tmp_path / "manifest.json").read_bytes()
+        with pytest.raises(ArtifactError, match=rf"another process is writing this sink \(pid {proc.pid} on "):
+            TelemetrySink(tmp_path)  # it used to mark the live session interrupted
+        assert (tmp_path / "manifest.json").read_bytes() == before
+        assert read_manifest(tmp_path)["sessions"][0]["status"] == "running"
+        [loaded] = load_telemetry_sessions(tmp_path)
+        assert loaded.summary.status == "running"
+        proc.stdin.write("close\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.stdout.readline().strip() == "closed"  # type: ignore[union-attr]
+        # closed, still alive: the lock is given back (and its file removed)
+        assert not (tmp_path / ".writer.lock").exists()
+        sink = TelemetrySink(tmp_path)
+        assert sink.recovered_sessions == [] and sink.ledger[0].status == "completed"
+        sink.start_session()
+        sink.close()
+    finally:
+        proc.kill()
+        proc.communicate()  # and close its pipes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "manifest.json", "segment-000001.jsonl", "segment-000002.jsonl",
+    ]
+
+
+def test_a_killed_writer_leaves_the_lock_to_the_next_one(tmp_path: Path) -> None:
+    proc, sid = start_live_writer(tmp_path)
+    proc.kill()
+    proc.communicate()
+    sink = TelemetrySink(tmp_path)  # the OS dropped the dead writer's lock
+    assert sink.recovered_sessions == [sid]
+    assert sink.ledger[0].status == "interrupted"
+
+
+def test_a_running_session_whose_process_is_alive_is_not_recovered(tmp_path: Path) -> None:
+    sid, _ = write_session(tmp_path, 2)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        # The ledger names a live process of this host (no lock: not a stepwatch writer of
+        # this version, or the process `stepwatch track --pid` samples): it is not recovered.
+        manifest = read_manifest(tmp_path)
+        manifest["sessions"][0].update(status="running", ended_at_ns=None, pid=other.pid,
+                                       host=socket.gethostname(), started_at_ns=time.time_ns())
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        sink = TelemetrySink(tmp_path)
+        assert (sink.recovered_sessions, sink.live_sessions) == ([], [sid])
+        assert read_manifest(tmp_path)["sessions"][0]["status"] == "running"
+        del sink
+        # The same pid, but the process started long after the session: a reused pid.
+        manifest["sessions"][0]["started_at_ns"] = time.time_ns() - 3600 * 10**9
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        again = TelemetrySink(tmp_path)
+        assert again.recovered_sessions == [sid]
+        assert read_manifest(tmp_path)["sessions"][0]["status"] == "interrupted"
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_repeated_recovery_is_a_no_op(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ Every other rule is a single-field rule, and there both validators must agree.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +286,62 @@ def test_every_record_the_sink_writes_is_valid_v3(tmp_path: Path, session_id: st
         record = msgspec.json.decode(line)
         VALIDATORS[3].validate(record)
         assert validate_telemetry_record(record) == event
+
+
+# A real capture: the runtime in its own process, phases, progress, a collector that fails twice
+# (collector_degraded, then collector_recovered), then shutdown.
+_RUNTIME_RUN = r"""
+import sys, time
+import stepwatch
+from stepwatch.capture.collectors import CollectorHealth, Reading
+
+class Flaky:
+    name = "stepwatch.cuda_tracker"
+    backend = "cuda"
+    supports_device_total = True
+    supports_device_free = True
+    sampling_source = "flaky"
+    reads = 0
+    def read(self):
+        self.reads += 1
+        if self.reads <= 2:
+            raise RuntimeError(f"device lost {self.reads}")
+        return [Reading(device_id=0, allocated=123, reserved=456, used=789, free=211, total=1000)]
+
+rt = stepwatch.init(out=sys.argv[1], interval=0.05)
+flaky = Flaky()
+rt.collectors.append(CollectorHealth(flaky, base_backoff_s=0.05))
+with stepwatch.phase("train", epoch=0):
+    for step in range(3):
+        with stepwatch.phase("forward"):
+            time.sleep(0.02)
+        stepwatch.progress(step, loss=1.0 / (step + 1))
+deadline = time.monotonic() + 10
+while flaky.reads < 4 and time.monotonic() < deadline:
+    time.sleep(0.05)
+stepwatch.shutdown()
+"""
+
+
+def test_every_record_a_real_runtime_writes_is_valid_v3(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    proc = subprocess.run([sys.executable, "-c", _RUNTIME_RUN, str(run)], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "[stepwatch]" not in proc.stderr  # no internal error swallowed on the way
+    segments = sorted(run.glob("telemetry/rank*/segment-*.jsonl"))
+    assert segments
+    kinds: set[str] = set()
+    count = 0
+    for path in segments:
+        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+            record = msgspec.json.decode(line)
+            errors = [e.message for e in VALIDATORS[3].iter_errors(record)]
+            assert errors == [], f"{path.name}:{number}: {errors}"
+            validate_telemetry_record(record)
+            kinds.add(record["event_type"])
+            count += 1
+    assert count > 0
+    expected = {"start", "stop", "phase_enter", "phase_exit", "sample", "collector_degraded", "collector_recovered"}
+    assert expected <= kinds, kinds

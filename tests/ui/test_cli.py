@@ -367,3 +367,72 @@ def test_version_and_help(tmp_path: Path) -> None:
     assert stepwatch("--version", cwd=tmp_path).out.strip().endswith("0.1.0")
     result = stepwatch("--help", cwd=tmp_path)
     assert result.code == 0 and all(c in result.out for c in ("validate", "sessions", "inspect"))
+
+
+# -- missing, unreadable and empty pieces ------------------------------------------------------
+
+
+def test_validate_reports_each_missing_listed_segment(tmp_path: Path) -> None:
+    write_sink(tmp_path / "sink", plain, rollover_max_events=2)  # segments of 2, 2 and 1 records
+    (tmp_path / "sink" / "segment-000001.jsonl").unlink()
+    (tmp_path / "sink" / "segment-000003.jsonl").unlink()
+    result = stepwatch("validate", "--json", "sink", cwd=tmp_path)
+    assert result.code == 1, result  # it used to say OK
+    problems = result.json()["problems"]
+    assert [(p["file"], p["severity"]) for p in problems] == [
+        (str(Path("sink") / "segment-000001.jsonl"), "error"),
+        (str(Path("sink") / "segment-000003.jsonl"), "error"),
+    ]
+    assert all("missing" in p["reason"] for p in problems)
+    table = stepwatch("validate", "sink", cwd=tmp_path)
+    assert table.code == 1 and "INVALID" in table.out and "segment-000003.jsonl" in table.out
+    sessions = stepwatch("sessions", "--json", "sink", cwd=tmp_path).json()
+    assert [(s["status"], s["missing_segments"]) for s in sessions] == [("incomplete", 2)]
+
+
+def test_corrupt_manifest_sessions_load_from_the_segments_and_validate_still_fails(tmp_path: Path) -> None:
+    sid, _ = write_sink(tmp_path / "sink", plain)
+    (tmp_path / "sink" / "manifest.json").write_text('{"schema_version": 2, "segm')
+    result = stepwatch("sessions", "--json", "sink", cwd=tmp_path)
+    assert result.code == 0, result  # it used to exit 2
+    [session] = result.json()
+    assert (session["session_id"], session["status"], session["event_count"]) == (sid, "incomplete", 5)
+    assert session["unreadable_manifests"] == 1
+    table = stepwatch("sessions", "sink", cwd=tmp_path)
+    assert table.code == 0 and "warning:" in table.out and "manifest.json" in table.out
+    assert stepwatch("inspect", "sink", cwd=tmp_path).code == 0
+    check = stepwatch("validate", "--json", "sink", cwd=tmp_path)
+    assert check.code == 1
+    [problem] = check.json()["problems"]
+    assert problem["file"] == str(Path("sink") / "manifest.json")
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "segment-000001.jsonl", "empty.json"])
+def test_empty_file_given_directly_says_so(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).write_bytes(b"")
+    check = stepwatch("validate", "--json", name, cwd=tmp_path)
+    assert check.code == 1, check  # an empty .jsonl used to validate as OK
+    [problem] = check.json()["problems"]
+    assert (problem["file"], problem["reason"]) == (name, "file is empty")
+    for command in ("sessions", "inspect"):
+        result = stepwatch(command, name, cwd=tmp_path)
+        assert_clean_error(result, name, "file is empty")  # not an empty table, not "truncated"
+        assert "truncated" not in result.err
+
+
+def test_empty_manifest_inside_a_sink_is_a_counted_warning(tmp_path: Path) -> None:
+    write_sink(tmp_path / "sink", plain)
+    (tmp_path / "sink" / "manifest.json").write_bytes(b"")
+    [session] = stepwatch("sessions", "--json", "sink", cwd=tmp_path).json()
+    assert session["unreadable_manifests"] == 1 and "file is empty" in session["warnings"][0]
+    [problem] = stepwatch("validate", "--json", "sink", cwd=tmp_path).json()["problems"]
+    assert problem["reason"] == "file is empty"
+
+
+def test_events_key_that_is_not_a_list_is_an_error_in_validate_and_loaders(tmp_path: Path) -> None:
+    (tmp_path / "export.json").write_text('{"events": 5}')
+    check = stepwatch("validate", "--json", "export.json", cwd=tmp_path)
+    assert check.code == 1 and check.json()["valid"] == 0  # it used to be one (invalid) record
+    [problem] = check.json()["problems"]
+    assert problem["field"] == "$.events" and "must be an array" in problem["reason"]
+    assert_clean_error(stepwatch("sessions", "export.json", cwd=tmp_path), "export.json", "$.events must be an array")

@@ -72,7 +72,7 @@ def read_manifest(path: Path) -> SinkManifest:
     except OSError as exc:
         raise ArtifactError(path, f"cannot read manifest: {exc.strerror}") from exc
     if not data.strip():
-        raise ArtifactError(path, "manifest is empty")
+        raise ArtifactError(path, "file is empty")
     try:
         manifest = _decoder.decode(data)
     except msgspec.ValidationError as exc:

@@ -1,7 +1,10 @@
 """``stepwatch validate``: check every record of an artifact and report each problem where it is.
 
 Unlike the loaders, which stop at the first bad record, this visits them all, so one run
-lists every invalid line of every file.
+lists every invalid line of every file. Beyond records it reports, as errors, what the loaders
+count and skip: a segment the manifest lists but that is missing, an unreadable manifest, an
+empty file given directly; and as a warning a segment the manifest says held data but that is
+empty (an empty segment nothing was flushed to yet is normal).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import msgspec
 from ..errors import ArtifactError, ValidationError
 from ..schema import telemetry_event_from_record, validate_telemetry_record
 from .manifest import MANIFEST_FILENAME, SEGMENT_PREFIX, SEGMENT_SUFFIX, read_manifest
-from .telemetry_loader import find_sink_dirs
+from .telemetry_loader import events_key_problem, find_sink_dirs
 
 __all__ = ["CheckReport", "Problem", "check_artifact"]
 
@@ -56,19 +59,23 @@ def check_artifact(path: str | os.PathLike[str], permissive_legacy: bool = False
     if not root.exists():
         report.problems.append(Problem(file=str(root), reason="no such file or directory"))
         return report
+    given_file = root.is_file()
     for file in _files(root, report):
         report.files += 1
         if file.name == MANIFEST_FILENAME:
-            try:
-                read_manifest(file)
-            except ArtifactError as exc:
-                report.problems.append(Problem(file=str(file), field=exc.field, reason=exc.reason))
+            _check_manifest(file, report)
+            continue
+        if given_file and _is_empty(file):
+            report.problems.append(Problem(file=str(file), reason="file is empty"))
             continue
         for line, index, record, error in _records(file):
             report.records += 1
             if error is not None:
                 severity = "warning" if error.startswith("torn") else "error"
-                report.problems.append(Problem(file=str(file), line=line, index=index, reason=error, severity=severity))
+                field = error.split(" ", 1)[0] if error.startswith("$.") else None
+                report.problems.append(
+                    Problem(file=str(file), line=line, index=index, field=field, reason=error, severity=severity)
+                )
                 continue
             try:
                 if permissive_legacy:
@@ -82,6 +89,33 @@ def check_artifact(path: str | os.PathLike[str], permissive_legacy: bool = False
                 continue
             report.valid += 1
     return report
+
+
+def _check_manifest(file: Path, report: CheckReport) -> None:
+    """The manifest reads, and every segment it lists is there (pruned ones are not listed)."""
+    try:
+        manifest = read_manifest(file)
+    except ArtifactError as exc:
+        report.problems.append(Problem(file=str(file), field=exc.field, reason=exc.reason))
+        return
+    for entry in manifest.segments:
+        segment = file.parent / entry.filename
+        if not segment.exists():
+            report.problems.append(Problem(
+                file=str(segment), reason=f"listed in {MANIFEST_FILENAME} but missing on disk",
+            ))
+        elif entry.size_bytes and _is_empty(segment):
+            report.problems.append(Problem(
+                file=str(segment), severity="warning",
+                reason=f"file is empty although {MANIFEST_FILENAME} recorded {entry.size_bytes} bytes",
+            ))
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False  # the read names the problem
 
 
 def _files(root: Path, report: CheckReport) -> Iterator[Path]:
@@ -129,6 +163,10 @@ def _records(file: Path) -> Iterator[tuple[int | None, int | None, Any, str | No
                 payload = payload[key]
                 break
         else:
+            for key in ("events", "telemetry_events"):
+                if key in payload:  # as the loaders say: not one record with an odd field
+                    yield None, None, None, events_key_problem(key, payload[key])
+                    return
             payload = [payload]
     if not isinstance(payload, list):
         yield None, None, None, f"expected a JSON array or object, got {type(payload).__name__}"

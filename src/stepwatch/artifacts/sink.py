@@ -4,7 +4,13 @@ Crash safety rests on three rules:
   * segments are only appended to (``O_APPEND``), one canonical v3 record per line;
   * the manifest is only ever replaced atomically (temp file, fsync, rename);
   * on open, a session a dead writer left ``running`` is closed as ``interrupted``, torn
-    segment tails are cut back, and new records go to a new session in a new segment.
+    segment tails are cut back, and new records go to a new session in a new segment;
+  * one writer process per directory: ``.writer.lock`` (a POSIX lock the OS drops when its
+    process dies) refuses a second live writer, whose recovery would otherwise interrupt the
+    first one's session and whose manifest writes would overwrite the first one's;
+  * only whole lines reach a segment: a record that cannot be encoded is dropped before any
+    of its bytes are buffered, and a write that fails part-way is cut back (or the segment is
+    closed) so nothing is ever appended after a partial line.
 A reader therefore trusts the segment files over the manifest's counts.
 """
 
@@ -14,13 +20,14 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError, ConfigError, ValidationError
 from ..schema import (
     SessionStatus,
     SessionSummary,
@@ -28,7 +35,14 @@ from ..schema import (
     new_session_id,
     telemetry_event_from_record,
 )
-from ._files import cut_torn_tail
+from ._files import (
+    WRITER_LOCK_FILENAME,
+    WriterLockBusy,
+    acquire_writer_lock,
+    cut_torn_tail,
+    process_alive,
+    release_writer_lock,
+)
 from .manifest import (
     MANIFEST_FILENAME,
     SEGMENT_PREFIX,
@@ -40,7 +54,7 @@ from .manifest import (
     write_manifest,
 )
 
-__all__ = ["SinkConfig", "TelemetrySink"]
+__all__ = ["RecordNotEncodable", "SinkConfig", "TelemetrySink"]
 
 _monotonic = time.monotonic
 # Records appended are encoded together once this many are pending (or a flush bound or the
@@ -50,6 +64,20 @@ _ENCODE_BATCH = 256
 _BACKGROUND_SYNC_BYTES = 1 << 20
 
 FsyncPolicy = Literal["flush", "close", "never"]
+# What msgspec raises for a value it cannot write as JSON (RecursionError: nested too deeply).
+_ENCODE_ERRORS = (TypeError, ValueError, OverflowError, RecursionError)
+
+
+class RecordNotEncodable(ValidationError, TypeError):
+    """A record appended to the sink cannot be written as JSON; it was dropped, nothing of it written.
+
+    A ``ValidationError`` (``field`` names the value, e.g. ``$.metadata.handle``) and, as
+    msgspec's own error was, a ``TypeError``. ``dropped`` counts the records this error stands for.
+    """
+
+    def __init__(self, field: str, rule: str, dropped: int = 1) -> None:
+        super().__init__(field, rule)
+        self.dropped = dropped
 
 
 class SinkConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -142,8 +170,20 @@ class TelemetrySink:
         self._events_room = 0
         self._flush_deadline = 0.0
         self.recovered_sessions: list[str] = []
+        # sessions left `running` whose writer process is still alive: not recovered
+        self.live_sessions: list[str] = []
         self.torn_bytes_cut = 0
-        self._manifest = self._recover()
+        # records dropped because they could not be encoded (each also raised, see append)
+        self.unencodable_dropped = 0
+        self._doomed: list[Path] = []  # pruned segments, unlinked once the manifest forgets them
+        self._lock_key: str | None = None
+        self._take_writer_lock()
+        self._release_on_gc = weakref.finalize(self, release_writer_lock, self._lock_key)
+        try:
+            self._manifest = self._recover()
+        except BaseException:
+            self._release_writer_lock()
+            raise
 
     # -- public verbs ------------------------------------------------------------------------
 
@@ -161,6 +201,9 @@ class TelemetrySink:
         with self._lock:
             if self._session is not None:
                 return self._session
+            if self._lock_key is None and not self._release_on_gc.alive:
+                self._take_writer_lock()  # given back by close(): this sink writes again
+                self._release_on_gc = weakref.finalize(self, release_writer_lock, self._lock_key)
             summary = summary or SessionSummary(
                 session_id=new_session_id(),
                 status="running",
@@ -185,8 +228,10 @@ class TelemetrySink:
         Structs built by stepwatch are trusted; a mapping is validated as v3 first. The sink
         keeps the struct (up to ``_ENCODE_BATCH`` of them) and encodes them together, so do
         not change an event after appending it. A record ``msgspec`` cannot encode (a metadata
-        value of an unsupported type) is dropped when its batch is encoded, and that error is
-        raised from the call that encoded it (this one or a later append, flush or close).
+        value of an unsupported type) is dropped when its batch is encoded, before any of its
+        bytes are buffered, counted in ``unencodable_dropped``, and raised as
+        ``RecordNotEncodable`` from the call that encoded it (this one or a later append, flush
+        or close); the other records of the batch are kept.
         """
         if type(event) is not TelemetryEventV3 and not isinstance(event, TelemetryEventV3):
             event = telemetry_event_from_record(event, permissive_legacy=False)
@@ -200,6 +245,22 @@ class TelemetrySink:
             if len(pending) >= self._pending_room or _monotonic() >= self._flush_deadline:
                 self._encode_pending_locked()
                 self._flush_if_due_locked()
+
+    def _take_writer_lock(self) -> None:
+        try:
+            self._lock_key = acquire_writer_lock(self.root)
+        except WriterLockBusy as busy:
+            raise ArtifactError(
+                self.root,
+                f"another process is writing this sink ({busy.holder}, holding {WRITER_LOCK_FILENAME}); "
+                "two writers would interrupt each other's session and overwrite each other's manifest: "
+                "give each process its own directory",
+            ) from None
+
+    def _release_writer_lock(self) -> None:
+        self._release_on_gc.detach()
+        release_writer_lock(self._lock_key)
+        self._lock_key = None
 
     def _reject(self, event: TelemetryEventV3) -> None:
         if self._session is None:
@@ -218,7 +279,7 @@ class TelemetrySink:
         self._pending = []
         try:
             lines = self._encoder.encode_lines(pending)  # one C loop for the batch
-        except (TypeError, ValueError, OverflowError):
+        except _ENCODE_ERRORS:
             lines = None  # some record cannot be encoded: find it below, keep the others
         try:
             if (
@@ -234,19 +295,34 @@ class TelemetrySink:
             self._update_pending_room()
 
     def _encode_each_locked(self, pending: list[TelemetryEventV3]) -> None:
-        """Record by record: near a rollover bound, or to isolate a record that cannot be encoded."""
-        error: Exception | None = None
+        """Record by record: near a rollover bound, or to isolate a record that cannot be encoded.
+
+        Each record is encoded to its own bytes object before anything is buffered, so a record
+        that fails leaves no byte behind. The first such failure is raised, once the others are
+        buffered, as ``RecordNotEncodable`` counting every record dropped.
+        """
+        error: RecordNotEncodable | None = None
         encode = self._encoder.encode
-        for event in pending:
+        for i, event in enumerate(pending):
             try:
                 line = encode(event) + b"\n"
-            except (TypeError, ValueError, OverflowError) as exc:
-                error = error or exc
+            except _ENCODE_ERRORS as exc:
+                self.unencodable_dropped += 1
+                if error is None:
+                    error = _not_encodable(event, exc)
+                else:
+                    error.dropped += 1
                 continue
             self._put(line)
             self._buffered += 1
             if self._buffer_size >= self._bytes_room or self._buffered >= self._events_room:
-                self._near_bound_locked(line)
+                try:
+                    self._near_bound_locked(line)
+                except BaseException:
+                    # The disk failed: the records not buffered yet stay pending, so they are
+                    # written by the next flush or counted by discard_buffer, never lost unseen.
+                    self._pending[:0] = pending[i + 1:]
+                    raise
         if error is not None:
             raise error
 
@@ -278,12 +354,14 @@ class TelemetrySink:
             # This record would carry the segment past its byte bound: it starts the next one.
             self._buffer_size = before
             self._buffered -= 1
-            self._flush_locked()
-            if self._manifest.segments[-1] is segment:
-                self._rollover()
-                self._write_manifest()
-            self._put(line)
-            self._buffered += 1
+            try:
+                self._flush_locked()
+                if self._manifest.segments[-1] is segment:
+                    self._rollover()
+                    self._write_manifest()
+            finally:
+                self._put(line)  # buffered again whatever happened: written or counted later
+                self._buffered += 1
             segment = self._manifest.segments[-1]
         self._flush_at_bounds_locked(segment)
 
@@ -350,7 +428,7 @@ class TelemetrySink:
             deferred: Exception | None = None  # raised once the session is closed
             try:
                 self._encode_pending_locked()
-            except (TypeError, ValueError, OverflowError) as exc:
+            except RecordNotEncodable as exc:
                 deferred = exc  # that record is dropped, the others are written
             self._flush_locked()
             if self._fd is not None:
@@ -369,6 +447,7 @@ class TelemetrySink:
             self._session_id = None
             self._buf = bytearray()  # an idle sink holds no write buffer
             self._write_manifest(force_sync=True)
+            self._release_writer_lock()  # another process may write here now
             if deferred is not None:
                 raise deferred
             return finished
@@ -388,12 +467,18 @@ class TelemetrySink:
         self._flush_deadline = self._last_flush + self.config.flush_every_seconds
         if not self._buffer_size or self._fd is None:
             return
+        segment = self._manifest.segments[-1]
         with memoryview(self._buf) as view:
             data = view[:self._buffer_size]
-            while data:
-                data = data[os.write(self._fd, data):]
-            data.release()
-        segment = self._manifest.segments[-1]
+            try:
+                while data:
+                    data = data[os.write(self._fd, data):]
+            except BaseException:
+                if len(data) != self._buffer_size:
+                    self._cut_partial_write(segment)
+                raise
+            finally:
+                data.release()
         segment.event_count += self._buffered
         segment.size_bytes += self._buffer_size
         self._buffer_size = 0
@@ -410,9 +495,37 @@ class TelemetrySink:
         self._write_manifest()
         self._update_rooms()
 
+    def _cut_partial_write(self, segment: SegmentEntry) -> None:
+        """A write failed after part of the buffer reached the segment (disk full, say): cut the
+        segment back to its last whole line so the retried buffer never follows a partial line;
+        where even that fails, close the segment (a torn *final* line is what loaders skip)."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, segment.size_bytes)
+            return
+        except OSError:
+            pass
+        fd, self._fd = self._fd, None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        segment.closed = True
+        try:
+            self._new_segment()
+        except OSError:
+            pass  # no segment open: the next flush keeps the buffer until one can be opened
+
     def _write_manifest(self, force_sync: bool = False) -> None:
         sync = force_sync and self.config.fsync != "never" or self.config.fsync == "flush"
         write_manifest(self._manifest_path, self._manifest, fsync=sync)
+        # Pruned segments go only now: a crash in between leaves a file the manifest no longer
+        # lists (adopted by recovery), never a listed segment that is missing.
+        while self._doomed:
+            try:
+                self._doomed.pop().unlink()
+            except FileNotFoundError:
+                pass
 
     def _new_segment(self) -> None:
         index = 1 + max((_segment_index(s.filename) for s in self._manifest.segments), default=0)
@@ -459,10 +572,7 @@ class TelemetrySink:
         for segment in closed:
             if files <= self.config.retention_max_files and total <= self.config.retention_max_total_bytes:
                 break
-            try:
-                (self.root / segment.filename).unlink()
-            except FileNotFoundError:
-                pass
+            self._doomed.append(self.root / segment.filename)
             self._manifest.segments.remove(segment)
             self._manifest.pruned_segment_count += 1
             self._manifest.pruned_bytes += segment.size_bytes
@@ -511,7 +621,16 @@ class TelemetrySink:
                     SessionSummary(session_id=segment.session_id, status="running", started_at_ns=0)
                 )
                 ledger.add(segment.session_id)
+        me = os.getpid()
         for i, summary in enumerate(manifest.sessions):
+            if summary.status == "running" and summary.pid != me and process_alive(
+                summary.host, summary.pid, summary.started_at_ns
+            ):
+                # Its writer still runs (we hold the lock, so it is not a stepwatch sink writer
+                # of this version; or it is the process `stepwatch track --pid` samples): only a
+                # session left by a dead process is closed.
+                self.live_sessions.append(summary.session_id)
+                continue
             if summary.status == "running":
                 ended = _last_timestamp_ns(self.root, manifest, summary.session_id) or time.time_ns()
                 manifest.sessions[i] = summary.finished("interrupted", ended)
@@ -520,6 +639,37 @@ class TelemetrySink:
         if changed:
             write_manifest(self._manifest_path, manifest, fsync=self.config.fsync != "never")
         return manifest
+
+
+def _not_encodable(event: TelemetryEventV3, exc: BaseException) -> RecordNotEncodable:
+    """The error for a record msgspec could not encode, naming the value that broke it."""
+    field = _unencodable_path(event, "$") or "$"
+    return RecordNotEncodable(
+        field, f"cannot be encoded as JSON ({type(exc).__name__}: {exc}); the record was dropped"
+    )
+
+
+_probe_encoder = msgspec.json.Encoder()
+
+
+def _unencodable_path(value: Any, path: str, depth: int = 0) -> str | None:
+    """The JSON path of the first value inside ``value`` that msgspec cannot encode (error path only)."""
+    if depth > 32:
+        return path
+    if isinstance(value, TelemetryEventV3):
+        items: Any = ((f"{path}.{name}", getattr(value, name)) for name in value.__struct_fields__)
+    elif isinstance(value, dict):
+        items = ((f"{path}.{key}", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return path
+    for where, item in items:
+        try:
+            _probe_encoder.encode(item)
+        except _ENCODE_ERRORS:
+            return _unencodable_path(item, where, depth + 1)
+    return path  # the container itself (a key msgspec cannot write, say)
 
 
 def _sync_and_close(fd: int, errors: list[OSError]) -> None:

@@ -5,16 +5,23 @@ Shapes (``telemetry-current-practice.md``): a JSON export (array, ``{"events": [
 a sink directory, its ``manifest.json``, one ``*.jsonl`` segment, and a whole run directory
 whose ``telemetry/rank<N>/`` sinks are merged into one session per session id.
 
-What is skipped rather than raised, and counted on the session:
+What is skipped rather than raised, and counted on the session (each with a warning, except
+the first two):
   * a torn final JSONL line (a write cut by a crash) - ``torn_lines``;
-  * a v4 record whose v3-required counter is null - ``skipped_records`` (never zero-filled).
-Everything else that is wrong raises ``ArtifactError`` naming the file, the line and the field.
+  * a v4 record whose v3-required counter is null - ``skipped_records`` (never zero-filled);
+  * a segment the manifest lists but that is gone - ``missing_segments``; its session is
+    ``incomplete`` (what is left cannot prove a clean stop);
+  * a segment the manifest says held data but that is empty - ``empty_segments`` (a segment
+    empty because nothing was flushed to it yet is normal and not counted);
+  * an unreadable (empty, half-written, mistyped) ``manifest.json`` inside a sink -
+    ``unreadable_manifests``: the sink's segments load without it, their sessions ``incomplete``.
+Everything else that is wrong raises ``ArtifactError`` naming the file, the line and the field,
+and so does an empty file, or an unreadable manifest, given directly ("file is empty").
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections import deque
 from collections.abc import Iterable, Mapping
 from functools import partial
@@ -38,6 +45,7 @@ from ..schema import (
     translate_validation_error,
     v4_to_v3,
 )
+from ._files import process_alive
 from .manifest import MANIFEST_FILENAME, SEGMENT_PREFIX, SEGMENT_SUFFIX, SinkManifest, read_manifest
 
 __all__ = [
@@ -70,6 +78,9 @@ class LoadedTelemetrySession(msgspec.Struct, kw_only=True):
     skipped_records: int = 0
     torn_lines: int = 0
     warnings: list[str] = msgspec.field(default_factory=list)
+    missing_segments: int = 0
+    empty_segments: int = 0
+    unreadable_manifests: int = 0
 
 
 class _Segment(msgspec.Struct):
@@ -121,8 +132,10 @@ def load_telemetry_sessions(
             raise ArtifactError(root, "no telemetry found (no manifest.json, segment-*.jsonl or telemetry/rank*/)")
         return _merge([session for sink in sinks for session in _load_sink(sink, None, permissive_legacy)])
     if root.name == MANIFEST_FILENAME:
-        return _load_sink(root.parent, None, permissive_legacy)
+        return _load_sink(root.parent, None, permissive_legacy, manifest_given=True)
     if root.suffix == ".jsonl":
+        if _is_empty(root):
+            raise ArtifactError(root, "file is empty")
         return _load_sink(root.parent, [root], permissive_legacy)
     return _load_json_export(root, permissive_legacy, events_key)
 
@@ -139,6 +152,13 @@ def _is_sink(path: Path) -> bool:
     return (path / MANIFEST_FILENAME).is_file() or any(path.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
 
 
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False  # the read that follows names the problem
+
+
 def _rank_order(path: Path) -> tuple[int, str]:
     digits = "".join(ch for ch in path.name if ch.isdigit())
     return (int(digits) if digits else 1 << 30, path.name)
@@ -148,20 +168,26 @@ def _rank_order(path: Path) -> tuple[int, str]:
 
 
 def _load_sink(
-    root: Path, only: list[Path] | None, permissive_legacy: bool
+    root: Path, only: list[Path] | None, permissive_legacy: bool, manifest_given: bool = False
 ) -> list[LoadedTelemetrySession]:
     manifest_path = root / MANIFEST_FILENAME
-    manifest: SinkManifest | None = read_manifest(manifest_path) if manifest_path.is_file() else None
-    owner = {s.filename: s.session_id for s in manifest.segments} if manifest else {}
+    manifest, manifest_problem = _read_sink_manifest(manifest_path, manifest_given)
     if only is None:
-        listed = [root / s.filename for s in manifest.segments] if manifest else []
-        on_disk = sorted(root.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
-        paths = [p for p in listed if p.exists()] + [p for p in on_disk if p.name not in owner]
-        missing = [p.name for p in listed if not p.exists()]
+        paths, missing, on_disk = _sink_segments(root, manifest)
+        if missing and manifest is not None:
+            # A writer prunes by rewriting the manifest first, then unlinking: a manifest read
+            # just before that names a file already gone. Read it once more before believing it.
+            manifest, manifest_problem = _read_sink_manifest(manifest_path, manifest_given)
+            paths, missing, on_disk = _sink_segments(root, manifest)
         if manifest is not None and not paths and not manifest.sessions:
             raise ArtifactError(manifest_path, "sink holds no segments and no sessions")
+        if manifest is None and not on_disk and manifest_problem is not None:
+            raise ArtifactError(manifest_path, f"{manifest_problem}, and the sink holds no segments")
     else:
         paths, missing = only, []
+    owner = {s.filename: s.session_id for s in manifest.segments} if manifest else {}
+    recorded = {s.filename: s.size_bytes for s in manifest.segments} if manifest else {}
+    emptied = [p.name for p in paths if recorded.get(p.name) and _is_empty(p)] if only is None else []
     fallback = synthetic_session_id(str(root.resolve()), "sink")
     groups: dict[str, LoadedTelemetrySession] = {}
     order: dict[str, _Order] = {}
@@ -212,10 +238,58 @@ def _load_sink(
             loaded.events.sort(key=_by_time)
         ranks = known.ranks if known is not None else None
         loaded.summary = _summarise(ledger.get(session_id), session_id, loaded.events, sorted_=True, ranks=ranks)
-        if missing and session_id in {owner.get(name) for name in missing}:
-            loaded.warnings.append(f"segments listed in the manifest are missing: {', '.join(missing)}")
+        lost = [name for name in missing if owner.get(name) in (session_id, None)]
+        if lost:
+            loaded.missing_segments = len(lost)
+            loaded.warnings.append(
+                f"segments listed in the manifest are missing: {', '.join(lost)} (session incomplete)"
+            )
+        gone = [name for name in emptied if owner.get(name) in (session_id, None)]
+        if gone:
+            # Like a segment cut short by a crash (records lost, a torn tail), not a missing
+            # one: the session keeps its status, the loss is counted and said.
+            loaded.empty_segments = len(gone)
+            loaded.warnings.append(f"file is empty although the manifest recorded data: {', '.join(gone)}")
+        if manifest_problem is not None:
+            loaded.unreadable_manifests = 1
+            loaded.warnings.append(
+                f"{manifest_path}: {manifest_problem}; sessions rebuilt from the segments (incomplete)"
+            )
+        if lost or manifest_problem is not None:
+            # What is left cannot prove a clean or recovered stop (spec: `incomplete`).
+            loaded.summary = msgspec.structs.replace(loaded.summary, status="incomplete")
         sessions.append(loaded)
     return sort_sessions(sessions)
+
+
+def _read_sink_manifest(path: Path, given: bool) -> tuple[SinkManifest | None, str | None]:
+    """The sink's manifest, or (None, why) when a present one cannot be read.
+
+    Only a manifest named by the caller is an error; inside a sink the segments are the data
+    and the manifest an index, so an unreadable one is skipped (telemetry-current-practice.md:
+    files without a manifest load as ``incomplete``).
+    """
+    if not path.is_file():
+        return None, None
+    try:
+        return read_manifest(path), None
+    except ArtifactError as exc:
+        if given:
+            raise
+        return None, exc.reason
+
+
+def _sink_segments(
+    root: Path, manifest: SinkManifest | None
+) -> tuple[list[Path], list[str], list[Path]]:
+    """(segments to read, names listed but missing, segment files on disk) of one sink."""
+    listed = [root / s.filename for s in manifest.segments] if manifest else []
+    known = {p.name for p in listed}
+    on_disk = sorted(root.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
+    present = [p for p in listed if p.exists()]
+    paths = present + [p for p in on_disk if p.name not in known]
+    missing = [p.name for p in listed if not p.exists()]
+    return paths, missing, on_disk
 
 
 class _Order:
@@ -344,11 +418,15 @@ def _load_json_export(
     path: Path, permissive_legacy: bool, events_key: str | None
 ) -> list[LoadedTelemetrySession]:
     try:
-        payload = _any.decode(path.read_bytes())
-    except _UNREADABLE as exc:
-        raise ArtifactError(path, f"not valid JSON: {exc}") from None
+        data = path.read_bytes()
     except OSError as exc:
         raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
+    if not data.strip():
+        raise ArtifactError(path, "not valid JSON: file is empty")
+    try:
+        payload = _any.decode(data)
+    except _UNREADABLE as exc:
+        raise ArtifactError(path, f"not valid JSON: {exc}") from None
     records, key = _event_list(path, payload, events_key)
     ledger: dict[str, SessionSummary] = {}
     if isinstance(payload, dict) and isinstance(payload.get("session_summary"), dict):
@@ -396,9 +474,31 @@ def _event_list(path: Path, payload: Any, events_key: str | None) -> tuple[list[
     for key in _EVENT_KEYS:
         if isinstance(payload.get(key), list):
             return payload[key], key
+    for key in _EVENT_KEYS:
+        if key in payload:  # the events' key, holding something else: say so, as validate does
+            raise ArtifactError(
+                path, f"no telemetry events found: {events_key_problem(key, payload[key])}", field=f"$.{key}"
+            )
     if "timestamp_ns" in payload or "timestamp" in payload or "schema_version" in payload:
         return [payload], None
     raise ArtifactError(path, f"no telemetry events found (looked for {', '.join(_EVENT_KEYS)}, or one record)")
+
+
+def events_key_problem(key: str, value: Any) -> str:
+    """Why ``{"<key>": value}`` is not a list of events (shared with ``stepwatch validate``)."""
+    return f"$.{key} must be an array of telemetry events, got {_json_type(value)}"
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "object" if isinstance(value, dict) else type(value).__name__
 
 
 # -- summaries and merging ---------------------------------------------------------------------
@@ -442,21 +542,9 @@ def _summarise(
             **counts,
         )
     status = ledger.status
-    if status == "running" and not _writer_alive(ledger):
+    if status == "running" and not process_alive(ledger.host, ledger.pid, ledger.started_at_ns):
         status = "incomplete"  # left running by a process that is gone, and not yet recovered
     return msgspec.structs.replace(ledger, status=status, **counts)
-
-
-def _writer_alive(summary: SessionSummary) -> bool:
-    if summary.host != socket.gethostname() or summary.pid <= 0:
-        return False
-    try:
-        os.kill(summary.pid, 0)
-    except (ProcessLookupError, OverflowError):  # OverflowError: a pid no process can have
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
@@ -496,6 +584,9 @@ def _merge(sessions: Iterable[LoadedTelemetrySession]) -> list[LoadedTelemetrySe
                 skipped_records=sum(p.skipped_records for p in parts),
                 torn_lines=sum(p.torn_lines for p in parts),
                 warnings=[w for p in parts for w in p.warnings],
+                missing_segments=sum(p.missing_segments for p in parts),
+                empty_segments=sum(p.empty_segments for p in parts),
+                unreadable_manifests=sum(p.unreadable_manifests for p in parts),
             )
         )
     return sort_sessions(out)

@@ -117,7 +117,9 @@ def sessions(path: str, as_json: bool) -> None:
         _print_json(
             [
                 {**msgspec.to_builtins(s.summary), "default": i == 0, "skipped_records": s.skipped_records,
-                 "torn_lines": s.torn_lines, "warnings": s.warnings}
+                 "torn_lines": s.torn_lines, "missing_segments": s.missing_segments,
+                 "empty_segments": s.empty_segments, "unreadable_manifests": s.unreadable_manifests,
+                 "warnings": s.warnings}
                 for i, s in enumerate(loaded)
             ]
         )
@@ -139,6 +141,9 @@ def sessions(path: str, as_json: bool) -> None:
     console = _console()
     console.print(table)
     console.print("* default session: newest completed, then interrupted, then incomplete")
+    for s in loaded:
+        for warning in s.warnings:
+            console.print(f"[yellow]warning:[/] {s.summary.session_id[:8]}: {warning}")
 
 
 @cli.command()
