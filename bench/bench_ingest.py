@@ -244,9 +244,13 @@ def step_rows(rank: int, n: int, start_ns: int, base: dict[str, dict[str, Any]] 
 
 
 def tcp_frames(rank: int, frames: int, steps: int, sid: str, world: int, base: dict[str, Any],
-               start_ns: int) -> tuple[list[bytes], int]:
-    """Pre-encoded frames of one rank; returns them and their wire rows."""
-    from stepwatch.transport.frames import encode_frame
+               start_ns: int, wire: str = "columns") -> tuple[list[bytes], int]:
+    """Pre-encoded frames of one rank; returns them and their wire rows. ``wire="columns"``:
+    telemetry, spans and marks as ``FrameSender.ship`` sends them (the runtime's Structs through
+    ``frames.columnar_table``); ``"rows"``: as row maps (an older sender)."""
+    from stepwatch.capture.spans import SpoolMark, SpoolSpan
+    from stepwatch.schema import TelemetryEventV3
+    from stepwatch.transport.frames import columnar_table, encode_frame
 
     host, pid = f"node{rank // 8:02d}", 20_000 + rank
     meta = {"session_id": sid, "rank": rank, "local_rank": rank % 8, "world_size": world, "job_id": None,
@@ -263,6 +267,10 @@ def tcp_frames(rank: int, frames: int, steps: int, sid: str, world: int, base: d
         heartbeat = [{"ts": (start_ns + (f + 1) * steps * STEP_NS) / 1e9, "iso": "", "pid": pid, "rank": rank,
                       "step": (f + 1) * steps, "msg": "heartbeat", "phase": "train"}]
         tables = {"telemetry": telemetry, "spans": spans, "marks": marks, "heartbeat": heartbeat}
+        if wire == "columns":
+            tables["telemetry"] = columnar_table("telemetry", [TelemetryEventV3(**t) for t in telemetry])
+            tables["spans"] = columnar_table("spans", [SpoolSpan(**x) for x in spans])
+            tables["marks"] = columnar_table("marks", [SpoolMark(**x) for x in marks])
         out.append(encode_frame({**meta, "seq": f, "sent_ns": time.time_ns()}, tables))
         rows += len(telemetry) + len(spans) + len(marks) + 1
     return out, rows
@@ -394,6 +402,7 @@ def worker_gen_tcp(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--session")
     p.add_argument("--world", type=int, default=64)
     p.add_argument("--format", default="stepwatch")
+    p.add_argument("--wire", default="columns")
     p.add_argument("--paced", type=float, default=None)
     a = p.parse_args(argv)
     host, _, port = a.address.rpartition(":")
@@ -403,7 +412,7 @@ def worker_gen_tcp(argv: list[str]) -> dict[str, Any]:
     base = _base_events(a.session) if a.format == "stepwatch" else None
     for rank in a.ranks:
         if a.format == "stepwatch":
-            frames, n = tcp_frames(rank, a.frames, a.steps, a.session, a.world, base, start_ns)
+            frames, n = tcp_frames(rank, a.frames, a.steps, a.session, a.world, base, start_ns, a.wire)
         else:
             frames, n = traceml_frames(rank, a.frames, a.steps, a.session, a.world, start_ns)
         per_rank[rank] = frames
@@ -968,7 +977,8 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
         for ranks in split(list(range(args.ranks)), args.gen_procs):
             workers.append(Worker("gen-tcp", ["--address", server.tcp, "--ranks", f"{ranks[0]}-{ranks[-1]}",
                                               "--frames", str(frames), "--steps", str(args.steps_per_frame),
-                                              "--session", session, "--world", str(args.ranks), "--format", fmt],
+                                              "--session", session, "--world", str(args.ranks), "--format", fmt,
+                                              "--wire", args.wire],
                                   work))
         gen_started = time.perf_counter()
         wait_ready(workers, 600)
@@ -1345,6 +1355,9 @@ def main() -> None:
     parser.add_argument("--traceml-rows", type=int, default=300_000)
     parser.add_argument("--timeout", type=float, default=180, help="seconds allowed per ingest phase")
     parser.add_argument("--only", default="tcp,http,e2e,traceml")
+    parser.add_argument("--wire", choices=("columns", "rows"), default="columns",
+                        help="table layout of the TCP frames: columnar as FrameSender sends it (default), "
+                             "or row maps as older senders do")
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--keep-data", action="store_true")
     parser.add_argument("--profile", action="store_true")

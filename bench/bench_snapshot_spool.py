@@ -328,8 +328,9 @@ def main() -> None:
     base_rate = results.get("spool-cirron", {}).get("spans_per_s")
     for name in args.only:
         r = results[f"spool-{name}"]
-        rows.append([name, format_rate(r["spans_per_s"]), f"{r['build_us_per_span']:.2f}", f"{r['write_us_per_span']:.2f}",
-                     f"{r['bytes_per_span']:.0f}", f"{r['spans_per_s'] / base_rate:.2f}x" if base_rate else ""])
+        rows.append([name, format_rate(r["spans_per_s"]), f"{r['build_us_per_span']:.2f}",
+                     f"{r['write_us_per_span']:.2f}", f"{r['bytes_per_span']:.0f}",
+                     f"{r['spans_per_s'] / base_rate:.2f}x" if base_rate else ""])
     print_table(["spool writing", "spans/s", "records µs/span", "encode+write µs/span", "B/span on disk",
                  "vs cirron"], rows)
     print(f"\n({args.spans} spans per round in batches of {args.batch}, a step and 4 phases per 5 spans and one mark "

@@ -24,6 +24,7 @@ _LAZY = {
     "epochs": "stepwatch.capture.training",
     "batches": "stepwatch.capture.training",
     "snapshot": "stepwatch.capture.training",
+    "load_snapshot_tensor": "stepwatch.capture.snapshots",
     "inference": "stepwatch.capture.training",
     "load_telemetry_events": "stepwatch.telemetry",
     "load_telemetry_sessions": "stepwatch.telemetry",

@@ -19,7 +19,7 @@ from stepwatch.errors import TransportError
 from stepwatch.server.aggregator import Aggregator
 from stepwatch.server.http_ingest import IngestApp, _Reject
 from stepwatch.store.sqlite import SqliteStore
-from stepwatch.transport.frames import WireTables, decode_body, decode_typed, encode_frame
+from stepwatch.transport.frames import COLUMNAR, WireTables, columnar_table, decode_body, decode_typed, encode_frame
 
 _I64 = 1 << 63
 _scalars = st.one_of(
@@ -201,3 +201,109 @@ def test_http_fast_path_queues_and_refuses_like_the_general_path(stores: tuple[S
         assert fast._pending == {}  # noqa: SLF001 - handed back whole: the general path decides
         return
     assert _normal(fast._pending) == expected  # noqa: SLF001
+
+
+# -- columnar tables (what FrameSender ships): the same rows as the row maps they stand for ------
+
+_json_text = msgspec.json.Encoder()
+
+
+def _columnar(tables: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(row tables, columnar tables) that mean the same: telemetry, spans and marks with exactly
+    the columns ``COLUMNAR`` names (a key a row lacks is None in both), the JSON field as the
+    sender encodes it; None when a JSON field's text would not read back as the same text (a
+    top-level inf encodes as null, {0: 1, "0": 2} as duplicate keys): a sender-side loss, not a
+    path difference."""
+    rows_out, cols_out = dict(tables), dict(tables)
+    for name, fields in COLUMNAR.items():
+        if name not in tables:
+            continue
+        full = [{c: r.get(c) for c in fields} for r in tables[name]]
+        values = []
+        for r in full:
+            try:
+                text = _json_text.encode(r[fields[-1]] or {}).decode()
+            except (TypeError, ValueError, OverflowError):
+                return None
+            if _json_text.encode(msgspec.json.decode(text) or {}).decode() != text:
+                return None
+            values.append([*(r[c] for c in fields[:-1]), text])
+        rows_out[name] = full
+        cols_out[name] = {"columns": list(fields), "rows": values}
+    return rows_out, cols_out
+
+
+@_SETTINGS
+@given(meta=_meta, tables=_tables)
+def test_columnar_frames_queue_and_refuse_like_their_row_maps(stores: tuple[SqliteStore, SqliteStore],
+                                                              meta: dict[str, Any], tables: dict[str, Any]) -> None:
+    pair = _columnar(tables)
+    if pair is None:
+        event("JSON field not text-stable")
+        return
+    try:
+        rows_body = encode_frame(meta, pair[0])[4:]
+        cols_body = encode_frame(meta, pair[1])[4:]
+    except (OverflowError, TypeError, ValueError):
+        return
+    by_rows, fast, general = Aggregator(stores[0]), Aggregator(stores[1]), Aggregator(stores[1])
+    expected = _outcome(by_rows, lambda: by_rows.accept_body(rows_body))
+    assert _outcome(fast, lambda: fast.accept_body(cols_body)) == expected
+    assert _outcome(general, lambda: general.accept(decode_body(cols_body))) == expected
+    event("refused" if isinstance(expected, tuple) else
+          "general path" if decode_typed(cols_body) is None else "typed columnar decode")
+    assert fast.ranks == by_rows.ranks and fast.rows_accepted == by_rows.rows_accepted
+
+
+def test_the_sender_ships_the_runtime_rows_columnar() -> None:
+    """``FrameSender``'s tables (the runtime's Structs) go columnar and take the typed path."""
+    from stepwatch.capture.spans import SpoolMark, SpoolSpan
+
+    spans = [SpoolSpan(id="a" * 32, name="step", parent_id=None, index=3, start_ns=1, end_ns=9, cpu_ns=None,
+                       gpu_ns=None, memory_peak_bytes=None, thread_id=1, pid=2, rank=2,
+                       attrs={"step_ns": 8, "forward_ns": 2}, mark_ids=[])]
+    marks = [SpoolMark(id="b" * 32, span_id="a" * 32, name="loss", value_type="float", value=0.5,
+                       attrs={"step": 3}, ts_ns=9, kind="point")]
+    table = columnar_table("spans", spans)
+    assert table is not None and table["columns"] == COLUMNAR["spans"]
+    assert columnar_table("spans", [{"id": "x"}]) is None  # dict rows go as they are
+    body = encode_frame({"session_id": "s", "rank": 2}, {"spans": table, "marks": columnar_table("marks", marks)})[4:]
+    typed = decode_typed(body)
+    assert typed is not None and not isinstance(typed[1].spans, list)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SqliteStore(Path(tmp) / "h.sqlite")
+        try:
+            aggregator = Aggregator(store)
+            assert aggregator.accept_body(body) == 3
+            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2, 0, 0, 0)]  # noqa: SLF001
+            assert aggregator._pending["spans"][0][-1] == '{"step_ns":8,"forward_ns":2}'  # noqa: SLF001
+        finally:
+            store.close()
+
+
+_SPAN_ROW = ["a" * 32, None, "step", 1, 1, 9, None, 1, 2, "{}"]
+
+
+@pytest.mark.parametrize(("table", "typed", "outcome"), [
+    ({"columns": list(COLUMNAR["spans"]), "rows": [_SPAN_ROW]}, True, 1),
+    ({"columns": list(COLUMNAR["spans"])[::-1], "rows": [_SPAN_ROW[::-1]]}, False, 1),  # other order: expanded
+    ({"columns": list(COLUMNAR["spans"]), "rows": [_SPAN_ROW[:-1]]}, False, "bad_rows"),  # short row
+    ({"columns": list(COLUMNAR["spans"]), "rows": [[*_SPAN_ROW[:-1], "{"]]}, False, "bad_rows"),  # not JSON
+    ({"columns": list(COLUMNAR["spans"]), "rows": [[*_SPAN_ROW[:-1], {"a": 1}]]}, False, "bad_rows"),  # not text
+    ({"columns": [1, 2], "rows": []}, False, "bad_rows"),
+    ({"columns": ["id", "id"], "rows": [["x", "y"]]}, False, "bad_rows"),
+    ({"columns": list(COLUMNAR["spans"]), "rows": [_SPAN_ROW], "extra": 1}, False, "bad_rows"),
+    # texts that are JSON only together ("[1" + "2]" and "3,4") are not taken as three objects
+    ({"columns": list(COLUMNAR["spans"]), "rows": [[*_SPAN_ROW[:-1], t] for t in ('{"a":[1', '2]}', '{},{}')]},
+     False, "bad_rows"),
+])
+def test_hostile_columnar_tables(stores: tuple[SqliteStore, SqliteStore], table: dict[str, Any], typed: bool,
+                                 outcome: Any) -> None:
+    body = encode_frame({"session_id": "s"}, {"spans": table})[4:]
+    assert (decode_typed(body) is not None) is typed
+    aggregator = Aggregator(stores[1])
+    try:
+        got: Any = aggregator.accept_body(body) - 1  # minus the step row
+    except TransportError as exc:
+        got = exc.reason
+    assert got == outcome

@@ -230,3 +230,31 @@ def test_frames_carry_meta_seq_and_sent_time() -> None:
     finally:
         sender.close(0.1)
         server.close()
+
+
+def test_runtime_structs_go_columnar_and_mean_the_same_rows() -> None:
+    """The runtime's Structs leave columnar (``frames.columnar_table``); the receiver reads them
+    back as the row maps they stand for, the JSON field as the store keeps it."""
+    from stepwatch.capture.spans import SpoolMark, SpoolSpan
+
+    span = SpoolSpan(id="a" * 32, name="forward", parent_id="b" * 32, index=None, start_ns=5, end_ns=9, cpu_ns=None,
+                     gpu_ns=None, memory_peak_bytes=None, thread_id=1, pid=2, rank=1, attrs={"k": [1, 2]},
+                     mark_ids=[])
+    mark = SpoolMark(id="c" * 32, span_id="b" * 32, name="loss", value_type="float", value=0.25, attrs={},
+                     ts_ns=9, kind="point")
+    server = FrameServer()
+    sender = FrameSender(("127.0.0.1", server.port), META)
+    try:
+        sender.ship({"spans": [span], "marks": [mark], "heartbeat": [{"ts": 1.0, "msg": "progress"}]})
+        flush_until(sender, lambda: server.connections and server.connections[0])
+        frame = server.connections[0][0]
+        assert frame["rows"] == 3
+        assert frame["spans"] == [{"id": "a" * 32, "parent_id": "b" * 32, "name": "forward", "index": None,
+                                   "start_ns": 5, "end_ns": 9, "gpu_ns": None, "thread_id": 1, "pid": 2,
+                                   "attrs": {"k": [1, 2]}}]
+        assert frame["marks"][0]["value"] == 0.25 and frame["marks"][0]["attrs"] == {}
+        assert frame["heartbeat"] == [{"ts": 1.0, "msg": "progress"}]
+        assert sender.stats()["rows_sent"] == 3
+    finally:
+        sender.close()
+        server.close()

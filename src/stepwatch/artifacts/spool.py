@@ -8,6 +8,7 @@ byte cap the oldest batches are evicted first and what they held is counted.
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,10 +20,11 @@ import msgspec
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
-__all__ = ["SPOOL_SCHEMA_VERSION", "LoadedSpool", "SpoolWriter", "find_spool_dir", "read_spool"]
+__all__ = ["SPOOL_SCHEMA_VERSION", "LoadedSpool", "SpoolWriter", "find_spool_dir", "is_spool_batch", "read_spool"]
 
 SPOOL_SCHEMA_VERSION = 1
 _BATCH_GLOB = "[0-9]*-*.json"  # <created_ns, 20 digits>-<batch_id>.json
+_BATCH_NAME = re.compile(r"[0-9]{20}-[0-9a-f]{32}\.json")
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 
@@ -37,7 +39,11 @@ class SpoolWriter:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, sdk_version: str, max_bytes: int = 256 * 1024 * 1024,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, adopt_existing: bool = True) -> None:
+        """``max_bytes`` caps the batches *this writer* keeps: it counts and evicts only its own
+        files. ``adopt_existing`` takes the batches already in ``root`` as its own (a restarted
+        single writer); ranks sharing one spool directory pass False, so that no rank evicts
+        (and counts as its drops) another rank's batches."""
         if max_bytes < 1024:
             raise ValueError(f"spool max_bytes must be >= 1024, got {max_bytes}")
         self.root = Path(root)
@@ -49,10 +55,10 @@ class SpoolWriter:
         self.evicted_batches = 0
         self.evicted_records = 0
         self.dropped_records = 0  # single records larger than the whole cap
-        # name -> (bytes, records) of the batches on disk, oldest first
+        # name -> (bytes, records) of this writer's batches on disk, oldest first
         self._on_disk: dict[str, tuple[int, int]] = {
             p.name: (p.stat().st_size, 0) for p in sorted(self.root.glob(_BATCH_GLOB))
-        }
+        } if adopt_existing else {}
         self._total = sum(size for size, _ in self._on_disk.values())
 
     def write(self, spans: list[Any], marks: list[Any], snapshots: list[Any]) -> list[Path]:
@@ -159,8 +165,25 @@ def find_spool_dir(path: Path) -> Path | None:
     return None
 
 
-def _iter_batches(root: Path, strict: bool) -> Iterator[tuple[Path, dict[str, Any] | None]]:
-    for path in sorted(root.glob(_BATCH_GLOB)):
+def is_spool_batch(path: Path) -> bool:
+    """True for one spool batch file: named ``<created_ns:020d>-<batch_id>.json``, or a JSON
+    object that starts like one (``schema_version`` then ``sdk_version``/``batch_id``)."""
+    if not path.is_file():
+        return False
+    if _BATCH_NAME.fullmatch(path.name):
+        return True
+    if path.suffix != ".json":
+        return False
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(512)
+    except OSError:
+        return False
+    return bool(re.match(rb'\s*\{\s*"schema_version"\s*:\s*\d+\s*,\s*"(sdk_version|batch_id)"', head))
+
+
+def _iter_batches(root: Path, strict: bool, files: list[Path] | None = None) -> Iterator[tuple[Path, dict[str, Any] | None]]:
+    for path in files if files is not None else sorted(root.glob(_BATCH_GLOB)):
         try:
             batch = _decoder.decode(path.read_bytes())
         except (msgspec.DecodeError, OSError) as exc:
@@ -187,12 +210,18 @@ def read_spool(path: str | os.PathLike[str], *, strict: bool = False) -> LoadedS
     """Reads and joins every batch (ours, or Cirron's), tolerating unknown fields.
 
     Spans are returned children before parents (a parent after all its descendants), whatever
-    batch they came in. Unreadable files are skipped and listed unless ``strict``.
+    batch they came in. Unreadable files are skipped and listed unless ``strict``. ``path`` may
+    also be one batch file: that batch alone is read.
     """
     given = Path(path)
-    root = find_spool_dir(given)
-    if root is None:
-        raise ArtifactError(given, "no spool batches found (looked in ., spool/, .cirron/spool/)")
+    files: list[Path] | None = None
+    if given.is_file():
+        root, files, strict = given.parent, [given], True  # one file asked for: its errors are the answer
+    else:
+        found = find_spool_dir(given)
+        if found is None:
+            raise ArtifactError(given, "no spool batches found (looked in ., spool/, .cirron/spool/)")
+        root = found
     spans: dict[str, dict[str, Any]] = {}
     marks: list[dict[str, Any]] = []
     snapshots: list[dict[str, Any]] = []
@@ -201,7 +230,7 @@ def read_spool(path: str | os.PathLike[str], *, strict: bool = False) -> LoadedS
     batches = 0
     seen_batches: set[str] = set()
     seen_records: set[str] = set()
-    for file, batch in _iter_batches(root, strict):
+    for file, batch in _iter_batches(root, strict, files):
         if batch is None:
             skipped.append(str(file))
             continue

@@ -28,7 +28,7 @@ from typing import Any
 from ..artifacts.bundles import new_oom_bundle_dir, write_oom_bundle
 from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
-from ..artifacts.sink import TelemetrySink
+from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..artifacts.spool import SpoolWriter
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
@@ -198,7 +198,8 @@ class Runtime:
                                       on_step=self._on_step)
         from .. import __version__
 
-        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes)
+        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes,
+                                 adopt_existing=(config.world_size or 1) <= 1)  # ranks share <run>/spool
         self.exporter: Any = None
         if config.endpoint and config.api_key:
             from ..transport.http_exporter import HttpExporter
@@ -451,6 +452,9 @@ class Runtime:
         except OSError as exc:  # disk full or gone: keep memory bounded, count what is lost
             self.sink_dropped += self.sink.discard_buffer()
             report_internal(exc, "sink.append")
+        except RecordNotEncodable as exc:  # this record, or one batched before it: dropped
+            self.rows_unwritable += exc.dropped
+            report_internal(exc, "sink.encode")
         except Exception as exc:  # noqa: BLE001 - a record the sink could not encode (it drops
             # that one and raises, maybe from a later append): the rest of the chunk goes on
             self.rows_unwritable += 1
@@ -462,6 +466,9 @@ class Runtime:
         except OSError as exc:
             self.sink_dropped += self.sink.discard_buffer()
             report_internal(exc, "sink.flush")
+        except RecordNotEncodable as exc:  # a batched record dropped as the flush encoded it
+            self.rows_unwritable += exc.dropped
+            report_internal(exc, "sink.encode")
 
     def _heartbeat(self, msg: str, *, ts: float | None = None, step: int | None = None, **fields: Any) -> dict[str, Any]:
         if self._last_cuda_mb is not None:

@@ -3,16 +3,21 @@ safetensors blobs for ``sampled``/``full`` modes written off the training thread
 
 Statistics are computed where the tensor lives with one host transfer per tensor; blobs are
 CPU copies handed to the background thread, which writes
-``<run>/snapshots/<span_id>/{weights,gradients}.safetensors`` keyed by the tensor name.
+``<run>/snapshots/<span_id>/{weights,gradients}.safetensors`` keyed by the tensor name. A further
+snapshot with blobs on the same span writes ``weights-<n>.safetensors`` (n = 2, 3, ...), so that
+no file is overwritten and every record's ``blob_uri`` names the tensors it was taken with.
+``load_snapshot_tensor`` reads a record's tensor back.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
-__all__ = ["HISTOGRAM_BINS", "SnapshotJob", "snapshot_model", "tensor_stats"]
+__all__ = ["HISTOGRAM_BINS", "SnapshotJob", "blob_path", "load_snapshot_tensor", "snapshot_model", "tensor_stats"]
 
 HISTOGRAM_BINS = 16
 MODES = ("stats", "sampled", "full")
@@ -71,26 +76,28 @@ def tensor_stats(tensor: Any) -> dict[str, Any]:
 class SnapshotJob:
     """Blobs to write for one span: name -> CPU tensor, per kind ("weights" or "gradients")."""
 
-    __slots__ = ("span_id", "weights", "gradients")
+    __slots__ = ("span_id", "weights", "gradients", "suffix")
 
-    def __init__(self, span_id: str) -> None:
+    def __init__(self, span_id: str, suffix: str = "") -> None:
         self.span_id = span_id
         self.weights: dict[str, Any] = {}
         self.gradients: dict[str, Any] = {}
+        self.suffix = suffix  # "" for a span's first snapshot with blobs, then "-2", "-3", ...
 
 
 def snapshot_model(
     model: Any, *, span_id: str, mode: str, sample_rate: float, blob_uri: Any, ts_ns: int,
-    attrs: dict[str, Any] | None, new_id: Any,
+    attrs: dict[str, Any] | None, new_id: Any, blob_index: int = 0,
 ) -> tuple[list[dict[str, Any]], SnapshotJob | None]:
     """Records for every parameter (and its ``.grad``), plus the blob job when this one keeps blobs.
 
-    ``blob_uri(span_id, kind)`` gives the URI written in records that carry a blob.
+    ``blob_uri(span_id, file_stem)`` gives the URI written in records that carry a blob;
+    ``blob_index`` is how many snapshots with blobs this span has had (their files are kept).
     """
     if mode not in MODES:
         raise ValueError(f"snapshot mode must be one of {', '.join(MODES)}, got {mode!r}")
     keep_blobs = mode == "full" or (mode == "sampled" and random.random() < sample_rate)
-    job = SnapshotJob(span_id) if keep_blobs else None
+    job = SnapshotJob(span_id, f"-{blob_index + 1}" if blob_index else "") if keep_blobs else None
     records: list[dict[str, Any]] = []
     for name, param in model.named_parameters():
         entries = [(name, param, "weights")]
@@ -107,7 +114,7 @@ def snapshot_model(
                 "dtype": str(tensor.dtype).removeprefix("torch."),
                 "mode": mode if job is not None else "stats",
                 "stats": tensor_stats(tensor),
-                "blob_uri": blob_uri(span_id, kind) if job is not None else None,
+                "blob_uri": blob_uri(span_id, kind + job.suffix) if job is not None else None,
                 "ts_ns": ts_ns,
                 "attrs": attrs or {},
             })
@@ -122,4 +129,54 @@ def write_blobs(job: SnapshotJob, directory: Any) -> None:
     for kind in ("weights", "gradients"):
         tensors = getattr(job, kind)
         if tensors:
-            save_file(tensors, str(directory / f"{kind}.safetensors"))
+            save_file(tensors, str(directory / f"{kind}{job.suffix}.safetensors"))
+
+
+def blob_path(record: dict[str, Any], root: str | Path | None = None) -> Path | None:
+    """The local file of a snapshot record's ``blob_uri`` (None for a stats-only record).
+
+    The URI is absolute; when that file is not there (the run directory was moved or copied,
+    or the spool came from another machine), it is found by its tail ``snapshots/<span_id>/<file>``
+    under ``root``: a run directory, its ``spool`` directory, or a ``.cirron`` directory.
+    """
+    uri = record.get("blob_uri")
+    if not uri:
+        return None
+    parsed = urlparse(uri)
+    path = Path(unquote(parsed.path)) if parsed.scheme in ("file", "") else Path(unquote(parsed.path.lstrip("/")))
+    if path.is_file():
+        return path
+    parts = path.parts
+    tail = Path(*parts[-3:]) if len(parts) >= 3 and parts[-3] == "snapshots" else Path("snapshots", *parts[-2:])
+    if root is not None:
+        base = Path(root)
+        for candidate in (base / tail, base.parent / tail, base / ".cirron" / tail):
+            if candidate.is_file():
+                return candidate
+    raise FileNotFoundError(f"snapshot blob not found: {uri} (looked for {tail} under {root})")
+
+
+def load_snapshot_tensor(record: dict[str, Any], root: str | Path | None = None) -> Any:
+    """The tensor a snapshot record's blob holds, as a CPU ``torch.Tensor`` (None for a
+    stats-only record). Keys are tried as the record's ``tensor_name`` and with or without its
+    ``.grad`` suffix: the real SDK keys gradients by the bare parameter name
+    (spool-current-practice.md), stepwatch by the name verbatim.
+
+    Example::
+
+        spool = read_spool(run_dir)
+        tensor = load_snapshot_tensor(spool.snapshots[0], run_dir)
+    """
+    path = blob_path(record, root)
+    if path is None:
+        return None
+    from safetensors import safe_open
+
+    name = str(record["tensor_name"])
+    keys = [name, name.removesuffix(".grad")] if name.endswith(".grad") else [name, f"{name}.grad"]
+    with safe_open(str(path), framework="pt") as container:
+        present = set(container.keys())
+        for key in keys:
+            if key in present:
+                return container.get_tensor(key)
+    raise KeyError(f"{name!r} not in {path} (keys tried: {keys})")

@@ -9,6 +9,7 @@ counter, so making one costs no syscall.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import math
 import os
@@ -20,7 +21,7 @@ import msgspec
 
 from .tables import BoundedTable
 
-__all__ = ["ClosedSpan", "MarkRow", "OpenSpan", "SpanRecorder", "SpoolMark", "SpoolSpan", "clean_attrs", "cut_utf8",
+__all__ = ["MarkRow", "OpenSpan", "SpanRecorder", "SpoolMark", "SpoolSpan", "clean_attrs", "cut_utf8",
            "mark_value", "step_attrs"]
 
 MAX_DEPTH = 64
@@ -115,13 +116,6 @@ class OpenSpan(msgspec.Struct, gc=False):
     end_ns: int = 0
 
 
-class ClosedSpan(NamedTuple):
-    """Kept for callers of the older API: a closed span and its end (``OpenSpan.end_ns`` now)."""
-
-    span: OpenSpan
-    end_ns: int
-
-
 class MarkRow(NamedTuple):
     id: int | str
     span_id: int | str
@@ -173,18 +167,18 @@ class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
 class SpanTable(BoundedTable[OpenSpan]):
     """The closed-span table: a ``BoundedTable`` whose append the training thread makes inline.
 
-    ``push(span)`` (the deque's own append) and ``tally()`` (an ``itertools.count``) are two
-    C calls and no Python frame; ``appended`` reads the tally (reading advances it too, so the
-    reads are subtracted; they happen on the background thread only).
+    ``push(span)`` (the deque's own append) and ``tally()`` (an ``itertools.count``'s
+    ``__next__``) are two C calls and no Python frame. ``appended`` reads the count without
+    advancing it.
     """
 
-    __slots__ = ("push", "tally", "_peeks")
+    __slots__ = ("push", "tally", "_count")
 
     def __init__(self, name: str, maxlen: int) -> None:
         super().__init__(name, maxlen)
         self.push = self._rows.append
-        self.tally = itertools.count().__next__
-        self._peeks = 0
+        self._count = itertools.count()
+        self.tally = self._count.__next__
 
     def append(self, row: OpenSpan) -> None:
         self.push(row)
@@ -192,10 +186,9 @@ class SpanTable(BoundedTable[OpenSpan]):
 
     @property  # type: ignore[override]
     def appended(self) -> int:
-        """Rows ever appended (approximate under races, as ``BoundedTable.appended``)."""
-        count = self.tally() - self._peeks
-        self._peeks += 1
-        return count
+        """Rows ever appended (approximate under races, as ``BoundedTable.appended``): the next
+        value of the tally, read from its repr (``count(N)``), which does not advance it."""
+        return int(repr(self._count)[6:-1])
 
     @appended.setter
     def appended(self, value: int) -> None:  # BoundedTable.__init__ sets 0; the tally holds it
@@ -219,7 +212,8 @@ class SpanRecorder:
     """Per-runtime span state. Thread-safe for many producer threads; one consumer.
 
     ``new_id`` is the counter's C-level ``__next__``; the hot paths of ``TrainingState`` use it
-    and the thread's stack (``thread_stack``) directly, so a phase costs no call into here.
+    and the thread's stack (``thread_stack``, or a request's, ``context_stack``) directly, so a
+    phase costs no call into here.
     """
 
     def __init__(self, *, rank: int, rows: int, max_depth: int = MAX_DEPTH) -> None:
@@ -231,6 +225,12 @@ class SpanRecorder:
         self._counter = itertools.count(1)
         self.new_id = self._counter.__next__  # a plain counter on the hot path, formatted by ``format_id`` later
         self._local = threading.local()
+        # The open-span stack of an ``@inference`` request (async and streaming calls interleave
+        # on one thread): set for the request's context only; elsewhere it is None and the
+        # thread's own stack applies. One C-level ``get`` on the hot path.
+        self._context: contextvars.ContextVar[list[OpenSpan] | None] = contextvars.ContextVar(
+            "stepwatch_span_stack", default=None)
+        self.context_stack = self._context.get
         self._stacks: dict[int, list[OpenSpan]] = {}  # thread id -> its stack, to close leftovers
         self._orphans: list[list[OpenSpan]] = []  # stacks of exited threads whose ident was reused
         self.closed = SpanTable("spans", rows)
@@ -243,7 +243,9 @@ class SpanRecorder:
 
     def format_id(self, value: int | str | None) -> str | None:
         """The 32-hex id of a counter (strings such as the legacy ``"root"`` pass unchanged)."""
-        return (self._base | value).to_bytes(16, "big").hex() if type(value) is int else value  # type: ignore[return-value]
+        if type(value) is int:
+            return (self._base | value).to_bytes(16, "big").hex()
+        return value  # type: ignore[return-value]
 
     def thread_stack(self) -> list[OpenSpan]:
         """This thread's stack of open spans (registered for ``close_all`` on first use)."""
@@ -257,11 +259,26 @@ class SpanRecorder:
             self._stacks[ident] = stack
         return stack
 
-    _stack = thread_stack
+    def stack(self) -> list[OpenSpan]:
+        """The open spans of the current context: a request's own stack inside an
+        ``@inference`` call (``enter_context``), else this thread's."""
+        return self._context.get() or self.thread_stack()
+
+    _stack = stack
+
+    def enter_context(self, span: OpenSpan) -> contextvars.Token[list[OpenSpan] | None]:
+        """Makes ``span`` the bottom of the current context's own stack (a request's scope tree)."""
+        return self._context.set([span])
+
+    def leave_context(self, token: contextvars.Token[list[OpenSpan] | None]) -> None:
+        try:
+            self._context.reset(token)
+        except ValueError:  # resumed in another context (a stream consumed across tasks)
+            self._context.set(token.old_value if token.old_value is not contextvars.Token.MISSING else None)
 
     def current(self) -> OpenSpan:
-        """Innermost open span of this thread, else the session span."""
-        stack = self.thread_stack()
+        """Innermost open span of this context (request or thread), else the session span."""
+        stack = self.stack()
         return stack[-1] if stack else self.session
 
     def open(self, name: str, *, index: int | None = None, attrs: dict[str, Any] | None = None,
@@ -271,14 +288,14 @@ class SpanRecorder:
 
         Returns None (and counts a drop) past the depth cap.
         """
-        stack = self.thread_stack() if not root else None
+        stack = self.stack() if not root else None
         if stack is not None and len(stack) >= self.max_depth:
             self.depth_dropped += 1
             return None
         if parent_id is False:
             parent_id = stack[-1].id if stack else (None if root else self.session.id)
-        span = OpenSpan(self.new_id(), name, parent_id, index, start_ns or time.time_ns(), attrs,  # type: ignore[arg-type]
-                        threading.get_ident())
+        span = OpenSpan(self.new_id(), name, parent_id, index, start_ns or time.time_ns(),  # type: ignore[arg-type]
+                        attrs, threading.get_ident())
         if stack is not None:
             stack.append(span)
         return span
@@ -288,7 +305,7 @@ class SpanRecorder:
             return
         span.closed = True
         end_ns = end_ns or time.time_ns()
-        stack = self.thread_stack()
+        stack = self.stack()
         if stack and stack[-1] is span:
             stack.pop()
         elif span in stack:

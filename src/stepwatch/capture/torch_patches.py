@@ -176,7 +176,12 @@ class TorchPatches:
         state = self.state
 
         def __iter__(loader: Any) -> Any:
-            return _TimedIterator(original(loader), state)
+            timed = _TimedIterator(original(loader), state, loader)  # user errors pass through
+            try:
+                state.start_pass(timed.pass_)
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "patch.data_load.iter")
+            return timed
 
         return __iter__
 
@@ -196,7 +201,8 @@ class TorchPatches:
                     return original(*args)
             else:
                 target = _target(args[1:], kwargs)
-            if not args or target is None or not getattr(args[0], "is_cpu", False) or not _is_accelerator(torch, target):
+            if (not args or target is None or not getattr(args[0], "is_cpu", False)
+                    or not _is_accelerator(torch, target)):
                 return original(*args, **kwargs)
             return _timed_copy(state, original, args[0], args[1:], kwargs)
 
@@ -243,6 +249,11 @@ def _is_accelerator(torch: Any, target: Any) -> bool:
 
 
 def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwargs: Any) -> Any:
+    local = state.local
+    if local.in_forward or local.in_backward:
+        # A copy the model makes inside its forward (or a hook in backward) is already forward
+        # (backward) time: timing it as h2d too would count it twice (shares above 1).
+        return original(tensor, *args, **kwargs)
     span = None
     try:
         span = state.begin_phase("h2d")
@@ -258,13 +269,17 @@ def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwa
 
 
 class _TimedIterator:
-    """Wraps a DataLoader iterator: each ``next`` is a fetch, timed from call to return."""
+    """Wraps a DataLoader iterator: each ``next`` is a fetch, timed from call to return. It is
+    also the pass over ``loader`` that automatic epochs follow (``TrainingState.start_pass``)."""
 
-    __slots__ = ("_it", "_state")
+    __slots__ = ("_it", "_state", "pass_")
 
-    def __init__(self, iterator: Any, state: TrainingState) -> None:
+    def __init__(self, iterator: Any, state: TrainingState, loader: Any = None) -> None:
         self._it = iterator
         self._state = state
+        # (loader, start of the pass): what the fetches name as their source. Not the iterator
+        # itself, which would keep a finished pass's worker processes alive until the next fetch.
+        self.pass_ = (loader, time.time_ns())
 
     def __iter__(self) -> _TimedIterator:
         return self
@@ -275,12 +290,12 @@ class _TimedIterator:
             batch = next(self._it)  # StopIteration and user errors pass through untouched
         except StopIteration:
             try:
-                self._state.end_inferred_step(start)
+                self._state.end_pass(self.pass_, start)
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "patch.data_load.end")
             raise
         try:
-            self._state.record_fetch(start, time.time_ns())
+            self._state.record_fetch(start, time.time_ns(), self.pass_)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, "patch.data_load")
         return batch

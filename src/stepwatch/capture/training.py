@@ -8,19 +8,36 @@ under the session; each inference call is its own root ``request`` span.
 Attribution rules the tools stepwatch replaces get wrong:
   * a batch fetched just before ``trace_step`` opens is adopted by that step (its ``data_load``
     child, the step starting at the fetch) — counted once, never also outside;
-  * marks made after ``optimizer.step()`` still land on the step: only ``trace_step`` closes it;
+  * marks made after ``optimizer.step()`` still land on the step: only ``trace_step`` closes it,
+    and an inferred step stays open for marks until the next fetch, phase, scope or epoch end
+    (its ``end_ns`` stays at the end of its optimizer step);
   * a loss module is not a second ``forward``.
+
+Steps without ``trace_step`` (``auto_steps``): after a DataLoader fetch, a step opens at the first
+phase and closes when ``optimizer.step()`` returns (forward-only ones, evaluation, become
+``eval_step``). Without a DataLoader, steps are driven by the optimizer: each runs from the end of
+the previous ``optimizer_step`` (or its first phase) to the end of its own; phases outside any
+step are held back (not spooled) until an optimizer step adopts them, or something else (a
+forward with no backward before it, a fetch, a scope, an epoch, shutdown) shows they were not a
+step's.
+
+Epochs without ``stepwatch.epochs()`` or a framework (``auto_epochs``): an epoch is one pass over
+the *training* DataLoader, the loader whose batches fed a step with a backward or an optimizer
+step. Its first pass becomes epoch 0 when that first training step closes (starting at the pass's
+``__iter__``); every later ``__iter__`` of it opens the next epoch, which closes when the loader
+is exhausted, at the next pass, or at shutdown. Passes over other loaders (evaluation: forward
+only) never open epochs.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import itertools
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -39,11 +56,11 @@ T = TypeVar("T")
 # Who owns epoch and step when several hooks are active (spool-format-v1.md): highest wins.
 FRAMEWORK_PRIORITY = {"transformers": 3, "lightning": 2, "torch": 1}
 _PRE_INIT_MARKS_MAX = 1024
+_MAX_HELD = 64  # phases held back with no optimizer step after them (gradients only)
 _NO_PHASE_TIME = dict.fromkeys(PHASES, 0)  # copied for each step: a small dict's copy beats fromkeys
 _time_ns = time.time_ns
 
 _state: TrainingState | None = None
-_request: contextvars.ContextVar[OpenSpan | None] = contextvars.ContextVar("stepwatch_request", default=None)
 _pre_init_marks: deque[MarkRow] = deque(maxlen=_PRE_INIT_MARKS_MAX)
 
 
@@ -62,6 +79,15 @@ class _Local(threading.local):
         self.optimizer_token: Any = None
         self.optimizer_depth = 0  # optimizer steps nested in the open one (super().step(), wrappers)
         self.implicit = False  # the open step was opened by the patches, not by trace_step
+        # The step phases accrue to: ``step`` while it runs, None once an inferred step's optimizer
+        # step returned (``done_ns`` its end; it stays open for marks) and when no step is open.
+        # The one attribute begin_phase tests before taking its slow path.
+        self.live: OpenSpan | None = None
+        self.done_ns = 0
+        self.holding = False  # phases outside any step are held back (no DataLoader: _outside_step)
+        self.held: list[OpenSpan] = []
+        self.last_opt_end = 0  # end of the last inferred step, where a DataLoader-less step starts
+        self.source: tuple[Any, int] | None = None  # (loader, pass start ns) of the last fetch
 
 
 class TrainingState:
@@ -82,14 +108,25 @@ class TrainingState:
         self._tally = recorder.closed.tally
         self._max_depth = recorder.max_depth
         self._session_id = recorder.session.id
+        self._context_stack = recorder.context_stack  # a request's own stack, else None
+        self.requests = 0  # @inference contexts entered and not left: only then is there one to ask
+        self.requests_lock = threading.Lock()  # requests run on many threads: no lost update
         self.steps = itertools.count()
         self.epoch: OpenSpan | None = None
         self.owners: set[str] = set()
+        self.blob_counts: dict[int, int] = {}  # span id -> its snapshots with blobs so far
         # With no trace_step and no framework integration, steps are inferred: a step opens at
         # the first phase after a fetch and closes when optimizer.step() returns. Forward-only
         # iterations (evaluation) become `eval_step` spans, kept out of the step statistics.
         self.auto_steps = True
         self.eval_steps = itertools.count()
+        # Epochs inferred from passes over the training DataLoader, until stepwatch.epochs() or a
+        # framework opens one (module docstring).
+        self.auto_epochs = True
+        self.epoch_is_auto = False
+        self.auto_epoch_index = itertools.count()
+        self.train_loader: Callable[[], Any] | None = None  # a weakref to it, once known
+        self.seek_epoch = True  # no training DataLoader known yet (close_step asks _first_epoch)
 
     # -- ownership --------------------------------------------------------------------------
 
@@ -112,13 +149,13 @@ class TrainingState:
         """Opens phase ``name`` under the innermost open span of this thread.
 
         The hot path of every patch: one thread-local read, the span made and pushed here
-        (no call into the recorder), the id a C-level counter, nothing formatted.
+        (no call into the recorder), the id a C-level counter, nothing formatted. Outside a
+        running step ``_outside_step`` decides first whether a step opens or closes.
         """
         local = self.local
-        # Only after a fetch: a warm-up forward before the loop hangs under the session, not a step.
-        if local.step is None and local.pending_fetch is not None and self.auto_steps and not self.owners:
-            self.open_step(None, {"implicit": True}, implicit=True)
-        stack = local.stack
+        if local.live is None:
+            self._outside_step(local, name)
+        stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
             return None
@@ -129,6 +166,66 @@ class TrainingState:
             span.gpu = self.gpu_timer.begin(span)
         return span
 
+    def _outside_step(self, local: _Local, name: str) -> None:
+        """A phase begins with no running step: closes an inferred step that ended at its
+        optimizer step, and opens an inferred step when one starts here.
+
+        Without a DataLoader, phases outside a step are held back (``holding``: spooled only
+        when the next optimizer step shows they were its step's, or when something else shows
+        they were not), since a step's parent id must be known when its children are spooled.
+        """
+        if local.step is not None:
+            if local.implicit:
+                self.close_step(local.step, None)  # the inferred step ended at its optimizer step
+            else:
+                return
+        if not self.auto_steps or self.owners or (self.requests and self._context_stack() is not None):  # requests are no steps
+            if local.holding:
+                self._flush_held(local)
+            return
+        if local.pending_fetch is not None:  # after a fetch: the step starts at the fetch
+            if local.holding:
+                self._flush_held(local)
+            self.open_step(None, {"implicit": True}, implicit=True)
+            return
+        held = local.held
+        if name == "optimizer_step":
+            # An optimizer-driven step, from the end of the previous one (or its first phase),
+            # adopting the phases held back since.
+            local.holding = False
+            local.held = []
+            start_ns = local.last_opt_end or (held[0].start_ns if held else 0)
+            step = self.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns or None)
+            if step is not None and step.phase_ns is not None:
+                times = step.phase_ns
+                for span in held:
+                    span.parent_id = step.id
+                    times[span.name] += span.end_ns - span.start_ns
+            for span in held:
+                self._push(span)
+                self._tally()
+            return
+        if held and (len(held) >= _MAX_HELD or (name == "forward" and all(s.name != "backward" for s in held))):
+            self._flush_held(local)  # forwards with no backward after them: not a training step's
+        local.holding = True
+
+    def _flush_held(self, local: _Local) -> None:
+        """The held phases were not followed by an optimizer step: spooled where they ran."""
+        held, local.held = local.held, []
+        local.holding = False
+        for span in held:
+            self._push(span)
+            self._tally()
+
+    def settle(self) -> None:
+        """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
+        closes (a scope must not nest in it) and held phases are spooled."""
+        local = self.local
+        if local.step is not None and local.live is None and local.implicit:
+            self.close_step(local.step, None)
+        if local.holding:
+            self._flush_held(local)
+
     def end_phase(self, span: OpenSpan | None) -> None:
         if span is None:
             return
@@ -136,27 +233,38 @@ class TrainingState:
         if span.gpu is not None and self.gpu_timer is not None:
             self.gpu_timer.end(span.gpu)
         local = self.local
-        stack = local.stack
+        stack = local.stack if not self.requests else (self._context_stack() or local.stack)
+        step = local.live
         if stack and stack[-1] is span and not span.closed:
             stack.pop()
             span.closed = True
             span.end_ns = end_ns
+            if step is None and local.holding and span.name in _NO_PHASE_TIME:
+                local.held.append(span)  # spooled once its parent is known (_outside_step)
+                return
             self._push(span)
             self._tally()
         else:  # closed already, or children left open above it: the recorder sorts it out
             self.recorder.close(span, end_ns)
-        step = local.step
         if step is not None:
             name = span.name
             times = step.phase_ns
             if times is not None and name in times:
                 times[name] += end_ns - span.start_ns
                 if local.implicit and name == "optimizer_step":
-                    self.close_step(step, None)
+                    # The inferred step ends here but stays open for the marks made after
+                    # optimizer.step(); the next fetch, phase, scope or epoch end closes it.
+                    local.live = None
+                    local.done_ns = end_ns
 
-    def record_fetch(self, start_ns: int, end_ns: int) -> None:
-        """A batch fetch: a child of the open step, else held for the next step to adopt."""
+    def record_fetch(self, start_ns: int, end_ns: int, source: Any = None) -> None:
+        """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
+        held for the next step to adopt."""
         local = self.local
+        local.source = source
+        local.last_opt_end = 0
+        if local.holding:
+            self._flush_held(local)
         if local.step is not None:
             if not local.implicit:
                 self._data_load_span(start_ns, end_ns)
@@ -172,11 +280,68 @@ class TrainingState:
         local = self.local
         if local.step is not None and local.implicit:
             self.close_step(local.step, None, end_ns=end_ns)
+        if local.holding:
+            self._flush_held(local)
+
+    # -- automatic epochs (passes over the training DataLoader) ------------------------------
+
+    def start_pass(self, source: tuple[Any, int]) -> None:
+        """A DataLoader ``__iter__`` (``source``: the loader, the pass's start): a new pass over
+        the training loader starts the next epoch."""
+        train = self.train_loader
+        if train is None or not self.auto_epochs or self.owners or train() is not source[0]:
+            return
+        self.end_inferred_step()
+        self.local.last_opt_end = 0
+        self._close_auto_epoch(source[1])
+        self.epoch = self.recorder.open("epoch", index=next(self.auto_epoch_index),
+                                        parent_id=self._session_id, start_ns=source[1])
+        self.epoch_is_auto = True
+
+    def end_pass(self, source: tuple[Any, int], end_ns: int) -> None:
+        """A DataLoader pass is exhausted: the inferred step closes, and the epoch if this pass is one."""
+        self.end_inferred_step(end_ns)
+        train = self.train_loader
+        if train is not None and self.epoch_is_auto and train() is source[0]:
+            self._close_auto_epoch(end_ns)
+
+    def _close_auto_epoch(self, end_ns: int | None = None) -> None:
+        epoch = self.epoch
+        if self.epoch_is_auto and epoch is not None:
+            self.epoch = None
+            self.epoch_is_auto = False
+            if not epoch.closed:
+                self.recorder.close(epoch, end_ns)
+
+    def _first_epoch(self, step: OpenSpan, local: _Local) -> None:
+        """The first training step of a pass over a DataLoader, with no epoch open: that loader
+        is the training loader, and this pass (from its ``__iter__``) epoch 0."""
+        source = local.source
+        times = step.phase_ns
+        if (self.owners or step.parent_id != self._session_id or self.epoch is not None or not self.auto_epochs
+                or times is None or not (times["backward"] or times["optimizer_step"])):
+            return
+        self.seek_epoch = False
+        loader, pass_start = source
+        try:
+            self.train_loader = weakref.ref(loader)
+        except TypeError:  # a loader class without weakref support: hold it
+            self.train_loader = lambda: loader
+        stack = local.stack if not self.requests else (self._context_stack() or local.stack)
+        epoch = OpenSpan(self._new_id(), "epoch", self._session_id, next(self.auto_epoch_index), pass_start,
+                         None, local.ident)
+        if step in stack:
+            stack.insert(stack.index(step), epoch)  # below the step: the step's parent from now on
+        else:
+            stack.append(epoch)
+        step.parent_id = epoch.id
+        self.epoch = epoch
+        self.epoch_is_auto = True
 
     def _data_load_span(self, start_ns: int, end_ns: int) -> None:
         """A closed ``data_load`` span under the innermost open one (never pushed: it is over)."""
         local = self.local
-        stack = local.stack
+        stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
         else:
@@ -189,24 +354,27 @@ class TrainingState:
 
     # -- steps and epochs -------------------------------------------------------------------
 
-    def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False) -> OpenSpan | None:
+    def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False,
+                  start_ns: int | None = None) -> OpenSpan | None:
         local = self.local
         if not implicit:
             self.auto_steps = False  # the program marks its own steps from now on
             if local.step is not None and local.implicit:
                 self.close_step(local.step, None)
+            if local.holding:
+                self._flush_held(local)
         fetch = local.pending_fetch
         local.pending_fetch = None
         index = None if implicit else next(self.steps)
-        stack = local.stack
+        stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
             return None
         times = _NO_PHASE_TIME.copy()
         span = OpenSpan(self._new_id(), "step", stack[-1].id if stack else self._session_id, index,
-                        fetch[0] if fetch else _time_ns(), attrs, local.ident, None, None, times)
+                        fetch[0] if fetch else (start_ns or _time_ns()), attrs, local.ident, None, None, times)
         stack.append(span)
-        local.step = span
+        local.step = local.live = span
         local.model = model
         local.implicit = implicit
         if fetch is not None:  # the adopted fetch: the step's data_load child (what _data_load_span does)
@@ -226,19 +394,24 @@ class TrainingState:
         local = self.local
         if span is None or local.step is not span:
             return
-        end_ns = end_ns or _time_ns()
         implicit = local.implicit
-        local.step = local.model = None
+        if local.done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
+            end_ns = local.last_opt_end = local.done_ns
+            local.done_ns = 0
+        end_ns = end_ns or _time_ns()
+        local.step = local.model = local.live = None
         if implicit:
             local.implicit = False
             times = span.phase_ns or _NO_PHASE_TIME
             trained = times["backward"] or times["optimizer_step"]
             span.name = "step" if trained else "eval_step"
             span.index = next(self.steps) if trained else next(self.eval_steps)
+        if self.seek_epoch and local.source is not None:  # until the training DataLoader is known
+            self._first_epoch(span, local)
         if error is not None:  # rare: built here, so that "error" follows the breakdown as it always has
             span.attrs = {**step_attrs(span, end_ns), "error": type(error).__name__}
             span.phase_ns = None
-        stack = local.stack
+        stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if stack and stack[-1] is span and not span.closed:
             stack.pop()
             span.closed = True
@@ -252,21 +425,28 @@ class TrainingState:
 
     def finish(self) -> None:
         """At shutdown: a step still open on this thread closes as what it was, with its
-        breakdown; one that ``trace_step`` opened (cut by SIGTERM or exit) is flagged unclosed."""
+        breakdown; one that ``trace_step`` opened (cut by SIGTERM or exit) is flagged unclosed.
+        An automatic epoch ends here (a loop that stopped before its loader was exhausted)."""
         local = self.local
         step = local.step
-        if step is None:
-            return
-        if not local.implicit:
-            step.attrs = {**(step.attrs or {}), "unclosed": True}
-        self.close_step(step, None)
+        if step is not None:
+            if not local.implicit:
+                step.attrs = {**(step.attrs or {}), "unclosed": True}
+            self.close_step(step, None)
+        if local.holding:
+            self._flush_held(local)
+        self._close_auto_epoch()
 
     def close_epoch(self, span: OpenSpan) -> None:
         self.end_inferred_step()  # closed as a step with its breakdown, not as an "unclosed" child
         self.recorder.close(span)
 
     def open_epoch(self, index: int) -> OpenSpan | None:
+        """An epoch of ``stepwatch.epochs()`` or a framework: automatic epochs stop here."""
         self.end_inferred_step()
+        self.local.last_opt_end = 0
+        self.auto_epochs = self.seek_epoch = False
+        self._close_auto_epoch()
         if self.epoch is not None and not self.epoch.closed:
             self.recorder.close(self.epoch)
         self.epoch = self.recorder.open("epoch", index=index, parent_id=self.recorder.session.id)
@@ -350,6 +530,7 @@ class scope:  # noqa: N801
         span = None
         if state is not None:
             try:
+                state.settle()
                 span = state.recorder.open(self.name, attrs=dict(self.attrs) if self.attrs else None)
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "scope.enter")
@@ -402,11 +583,7 @@ def mark(name: str, value: Any, kind: str = "point", **attrs: Any) -> None:
             _pre_init_marks.append(MarkRow(uuid.uuid4().hex, ROOT_SENTINEL, cut_utf8(str(name)), value_type,
                                            json_value, nonfinite, attrs or None, time.time_ns(), kind))
             return
-        request = _request.get()
-        if request is not None and not request.closed:
-            state.recorder.mark_on(request, name, value, kind, attrs or None)
-        else:
-            state.recorder.mark(name, value, kind, attrs or None)
+        state.recorder.mark(name, value, kind, attrs or None)
     except Exception as exc:  # noqa: BLE001
         report_internal(exc, "mark")
 
@@ -461,11 +638,20 @@ def snapshot(model: Any, mode: str = "stats", *, sample_rate: float = 0.1, **att
     from .snapshots import snapshot_model
 
     try:
+        # Like a scope, a snapshot comes after an inferred step that has ended (at its
+        # optimizer step): it lands on the epoch or scope around the step, as it always has.
+        state.settle()
         span = state.recorder.current()
         recorder = state.recorder
+        blobs = state.blob_counts
         records, job = snapshot_model(model, span_id=recorder.format_id(span.id), mode=mode, sample_rate=sample_rate,
                                       blob_uri=state.blob_uri, ts_ns=time.time_ns(), attrs=attrs,
-                                      new_id=lambda: recorder.format_id(recorder.new_id()))
+                                      new_id=lambda: recorder.format_id(recorder.new_id()),
+                                      blob_index=blobs.get(span.id, 0))
+        if job is not None:  # the span's next snapshot with blobs writes its own files
+            if span.id not in blobs and len(blobs) >= 4096:
+                blobs.clear()  # ids of long-closed spans: a span snapshotted again after this is rare
+            blobs[span.id] = blobs.get(span.id, 0) + 1
     except ValueError:
         raise  # a wrong mode is the caller's error
     except Exception as exc:  # noqa: BLE001
@@ -478,23 +664,50 @@ def snapshot(model: Any, mode: str = "stats", *, sample_rate: float = 0.1, **att
 def inference(func: F | None = None, *, name: str = "request") -> Any:
     """Each call of the decorated function is its own root ``request`` span (sync, async,
     generators and async generators). Streaming calls get ``time_to_first_token_ms``,
-    ``output_tokens``, ``tokens_per_second`` and ``request_duration_ms`` marks."""
+    ``output_tokens``, ``tokens_per_second`` and ``request_duration_ms`` marks.
+
+    Async and streaming calls interleave with other code on one thread, so each gets its own
+    open-span stack for its context (``SpanRecorder.enter_context``): its scopes, forwards and
+    marks nest under its request, never under a concurrent one. A generator's body runs in its
+    consumer's context, so the stack is entered around each resumption only.
+    """
     if func is None:
         return functools.partial(inference, name=name)
 
-    def begin(push: bool = False) -> tuple[OpenSpan | None, Any]:
-        # Only a plain call nests its children on the thread's stack; async and streaming calls
-        # interleave with other code on the thread, so they are tracked through a ContextVar.
+    def begin(push: bool = False) -> tuple[OpenSpan | None, TrainingState | None]:
         state = _state
         if state is None:
             return None, None
-        span = state.recorder.open(name, attrs={"request_id": uuid.uuid4().hex}, parent_id=None, root=not push)
-        return span, _request.set(span)
+        try:
+            span = state.recorder.open(name, attrs={"request_id": uuid.uuid4().hex}, parent_id=None, root=not push)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "inference")
+            return None, None
+        return span, state
 
-    def finish(span: OpenSpan | None, token: Any, error: BaseException | None,
+    def enter(span: OpenSpan | None, state: TrainingState | None) -> Any:
+        if span is None or state is None:
+            return None
+        try:
+            token = state.recorder.enter_context(span)
+            with state.requests_lock:
+                state.requests += 1  # the phase hot path asks for a request's stack only while > 0
+            return token
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "inference.enter")
+            return None
+
+    def leave(state: TrainingState | None, token: Any) -> None:
+        if token is not None and state is not None:
+            try:
+                with state.requests_lock:
+                    state.requests -= 1
+                state.recorder.leave_context(token)
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "inference.leave")
+
+    def finish(span: OpenSpan | None, error: BaseException | None,
                stream: tuple[int, int | None] | None = None) -> None:
-        if token is not None:
-            _request.reset(token)
         state = _state
         if span is None or state is None:
             return
@@ -520,10 +733,22 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
 
         @functools.wraps(func)
         async def agen_wrapper(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            span, token = begin()
+            span, owner = begin()
             chunks, first, error = 0, None, None
+            token = enter(span, owner)
             try:
-                async for item in func(*args, **kwargs):
+                inner = func(*args, **kwargs)
+            finally:
+                leave(owner, token)
+            try:
+                while True:
+                    token = enter(span, owner)
+                    try:
+                        item = await inner.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        leave(owner, token)
                     if first is None:
                         first = time.time_ns()
                     chunks += 1
@@ -532,7 +757,12 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
                 error = exc
                 raise
             finally:
-                finish(span, token, error, (chunks, first))
+                token = enter(span, owner)
+                try:
+                    await inner.aclose()
+                finally:
+                    leave(owner, token)
+                    finish(span, error, (chunks, first))
 
         return agen_wrapper
 
@@ -540,10 +770,22 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
 
         @functools.wraps(func)
         def gen_wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
-            span, token = begin()
+            span, owner = begin()
             chunks, first, error = 0, None, None
+            token = enter(span, owner)
             try:
-                for item in func(*args, **kwargs):
+                inner = func(*args, **kwargs)
+            finally:
+                leave(owner, token)
+            try:
+                while True:
+                    token = enter(span, owner)
+                    try:
+                        item = next(inner)
+                    except StopIteration:
+                        break
+                    finally:
+                        leave(owner, token)
                     if first is None:
                         first = time.time_ns()
                     chunks += 1
@@ -552,7 +794,12 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
                 error = exc
                 raise
             finally:
-                finish(span, token, error, (chunks, first))
+                token = enter(span, owner)
+                try:
+                    inner.close()
+                finally:
+                    leave(owner, token)
+                    finish(span, error, (chunks, first))
 
         return gen_wrapper
 
@@ -560,26 +807,29 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
 
         @functools.wraps(func)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            span, token = begin()
+            span, owner = begin()
+            token = enter(span, owner)
             try:
                 result = await func(*args, **kwargs)
             except BaseException as exc:
-                finish(span, token, exc)
+                leave(owner, token)
+                finish(span, exc)
                 raise
-            finish(span, token, None)
+            leave(owner, token)
+            finish(span, None)
             return result
 
         return async_wrapper
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        span, token = begin(push=True)
+        span, _owner = begin(push=True)
         try:
             result = func(*args, **kwargs)
         except BaseException as exc:
-            finish(span, token, exc)
+            finish(span, exc)
             raise
-        finish(span, token, None)
+        finish(span, None)
         return result
 
     return wrapper

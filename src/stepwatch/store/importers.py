@@ -31,10 +31,10 @@ def import_path(path: str | Path, store: HistoryStore) -> dict[str, int]:
     """Imports every artifact found at ``path``; returns rows written per table.
 
     Accepts a run directory, a telemetry sink (or its manifest/segment), a JSON export, a spool
-    directory (ours or ``.cirron/spool``), or heartbeat ``*.jsonl`` files.
+    directory (ours or ``.cirron/spool``) or one of its batch files, or heartbeat ``*.jsonl`` files.
     """
     from ..artifacts.heartbeat import read_heartbeat
-    from ..artifacts.spool import find_spool_dir, read_spool
+    from ..artifacts.spool import find_spool_dir, is_spool_batch, read_spool
     from ..artifacts.telemetry_loader import find_sink_dirs, load_telemetry_sessions
 
     root = Path(path)
@@ -55,7 +55,12 @@ def import_path(path: str | Path, store: HistoryStore) -> dict[str, int]:
             written[table] = written.get(table, 0) + len(items)
 
     is_heartbeat = root.is_file() and root.name.startswith("heartbeat_rank")
-    has_telemetry = not is_heartbeat and (root.is_file() or bool(find_sink_dirs(root)))
+    # A spool batch file (``<run>/spool/<created_ns>-<batch_id>.json``) is not a telemetry export:
+    # it imports as that batch, under the session its whole spool would get.
+    batch_file = root.is_file() and not is_heartbeat and is_spool_batch(root)
+    if batch_file:
+        run_session = _run_session(root.parent.parent) if root.parent.name == "spool" else None
+    has_telemetry = not is_heartbeat and not batch_file and (root.is_file() or bool(find_sink_dirs(root)))
     if has_telemetry:
         found = True
         for session in load_telemetry_sessions(root):
@@ -67,10 +72,10 @@ def import_path(path: str | Path, store: HistoryStore) -> dict[str, int]:
                 put(s.session_id, rank, {"telemetry": events}, f"import:{s.source}",
                     {"status": s.status, "started_at_ns": s.started_at_ns, "ended_at_ns": s.ended_at_ns,
                      "host": s.host, "world_size": s.world_size})
-    spool_dir = find_spool_dir(root) if root.is_dir() else None
+    spool_dir = root.parent if batch_file else find_spool_dir(root) if root.is_dir() else None
     if spool_dir is not None:
         found = True
-        spool = read_spool(spool_dir)
+        spool = read_spool(root if batch_file else spool_dir)
         session_id = run_session or synthetic_session_id(str(spool_dir.resolve()), "spool")
         by_rank_spans: dict[int, dict[str, list[Any]]] = {}
         for span in spool.spans:

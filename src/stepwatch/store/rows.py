@@ -311,6 +311,32 @@ def _check_step_values(rows: list[tuple[Any, ...]]) -> None:
             raise ValueError("steps: a phase time outside the 64-bit range")
 
 
+_json_decoder = msgspec.json.Decoder()
+
+
+def _json_values(texts: list[str]) -> list[Any]:
+    """The values of JSON texts already checked to be one object each (``json_objects``)."""
+    return _json_decoder.decode("[" + ",".join(texts) + "]")  # type: ignore[no-any-return]
+
+
+def _span_steps(session_id: str, rank: int, views: list[SpanView], out: dict[str, list[tuple[Any, ...]]],
+                carry: PhaseCarry | None, update: CarryUpdate | None) -> None:
+    """The step rows of one frame's spans (their attrs' breakdown, or the span tree), into ``out``."""
+    steps = [
+        (session_id, rank, -1 if index is None else index, start, end, attrs["step_ns"],
+         *[attrs.get(k, 0) for k in _STEP_FIELDS])
+        for _id, _parent, name, index, start, end, attrs in views
+        if name == "step" and attrs and "step_ns" in attrs
+    ]
+    if steps and update is not None:
+        update.native = (session_id, rank)
+    if len(steps) < sum(1 for v in views if v[2] == "step") or (carry is not None and carry.wants(session_id, rank)):
+        steps += derive_steps(session_id, rank, views, carry, update)
+    if steps:
+        _check_step_values(steps)
+        out["steps"] = steps
+
+
 def wire_tuples(session_id: str, rank: int, tables: WireTables, carry: PhaseCarry | None = None,
                 update: CarryUpdate | None = None) -> dict[str, list[tuple[Any, ...]]]:
     """Store tuples straight from the typed wire rows of one frame (``decode_typed``): the same
@@ -319,45 +345,57 @@ def wire_tuples(session_id: str, rank: int, tables: WireTables, carry: PhaseCarr
     path's checks; the caller then takes that path, which stores or refuses it as before."""
     out: dict[str, list[tuple[Any, ...]]] = {}
     telemetry = tables.telemetry
-    if telemetry:
-        metadata = json_texts([e.metadata or _EMPTY for e in telemetry])
-        out["telemetry"] = [
-            (e.session_id, e.rank, e.timestamp_ns, e.event_type, e.collector, e.device_id,
-             e.allocator_allocated_bytes, e.allocator_reserved_bytes, e.allocator_active_bytes,
-             e.allocator_inactive_bytes, e.allocator_change_bytes, e.device_used_bytes, e.device_free_bytes,
-             e.device_total_bytes, e.pid, e.host, e.context, m)
-            for e, m in zip(telemetry, metadata)
-        ]
+    if isinstance(telemetry, list):
+        if telemetry:
+            metadata = json_texts([e.metadata or _EMPTY for e in telemetry])
+            out["telemetry"] = [
+                (e.session_id, e.rank, e.timestamp_ns, e.event_type, e.collector, e.device_id,
+                 e.allocator_allocated_bytes, e.allocator_reserved_bytes, e.allocator_active_bytes,
+                 e.allocator_inactive_bytes, e.allocator_change_bytes, e.device_used_bytes, e.device_free_bytes,
+                 e.device_total_bytes, e.pid, e.host, e.context, m)
+                for e, m in zip(telemetry, metadata)
+            ]
+    elif telemetry.rows:
+        out["telemetry"] = telemetry.rows  # columnar: decoded as the store's tuples, checked by decode_typed
     spans = tables.spans
-    if spans:
-        attrs = json_texts([s.attrs or _EMPTY for s in spans])
-        out["spans"] = [
-            (session_id, rank, s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.gpu_ns, s.thread_id,
-             s.pid, a)
-            for s, a in zip(spans, attrs)
-        ]
-        steps = [
-            (session_id, rank, -1 if s.index is None else s.index, s.start_ns, s.end_ns, s.attrs["step_ns"],
-             *[s.attrs.get(k, 0) for k in _STEP_FIELDS])
-            for s in spans if s.name == "step" and s.attrs and "step_ns" in s.attrs
-        ]
-        if steps and update is not None:
-            update.native = (session_id, rank)
-        if len(steps) < sum(1 for s in spans if s.name == "step") or (
-                carry is not None and carry.wants(session_id, rank)):
-            steps += derive_steps(session_id, rank, [(s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.attrs)
-                                                     for s in spans], carry, update)
-        if steps:
-            _check_step_values(steps)
-            out["steps"] = steps
+    if isinstance(spans, list):
+        if spans:
+            attrs = json_texts([s.attrs or _EMPTY for s in spans])
+            out["spans"] = [
+                (session_id, rank, s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.gpu_ns, s.thread_id,
+                 s.pid, a)
+                for s, a in zip(spans, attrs)
+            ]
+            views = [(s.id, s.parent_id, s.name, s.index, s.start_ns, s.end_ns, s.attrs) for s in spans]
+            _span_steps(session_id, rank, views, out, carry, update)
+    elif spans.rows:
+        prefix = (session_id, rank)
+        out["spans"] = [prefix + row for row in spans.rows]
+        # the step spans' attrs as values; all spans' where steps may need their children (a bare
+        # step, or a sender not yet seen sending steps with their breakdown)
+        wanted = [row for row in spans.rows if row[2] == "step"]
+        values = _json_values([row[9] for row in wanted])
+        if (carry is not None and carry.wants(session_id, rank)) or not all(v and "step_ns" in v for v in values):
+            wanted = spans.rows
+            values = _json_values([row[9] for row in wanted])
+        if wanted:
+            views = [(r[0], r[1], r[2], r[3], r[4], r[5], v) for r, v in zip(wanted, values)]
+            _span_steps(session_id, rank, views, out, carry, update)
     marks = tables.marks
-    if marks:
-        attrs = json_texts([m.attrs or _EMPTY for m in marks])
+    if isinstance(marks, list):
+        if marks:
+            attrs = json_texts([m.attrs or _EMPTY for m in marks])
+            out["marks"] = [
+                (session_id, rank, m.id, m.span_id, m.name, m.value_type,
+                 float(m.value) if type(m.value) in _NUMERIC else None,
+                 m.value if type(m.value) is str else m.value_nonfinite, m.ts_ns, m.kind, a)
+                for m, a in zip(marks, attrs)
+            ]
+    elif marks.rows:
         out["marks"] = [
-            (session_id, rank, m.id, m.span_id, m.name, m.value_type,
-             float(m.value) if type(m.value) in _NUMERIC else None,
-             m.value if type(m.value) is str else m.value_nonfinite, m.ts_ns, m.kind, a)
-            for m, a in zip(marks, attrs)
+            (session_id, rank, mid, span_id, name, value_type, float(value) if type(value) in _NUMERIC else None,
+             value if type(value) is str else nonfinite, ts_ns, kind, a)
+            for mid, span_id, name, value_type, value, nonfinite, ts_ns, kind, a in marks.rows
         ]
     if tables.snapshots:
         rows = [snapshot_row(s, session_id, rank) for s in tables.snapshots]

@@ -3,24 +3,103 @@
 ``meta`` names the sender (session_id, rank, host, pid, seq...); ``tables`` maps a table name
 to the rows appended since the last frame. The receiver also accepts the legacy flat envelope
 (meta keys and tables side by side at the top level) and rejects frames over a size limit.
+
+A table is either a list of row maps, or columnar: ``{"columns": [name, ...], "rows": [[value,
+...], ...]}``, which means the row maps ``dict(zip(columns, row))``, except that the JSON-typed
+field of telemetry, spans and marks (``JSON_FIELD``) is carried as its JSON text. The sender
+ships telemetry, spans and marks columnar in the store's column order (``columnar_table``), so
+the aggregator decodes them into the tuples it binds, with no map or Struct per row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Annotated, Any
 
 import msgspec
 
 from ..errors import TransportError
 
-__all__ = ["DEFAULT_MAX_FRAME", "TABLE_NAMES", "FrameDecoder", "Message", "WireMark", "WireSpan", "WireTables",
+__all__ = ["COLUMNAR", "DEFAULT_MAX_FRAME", "JSON_FIELD", "TABLE_NAMES", "columnar_table", "json_objects", "FrameDecoder", "Message", "WireMark", "WireSpan", "WireTables",
            "WireTelemetry", "decode_body", "decode_typed", "encode_frame"]
 
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 TABLE_NAMES = frozenset({"telemetry", "spans", "marks", "snapshots", "heartbeat"})
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder()
+_json_raw_decoder = msgspec.json.Decoder(list[msgspec.Raw])
+
+# Columnar tables as the sender writes them: the wire field names in the store's column order
+# (store.base.COLUMNS; spans and marks without the session and rank, which the frame's meta
+# gives), the JSON-typed field last, as text.
+COLUMNAR: dict[str, tuple[str, ...]] = {
+    "telemetry": ("session_id", "rank", "timestamp_ns", "event_type", "collector", "device_id",
+                  "allocator_allocated_bytes", "allocator_reserved_bytes", "allocator_active_bytes",
+                  "allocator_inactive_bytes", "allocator_change_bytes", "device_used_bytes", "device_free_bytes",
+                  "device_total_bytes", "pid", "host", "context", "metadata"),
+    "spans": ("id", "parent_id", "name", "index", "start_ns", "end_ns", "gpu_ns", "thread_id", "pid", "attrs"),
+    "marks": ("id", "span_id", "name", "value_type", "value", "value_nonfinite", "ts_ns", "kind", "attrs"),
+}
+JSON_FIELD = {"telemetry": "metadata", "spans": "attrs", "marks": "attrs"}
+
+
+def columnar_table(name: str, rows: list[Any]) -> dict[str, Any] | None:
+    """``rows`` (msgspec Structs with the fields of ``COLUMNAR[name]``, as the runtime holds
+    them) as a columnar table, the JSON field encoded once here, on the rank's background thread,
+    as the store will keep it (``value or {}``); None when a row is not such a Struct (a dict,
+    say): the table then goes as row maps, which mean the same."""
+    fields = COLUMNAR.get(name)
+    if fields is None or not rows or not all(isinstance(r, msgspec.Struct) for r in rows):
+        return None
+    try:
+        values = list(map(attrgetter(*fields), rows))
+        texts = _json_encoder.encode_lines([v[-1] or {} for v in values]).decode().split("\n")
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return None
+    return {"columns": fields, "rows": [(*v[:-1], t) for v, t in zip(values, texts)]}
+
+
+def json_objects(texts: list[str]) -> bool:
+    """Whether every text is exactly one JSON object (nothing around it), checked in one pass:
+    the texts joined as a JSON array must split back into elements of exactly their lengths, so
+    no text can borrow a bracket or a comma from its neighbour."""
+    if not all(t[:1] == "{" for t in texts):
+        return False
+    joined = "[" + ",".join(texts) + "]"
+    try:
+        raws = _json_raw_decoder.decode(joined)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    sizes = map(len, texts) if joined.isascii() else map(len, map(str.encode, texts))  # Raw sizes are bytes
+    return len(raws) == len(texts) and list(map(len, raws)) == list(sizes)
+
+
+def _expand(name: str, table: dict[str, Any]) -> list[dict[str, Any]]:
+    """A columnar table as the row maps it means (the JSON field decoded from its text)."""
+    columns, rows = table.get("columns"), table.get("rows")
+    if (set(table) != {"columns", "rows"} or not isinstance(columns, list) or not isinstance(rows, list)
+            or not all(type(c) is str for c in columns) or len(set(columns)) != len(columns)):
+        raise TransportError("bad_rows", f"columnar table {name!r} needs distinct string columns and rows")
+    width, json_field = len(columns), JSON_FIELD.get(name)
+    out = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != width:
+            raise TransportError("bad_rows", f"table {name!r}: a row of {len(row) if isinstance(row, list) else '?'}"
+                                             f" values for {width} columns")
+        record = dict(zip(columns, row))
+        text = record.get(json_field) if json_field else None
+        if text is not None:
+            if type(text) is not str:
+                raise TransportError("bad_rows", f"{name}.{json_field}: JSON text expected")
+            try:
+                record[json_field] = _json_decoder.decode(text)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise TransportError("bad_rows", f"{name}.{json_field}: not JSON ({exc})") from None
+        out.append(record)
+    return out
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -80,6 +159,8 @@ def decode_body(body: bytes, default_session: str | None = None) -> Message:
     for name, rows in tables.items():
         if name not in TABLE_NAMES:
             raise TransportError("unknown_table", f"unknown table {name!r}")
+        if isinstance(rows, dict):
+            rows = _expand(name, rows)
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise TransportError("bad_rows", f"table {name!r} must be a list of maps")
         clean[name] = rows
@@ -148,10 +229,30 @@ class WireMark(msgspec.Struct, gc=False):
     attrs: Any = None
 
 
+_S = str | None
+_I = I64 | None
+
+
+class ColumnarTelemetry(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A columnar telemetry table whose rows are already the store's tuples (metadata as text)."""
+    columns: tuple[str, ...]
+    rows: list[tuple[str, _I, _I, _S, _S, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _S, _S, str]]
+
+
+class ColumnarSpans(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    columns: tuple[str, ...]
+    rows: list[tuple[_S, _S, _S, _I, _I, _I, _I, _I, _I, str]]
+
+
+class ColumnarMarks(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    columns: tuple[str, ...]
+    rows: list[tuple[_S, _S, _S, _S, Any, _S, _I, _S, str]]
+
+
 class WireTables(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    telemetry: list[WireTelemetry] = []
-    spans: list[WireSpan] = []
-    marks: list[WireMark] = []
+    telemetry: list[WireTelemetry] | ColumnarTelemetry = []
+    spans: list[WireSpan] | ColumnarSpans = []
+    marks: list[WireMark] | ColumnarMarks = []
     snapshots: list[dict[str, Any]] = []
     heartbeat: list[dict[str, Any]] = []
 
@@ -179,7 +280,13 @@ def decode_typed(body: bytes) -> tuple[dict[str, Any], WireTables] | None:
     session_id, rank = meta.get("session_id"), meta.get("rank", 0)
     if not isinstance(session_id, str) or not session_id or type(rank) is not int or rank < 0:
         return None
-    return meta, envelope.body.tables
+    tables = envelope.body.tables
+    for name in ("telemetry", "spans", "marks"):
+        table = getattr(tables, name)
+        if not isinstance(table, list) and (table.columns != COLUMNAR[name]
+                                            or not json_objects([row[-1] for row in table.rows])):
+            return None  # other columns, or a JSON text that is not one object: decode_body decides
+    return meta, tables
 
 
 class FrameDecoder:
