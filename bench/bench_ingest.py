@@ -6,13 +6,14 @@ Usage::
     .venv/bin/python bench/bench_ingest.py [--ranks 64] [--rows 600000] [--gen-procs 4]
         [--steps-per-frame 20] [--http-rows 300000] [--http-clients 16] [--http-batch 1000]
         [--e2e-samples 80] [--e2e-steps-per-frame 10,30] [--e2e-spool-interval 2.0] [--traceml-rows 300000]
-        [--only tcp,http,e2e,traceml] [--tmp-dir DIR] [--profile]
+        [--only tcp,http,e2e,traceml] [--wire columns|rows] [--tmp-dir DIR] [--profile]
 
 Phases (each one starts a fresh aggregator in a fresh directory):
 
 * ``tcp``: ``--ranks`` simulated ranks, spread over ``--gen-procs`` generator processes (one
   thread and one socket per rank), each sends its share of ``--rows`` wire rows as pre-encoded
-  frames (``encode_frame``), as fast as the aggregator reads them. A frame holds
+  frames (``encode_frame``; telemetry, spans and marks columnar as ``FrameSender`` sends them, or
+  row maps with ``--wire rows``), as fast as the aggregator reads them. A frame holds
   ``--steps-per-frame`` training steps; a step is 3 telemetry rows (one ``sample`` and a
   ``phase_enter``/``phase_exit`` pair, built from ``msgspec.to_builtins`` of
   ``TelemetryEventV3``), 5 spans (``step`` carrying the phase times, and its ``data_load``,

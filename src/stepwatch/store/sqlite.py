@@ -59,11 +59,16 @@ _BATCHES_TABLE = "CREATE TABLE IF NOT EXISTS ingest_batches (batch_id TEXT PRIMA
 _RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("marks", "ts_ns"), ("spans", "start_ns"),
                    ("steps", "start_ns"), ("snapshots", "ts_ns"))
 
-# Rows go in as multi-row INSERTs of this many rows (the remainder by executemany): one statement
-# step per chunk instead of per row, so fewer VDBE resets and one GIL release per chunk rather than
-# per row. Measured in one process, interleaved, 103k wire rows: 3.2-3.4 us per stored row
-# against 4.1-4.5 with executemany alone, and 5.0-5.5 against 6.0-6.7 with a decoding thread
-# beside it (bench/README.md). 128 rows x 18 columns stays far under SQLite's variable limit.
+# Rows go in as multi-row INSERTs of this many rows (the remainder by one statement of its own
+# length): one statement step per chunk instead of per row, so fewer VDBE resets and one GIL
+# release per chunk rather than per row. Measured in one process, interleaved, 103k wire rows:
+# 3.2-3.4 us per stored row against 4.1-4.5 with executemany alone, and 5.0-5.5 against 6.0-6.7
+# with a decoding thread beside it (bench/README.md). Each step must take the GIL back, which a
+# busy thread beside it holds for up to the switch interval (5 ms): beside a thread that never
+# waits, 103k rows took 5.5 s in chunks of 128, 1.0 s of 1024, 0.6 s of 4096 (0.3 s alone). The
+# aggregator's loop thread is idle most of a tick (backpressure), and in the server 1024 and 4096
+# measured no better than 128 (4096: slower, and +150 MiB RSS), so 128 stays. Capped by the
+# build's variable limit (999 before SQLite 3.32).
 CHUNK_ROWS = 128
 
 _PAGE_SIZE = 16384  # takes effect for a new file only (set before WAL mode)
@@ -108,11 +113,11 @@ class SqliteStore:
             )
             for table, cols in COLUMNS.items()
         }
-        self._chunk_inserts = {
-            table: f"INSERT OR IGNORE INTO {table} ({', '.join(c for c, _ in cols)}) VALUES "
-                   + ", ".join([f"({', '.join('?' for _ in cols)})"] * CHUNK_ROWS)
-            for table, cols in COLUMNS.items()
-        }
+        try:  # the most parameters one statement may bind in this build (999 before SQLite 3.32)
+            limit = self._db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        except (AttributeError, sqlite3.Error):  # Python < 3.11
+            limit = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
+        self._chunk_rows = {table: max(1, min(CHUNK_ROWS, limit // len(cols))) for table, cols in COLUMNS.items()}
 
     def _create(self) -> None:
         for table, cols in COLUMNS.items():
@@ -182,15 +187,23 @@ class SqliteStore:
         return total
 
     def _insert(self, table: str, rows: list[tuple[Any, ...]]) -> None:
-        """Whole chunks by the multi-row statement, the rest row by row (see CHUNK_ROWS); the
-        same rows in the same order, so INSERT OR IGNORE keeps the same first of duplicates."""
-        size = CHUNK_ROWS
-        whole = len(rows) - len(rows) % size if size > 1 else 0
+        """Whole chunks by one multi-row statement, the rest by one statement of its own length
+        (see CHUNK_ROWS); the same rows in the same order, so INSERT OR IGNORE keeps the same
+        first of duplicates."""
+        size = self._chunk_rows[table]
+        whole = len(rows) - len(rows) % size
         if whole:
-            self._db.executemany(self._chunk_inserts[table],
+            self._db.executemany(self._values_insert(table, size),
                                  (list(chain.from_iterable(rows[i:i + size])) for i in range(0, whole, size)))
         if whole < len(rows):
-            self._db.executemany(self._inserts[table][0], rows[whole:] if whole else rows)
+            self._db.execute(self._values_insert(table, len(rows) - whole), list(chain.from_iterable(rows[whole:])))
+
+    def _values_insert(self, table: str, count: int) -> str:
+        """``INSERT OR IGNORE`` of ``count`` rows in one statement (sqlite3 caches the prepared
+        statements by their text)."""
+        cols = COLUMNS[table]
+        one = f"({', '.join('?' for _ in cols)})"
+        return f"INSERT OR IGNORE INTO {table} ({', '.join(c for c, _ in cols)}) VALUES " + ", ".join([one] * count)
 
     def upsert_session(self, row: Mapping[str, Any]) -> None:
         """Creates or updates a session; an existing status only moves forward."""
