@@ -234,6 +234,11 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def versions(*dists: str) -> dict[str, str]:
+    """Installed versions of ``dists`` ("not installed" for a missing one), for a bench header."""
+    return {dist: _version(dist) for dist in dists}
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as handle:

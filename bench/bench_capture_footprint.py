@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    versions,
     REPO_ROOT,
     load_average,
     machine_header,
@@ -234,18 +235,6 @@ def _importtime_top(code: str, count: int) -> list[tuple[int, int, str]]:
     return sorted(rows, reverse=True)[:count]
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata
-
-    found = {}
-    for dist in ("psutil", "torch"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rss-repeat", type=int, default=3, help="children per RSS row; median kept (default 3)")
@@ -257,7 +246,7 @@ def main() -> None:
     args = parser.parse_args()
 
     header = machine_header(args.tmp_dir)
-    header["versions"].update(_versions())
+    header["versions"].update(versions("psutil", "torch"))
     print_header("capture footprint: RSS, import cost, CPU while idle (no torch in the program)", header)
     work = Path(tempfile.mkdtemp(prefix="bench-capture-footprint-", dir=args.tmp_dir))
     counter = iter(range(1_000_000))

@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    versions,
     GcTimer,
     load_average,
     machine_header,
@@ -428,18 +429,6 @@ def _us(ns: float) -> str:
     return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata
-
-    found = {}
-    for dist in ("psutil", "torch"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=1000, help="stepwatch pairs per batch (default 1000)")
@@ -455,7 +444,7 @@ def main() -> None:
     args = parser.parse_args()
 
     header = machine_header(args.tmp_dir)
-    header["versions"].update(_versions())
+    header["versions"].update(versions("psutil", "torch"))
     print_header(f"capture overhead: phase pair, progress, one sample; {args.repeat} batches per series",
                  header)
     work = Path(tempfile.mkdtemp(prefix="bench-capture-overhead-", dir=args.tmp_dir))

@@ -59,6 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    versions,
     best_of,
     format_rate,
     load_average,
@@ -269,18 +270,6 @@ WORKERS: dict[str, Callable[[list[str]], dict[str, Any]]] = {
 }
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata
-
-    found = {}
-    for dist in ("stepwatch", "cirron-sdk", "torch", "msgspec"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds, best kept (default 5)")
@@ -293,7 +282,7 @@ def main() -> None:
     args = parser.parse_args()
 
     header = machine_header(args.tmp_dir)
-    header["versions"] = _versions()
+    header["versions"] = versions("stepwatch", "cirron-sdk", "torch", "msgspec")
     print_header("snapshot statistics and spool writing: stepwatch vs cirron-sdk", header)
     work = Path(tempfile.mkdtemp(prefix="bench-snapshot-spool-", dir=args.tmp_dir))
     results: dict[str, dict[str, Any]] = {}

@@ -69,6 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    versions,
     GcTimer,
     load_average,
     machine_header,
@@ -632,18 +633,6 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata
-
-    found = {}
-    for dist in ("stepwatch", "torch", "traceml-ai", "msgspec", "psutil"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["small", "large"],
@@ -667,7 +656,7 @@ def main() -> None:
     args = parser.parse_args()
 
     header = machine_header(args.tmp_dir)
-    header["versions"] = _versions()
+    header["versions"] = versions("stepwatch", "torch", "traceml-ai", "msgspec", "psutil")
     header["configs"] = {
         name: {"features": f, "hidden": h, "hidden_layers": d, "batch": b} for name, (f, h, d, b) in CONFIGS.items()
     }
