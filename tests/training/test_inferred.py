@@ -259,13 +259,15 @@ def test_a_rank_evicts_only_its_own_spool_batches(tmp_path: Path) -> None:
     assert rank0_files and first.evicted_batches == 0
     second = _train_rank(tmp_path, 1, 600)  # far more than its 64 KiB cap
 
-    assert second.evicted_batches > 0 and second.evicted_records > 0
-    assert all(path.exists() for path in rank0_files)  # rank 0's batches are not rank 1's to drop
+    state = (f"rank 1 wrote {second.batches_written} batches, evicted {second.evicted_batches} "
+             f"({second.evicted_records} records); on disk {sorted(p.name for p in spool_dir.glob('*.json'))}")
+    assert second.evicted_batches > 0 and second.evicted_records > 0, state
+    assert all(path.exists() for path in rank0_files), state  # rank 0's batches are not rank 1's to drop
     mine = [p for p in spool_dir.glob("*.json") if p not in rank0_files]
-    assert sum(p.stat().st_size for p in mine) <= 64 * 1024  # the cap is per writer
+    assert sum(p.stat().st_size for p in mine) <= 64 * 1024, state  # the cap is per writer
     spool = read_spool(tmp_path)
     sessions = [s for s in spool.spans if s["name"] == SESSION]
-    assert sorted(s["rank"] for s in sessions) == [0, 1]
+    assert sorted(s["rank"] for s in sessions) == [0, 1], state
 
 
 # -- stepwatch import of one spool batch -----------------------------------------------------
