@@ -481,3 +481,19 @@ def test_runtime_records_have_the_spec_fields_in_order(tmp_path: Path) -> None:
     assert first["mark_ids"] == [by_name["loss"]["id"], by_name["diverged"]["id"]]
     assert list(second["attrs"]) == [*breakdown, "error"] and second["attrs"]["error"] == "KeyError"
     assert second["attrs"]["step_ns"] == second["end_ns"] - second["start_ns"]
+
+
+
+def test_a_final_batch_over_the_cap_keeps_the_session_span(tmp_path: Path) -> None:
+    """Everything of a run sealed at shutdown, far over the cap: the batch is split and its older
+    pieces evicted, but the session span, which everything hangs under, stays on disk."""
+    stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False, spool_interval=3600.0,
+                   spool_max_bytes=64 * 1024)
+    for i in range(1000):
+        with stepwatch.scope("work", i=i):
+            stepwatch.mark("note", "x" * 200)
+    runtime = stepwatch.current_runtime()
+    stepwatch.shutdown()
+    kept = read_spool(tmp_path)
+    assert runtime.spool.evicted_batches > 0
+    assert [s["name"] for s in kept.spans if s["parent_id"] is None] == ["stepwatch.session"]

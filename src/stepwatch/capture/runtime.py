@@ -547,10 +547,18 @@ class Runtime:
             self._wire["spans"].extend(fresh_spans)
             self._wire["marks"].extend(fresh_marks)
             self._wire["snapshots"].extend(snapshots)
+        roots: list[Any] = []
+        if final:
+            # The session span gets a batch of its own, written last: a final batch over the byte
+            # cap is split and its older pieces evicted, and that must not take the span that
+            # everything else hangs under.
+            roots = [span for span in spans if span.parent_id is None]
+            spans = [span for span in spans if span.parent_id is not None]
         try:
             paths = self.spool.write(spans, marks, snapshots)
+            paths += self.spool.write(roots, [], [])
         except OSError as exc:  # full or vanished disk: the batch is lost, and counted as such
-            self.spool_write_lost += len(spans) + len(marks) + len(snapshots)
+            self.spool_write_lost += len(spans) + len(roots) + len(marks) + len(snapshots)
             report_internal(exc, "spool.write")
             return
         for path in paths:
