@@ -12,14 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import read_spool
-from stepwatch.capture import guard, training
 from stepwatch.capture.gpu_timing import GpuTimer
 
 
@@ -189,14 +187,6 @@ def test_outstanding_is_safe_while_the_training_thread_records() -> None:
 
 # -- end to end ------------------------------------------------------------------------------
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()
-    yield
-    stepwatch.shutdown()
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def _train(runs: int = 2) -> nn.Module:

@@ -16,18 +16,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard, training
+
+from .test_torch_patches import _FakeDeviceCopy
 
 SESSION = "stepwatch.session"
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()
-    yield
-    stepwatch.shutdown()
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def start(run_dir: Path) -> Any:
@@ -187,18 +180,6 @@ def test_gradient_accumulation_without_a_dataloader_is_one_step(tmp_path: Path) 
     for step in steps:
         names = sorted(k["name"] for k in tree[step["id"]])
         assert names == ["backward", "backward", "forward", "forward", "optimizer_step"]
-
-
-class _FakeDeviceCopy(torch.Tensor):
-    """A CPU tensor whose .to(<accelerator>) is a slow plain copy, as on a GPU host."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", None) in ("to", "cuda"):
-            time.sleep(0.002)
-            with torch._C.DisableTorchFunctionSubclass():
-                return args[0].clone()
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 class _MovesItsInput(nn.Module):

@@ -18,19 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard, training
 from stepwatch.capture.spans import cut_utf8, mark_value
 
 SESSION = "stepwatch.session"
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()  # marks another test left for "the next runtime"
-    yield
-    stepwatch.shutdown()
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def start(run_dir: Path, **options: Any) -> Any:

@@ -20,17 +20,8 @@ from torch import nn
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard, training
 from stepwatch.capture.snapshots import tensor_stats
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()
-    yield
-    stepwatch.shutdown()
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def start(run_dir: Path, **options: Any) -> Any:

@@ -29,20 +29,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard, training
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 PHASES = ("data_load", "forward", "backward", "optimizer_step")
 SESSION = "stepwatch.session"
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()  # marks another test left for "the next runtime"
-    yield
-    stepwatch.shutdown()  # never leave torch patched behind a failed test
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def start(run_dir: Path, **options: Any) -> Any:

@@ -24,21 +24,12 @@ from hypothesis import strategies as st
 
 import stepwatch
 from stepwatch.artifacts.spool import SpoolWriter, read_spool
-from stepwatch.capture import guard, training
 from stepwatch.errors import ArtifactError
 
 NAME = re.compile(r"(\d{20})-([0-9a-f]{32})\.json")
 KEYS = {"schema_version", "sdk_version", "batch_id", "created_ns", "spans", "marks", "snapshots"}
 SESSION = "stepwatch.session"
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()
-    yield
-    stepwatch.shutdown()
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def span(i: int, parent: int | None = None, *, pad: int = 0, start: int | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard, training
+from stepwatch.capture import guard
 from stepwatch.capture.torch_patches import _targets_accelerator
 from stepwatch.capture.training import TrainingState
 
@@ -29,14 +29,6 @@ TARGETS = [(nn.Module, "__call__"), (torch.Tensor, "backward"), (torch.autograd,
 # attribute (Tensor.to is inherited from TensorBase) must be the same after every shutdown.
 OWN_AT_IMPORT = {target: target[1] in vars(target[0]) for target in TARGETS}
 
-
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    guard.reset_swallowed()
-    training.pre_init_marks()
-    yield
-    stepwatch.shutdown()
-    assert guard.swallowed() == {}, guard.recent_swallowed()
 
 
 def start(run_dir: Path, **options: Any) -> Any:

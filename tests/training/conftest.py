@@ -1,0 +1,20 @@
+"""Every training test starts with no runtime and no stray marks, and ends with torch unpatched
+and nothing swallowed that the test did not expect (a test that expects it resets the guard)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import stepwatch
+from stepwatch.capture import guard, training
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime() -> Iterator[None]:
+    guard.reset_swallowed()
+    training.pre_init_marks()  # marks another test left for "the next runtime"
+    yield
+    stepwatch.shutdown()  # never leave torch patched behind a failed test
+    assert guard.swallowed() == {}, guard.recent_swallowed()
