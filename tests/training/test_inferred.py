@@ -22,7 +22,6 @@ from .test_torch_patches import _FakeDeviceCopy
 SESSION = "stepwatch.session"
 
 
-
 def start(run_dir: Path) -> Any:
     return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False)
 

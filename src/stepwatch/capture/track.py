@@ -25,7 +25,8 @@ __all__ = ["default_run_dir", "sample_process", "track_command"]
 AUTOSTART_DIR = Path(__file__).parent / "_autostart"
 _RUNTIME_GRACE_S = 3.0  # how long a Python child has to start capture before it is sampled from outside
 _LAUNCHER_GRACE_S = 20.0  # the same for torchrun & co., whose workers start seconds later
-_LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
+# the same names _autostart/sitecustomize.py treats as launchers (it cannot import this module)
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "deepspeed")
 
 
 def default_run_dir(session_id: str) -> Path:
@@ -50,8 +51,7 @@ def _capture_grace_s(command: list[str]) -> float:
     if not _runs_python(command):
         return 0.0
     words = {os.path.basename(word) for word in command[:3]}
-    launcher = bool(words & set(_LAUNCHERS)) or "torch.distributed.run" in command[:3]
-    return _LAUNCHER_GRACE_S if launcher else _RUNTIME_GRACE_S
+    return _LAUNCHER_GRACE_S if words & set(_LAUNCHERS) else _RUNTIME_GRACE_S
 
 
 def _exit_code(returncode: int) -> int:
