@@ -37,17 +37,20 @@ _JSON_LEAVES = frozenset({bool, int, float, type(None)})
 _MAX_DEPTH = 8
 
 
-def json_safe(value: Any, _depth: int = 0) -> Any:
+def json_safe(value: Any, _depth: int = 0, *, finite: bool = False) -> Any:
     """``value`` as something ``msgspec.json`` always encodes, for values the user hands us
     (phase attributes, progress metrics): an encode failure in a writer would lose the record.
 
     Plain JSON values pass unchanged; numpy/torch scalars become their number (``.item()``);
     subclasses of bool/int/float/str become the base type; mappings and sequences are converted
     item by item (keys become strings); anything else, and text that is not valid UTF-8,
-    becomes ``str()`` of it.
+    becomes ``str()`` of it. ``finite``: NaN and infinities become "nan"/"inf"/"-inf" (span
+    attrs, which the spool keeps strict JSON), else they pass as floats.
     """
     kind = type(value)
     if kind in _JSON_LEAVES:
+        if finite and kind is float and not math.isfinite(value):
+            return "nan" if value != value else ("inf" if value > 0 else "-inf")
         return value
     if kind is str:
         return value if value.isascii() else _utf8(value)
@@ -58,13 +61,14 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
-        return float(value)
+        return json_safe(float(value), finite=finite)
     if isinstance(value, str):
         return _utf8(str.__str__(value))
     if isinstance(value, Mapping):
-        return {(k if type(k) is str else _text(k)): json_safe(v, _depth + 1) for k, v in value.items()}
+        return {(k if type(k) is str else _text(k)): json_safe(v, _depth + 1, finite=finite)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [json_safe(v, _depth + 1) for v in value]
+        return [json_safe(v, _depth + 1, finite=finite) for v in value]
     item = getattr(value, "item", None)
     if callable(item):
         try:
@@ -73,7 +77,7 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
             pass
         else:
             if type(number) in _JSON_LEAVES:
-                return number
+                return json_safe(number, finite=finite)
     return _text(value)
 
 

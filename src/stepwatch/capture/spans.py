@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from ..artifacts.heartbeat import json_safe
 from .tables import BoundedTable
 
 __all__ = ["MarkRow", "OpenSpan", "SpanRecorder", "SpoolMark", "SpoolSpan", "clean_attrs", "cut_utf8",
@@ -60,25 +61,6 @@ def mark_value(value: Any) -> tuple[str, Any, str | None]:
     return "string", cut_utf8(value if isinstance(value, str) else str(value)), None
 
 
-def _json_safe(value: Any) -> Any:
-    """Attrs as strict JSON: non-finite floats become "nan"/"inf"/"-inf", unknown types str()."""
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value in (float("inf"), float("-inf")):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if hasattr(value, "item"):
-        return _json_safe(value.item())
-    return str(value)
-
-
 _PLAIN_TYPES = frozenset({int, str, bool, type(None)})
 
 
@@ -88,7 +70,7 @@ def clean_attrs(attrs: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     for value in attrs.values():
         if type(value) not in _PLAIN_TYPES:
-            return _json_safe(attrs)  # type: ignore[no-any-return]
+            return json_safe(attrs, finite=True)  # type: ignore[no-any-return]
     return attrs
 
 
