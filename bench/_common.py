@@ -36,10 +36,27 @@ RECORD_METADATA = {
     "supports_device_free": False,
     "sampling_source": "psutil",
 }
+# What stepwatch's CPU collector really writes in every sample (collector health, spec
+# telemetry-event-v3.md "Collector health metadata", plus the process's virtual size).
+COLLECTOR_METADATA = {
+    "backend": "cpu",
+    "supports_device_total": True,
+    "supports_device_free": True,
+    "sampling_source": "psutil",
+    "collector_health_status": "healthy",
+    "telemetry_partial": False,
+    "collector_partial_fields": [],
+    "collector_last_error": None,
+    "collector_consecutive_failures": 0,
+    "collector_next_retry_epoch_s": None,
+}
+RECORD_SHAPES = ("lean", "collector")
 SESSION_ID = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
 
 __all__ = [
     "BENCH_DIR",
+    "COLLECTOR_METADATA",
+    "RECORD_SHAPES",
     "RECORD_METADATA",
     "RESULTS_DIR",
     "SESSION_ID",
@@ -70,13 +87,20 @@ def make_records(
     start_ns: int = 1_790_000_000_000_000_000,
     host: str = "bench-node-01",
     pid: int = 4242,
+    shape: str = "lean",
 ) -> Iterator[dict[str, Any]]:
     """``n`` valid TelemetryEvent v3 records as plain dicts, deterministic for a given seed.
 
     Shaped like the CPU collector's samples at 100 ms: time-ordered timestamps with jitter,
     allocator counters on a random walk, one marker record in a hundred with a context
     string, and a fresh small metadata dict per record (as a collector builds it).
+    ``shape="lean"``: the four capability keys of ``RECORD_METADATA``, device free/total null
+    (678 B/record). ``shape="collector"``: every key stepwatch's CPU collector writes
+    (``COLLECTOR_METADATA`` plus a changing ``vms_bytes``), device free/total filled (~950 B).
     """
+    if shape not in RECORD_SHAPES:
+        raise ValueError(f"shape must be one of {RECORD_SHAPES}, got {shape!r}")
+    collector = shape == "collector"
     rng = random.Random(seed)
     allocated = 512 * 1024 * 1024
     reserved = allocated + 64 * 1024 * 1024
@@ -103,10 +127,14 @@ def make_records(
             "allocator_inactive_bytes": None,
             "allocator_change_bytes": change,
             "device_used_bytes": reserved + 12_345_678,
-            "device_free_bytes": None,
-            "device_total_bytes": None,
+            "device_free_bytes": 24 * 2**30 - reserved if collector else None,
+            "device_total_bytes": 25_276_502_016 if collector else None,
             "context": f"step {i // 100}" if marker else None,
-            "metadata": dict(RECORD_METADATA),
+            "metadata": (
+                COLLECTOR_METADATA | {"collector_partial_fields": [], "vms_bytes": reserved + 2**30}
+                if collector
+                else dict(RECORD_METADATA)
+            ),
             "job_id": None,
             "rank": 0,
             "local_rank": 0,

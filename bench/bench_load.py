@@ -35,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    RECORD_SHAPES,
     SESSION_ID,
     best_of,
     current_rss_bytes,
@@ -75,6 +76,7 @@ def _prepare_worker(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--events", type=int, required=True)
     parser.add_argument("--subset", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--records", choices=RECORD_SHAPES, required=True)
     args = parser.parse_args(argv)
     config = SinkConfig(
         flush_every_events=10_000, fsync="close",
@@ -92,7 +94,7 @@ def _prepare_worker(argv: list[str]) -> dict[str, Any]:
             )
         )
         checksum = 0
-        for record in make_records(count):
+        for record in make_records(count, shape=args.records):
             checksum += record["allocator_allocated_bytes"]
             sink.append(TelemetryEventV3(**record))
         sink.close()
@@ -200,6 +202,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="rounds per contender; best is kept (default 5)")
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the sink directories are written (default: the temp dir)")
+    parser.add_argument("--records", choices=RECORD_SHAPES, default="collector",
+                        help="record shape: what the CPU collector writes (default) or the lean 4-key metadata")
     parser.add_argument("--keep-data", action="store_true", help="leave the sink directories behind")
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile one stepwatch load of each directory and print the top functions")
@@ -210,7 +214,7 @@ def main() -> None:
     header = machine_header(args.tmp_dir)
     print_header(
         f"sink load: stepwatch {args.events:,} events; stepwatch and stormlog {args.subset:,}; "
-        f"best of {args.repeat}",
+        f"best of {args.repeat}; {args.records} records",
         header,
     )
     data_dir = Path(tempfile.mkdtemp(prefix="bench-load-", dir=args.tmp_dir))
@@ -218,7 +222,8 @@ def main() -> None:
         print("writing the sink directories with stepwatch ...", flush=True)
         prepared = run_worker(
             SCRIPT, "prepare",
-            ["--events", str(args.events), "--subset", str(args.subset), "--out", str(data_dir)],
+            ["--events", str(args.events), "--subset", str(args.subset), "--out", str(data_dir),
+             "--records", args.records],
         )
         for name in ("full", "subset"):
             info = prepared[name]
