@@ -343,6 +343,45 @@ def test_truncated_final_line_is_ignored_and_counted(tmp_path: Path) -> None:
         assert loaded.summary.event_count == 4
 
 
+def test_torn_line_in_a_closed_segment_is_counted_and_the_rest_loads(tmp_path: Path) -> None:
+    """Closed segments are read through mmap; a torn tail there is handled like in the active one."""
+    sid, events = write_session(tmp_path, 6, SinkConfig(rollover_max_events=3))
+    first = tmp_path / "segment-000001.jsonl"
+    assert (tmp_path / "segment-000002.jsonl").exists()
+    with first.open("ab") as handle:
+        handle.write(msgspec.json.encode(make_event(sid, 99))[:80])
+    [loaded] = load_telemetry_sessions(tmp_path)
+    assert loaded.events == events and loaded.torn_lines == 1
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_load_runs_no_gc_collection_and_restores_the_gc_state(tmp_path: Path, enabled: bool) -> None:
+    """Records whose metadata holds lists are GC-tracked; no collection may run inside a load."""
+    import gc
+
+    write_session(tmp_path, 3000, metadata={"backend": "cpu", "collector_partial_fields": ["x"]})
+    inside_load: list[int] = []
+
+    def callback(phase: str, info: dict) -> None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_load_sessions":
+                inside_load.append(info["generation"])
+            frame = frame.f_back
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    gc.callbacks.append(callback)
+    try:
+        [loaded] = load_telemetry_sessions(tmp_path)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(callback)
+        (gc.enable if was else gc.disable)()
+    assert inside_load == [] and len(loaded.events) == 3000
+    assert loaded.events[0].metadata["collector_partial_fields"] == ["x"]
+
+
 def test_final_line_without_newline_but_complete_is_kept(tmp_path: Path, session_id: str) -> None:
     events = [make_event(session_id, i) for i in range(3)]
     path = tmp_path / "loose.jsonl"
