@@ -80,6 +80,23 @@ def test_wal_mode_and_every_table(store: SqliteStore) -> None:
     assert store.path.with_name("history.sqlite-wal").exists()
 
 
+def test_commits_are_checkpointed_off_the_writer_and_close_removes_the_wal(store: SqliteStore) -> None:
+    """The writer's connection never checkpoints (its commits don't wait on the fsync); the
+    checkpointer thread copies each commit into the database file while the store stays open."""
+    import time
+
+    assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    before = store.path.stat().st_size
+    store.append("telemetry", [telemetry(S1, 0, t) for t in range(2000)])  # ~1 MiB: far below 1000 pages
+    deadline = time.monotonic() + 10
+    while store.path.stat().st_size <= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.path.stat().st_size > before
+    store.close()
+    assert not store.path.with_name("history.sqlite-wal").exists()
+    assert reader_count(store.path, "telemetry") == 2000
+
+
 def test_open_store_on_a_directory_uses_history_sqlite(tmp_path: Path) -> None:
     s = open_store(tmp_path)
     try:
