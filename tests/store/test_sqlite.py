@@ -97,6 +97,23 @@ def test_commits_are_checkpointed_off_the_writer_and_close_removes_the_wal(store
     assert reader_count(store.path, "telemetry") == 2000
 
 
+def test_the_writer_checkpoints_itself_when_the_wal_outgrows_its_bound(
+        store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lagging (here: stopped) checkpointer must not let the WAL grow without end."""
+    from stepwatch.store import sqlite as sqlite_module
+
+    monkeypatch.setattr(sqlite_module, "_WAL_BOUND", 256 << 10)
+    assert store._checkpointer is not None
+    store._checkpointer.close()
+    wal = store.path.with_name("history.sqlite-wal")
+    sizes = []
+    for commit in range(30):
+        store.append("telemetry", [telemetry(S1, 0, commit * 1000 + t, metadata={"pad": "x" * 200}) for t in range(500)])
+        sizes.append(wal.stat().st_size)
+    assert sum(sizes) / len(sizes) < 2 * (256 << 10) + (2 << 20), sizes
+    assert store.count("telemetry") == 30 * 500
+
+
 def test_open_store_on_a_directory_uses_history_sqlite(tmp_path: Path) -> None:
     s = open_store(tmp_path)
     try:

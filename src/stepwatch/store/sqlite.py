@@ -9,7 +9,10 @@ cut the writer's CPU time per row by about a sixth under the aggregator's load (
 Checkpoints (copying the WAL back into the database file, then fsync) run on a thread and a
 connection of their own, started by each commit, instead of SQLite's automatic checkpoint inside
 the writer's commit every 1000 pages: the fsync no longer stalls the writer, which under the
-aggregator's load wrote ~13% more rows per second for it (bench/README.md).
+aggregator's load wrote ~13% more rows per second for it (bench/README.md). Under a load with
+no pause the checkpointer can lag (the WAL restarts only once a checkpoint copied every frame), so
+past ``_WAL_BOUND`` the writer checkpoints itself, as SQLite's automatic checkpoint would, and
+``journal_size_limit`` shrinks the file back after each restart.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ _RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("mar
 # build's variable limit (999 before SQLite 3.32).
 CHUNK_ROWS = 128
 
+_WAL_BOUND = 64 << 20  # bytes of WAL past which the writer checkpoints in its own commit
 _PAGE_SIZE = 16384  # takes effect for a new file only (set before WAL mode)
 _CACHE_KIB = 32 * 1024
 
@@ -92,6 +96,7 @@ class SqliteStore:
         self.read_only = read_only
         self._lock = threading.Lock()
         self._checkpointer: _Checkpointer | None = None
+        self._wal = self.path.with_name(self.path.name + "-wal")
         try:
             if read_only:
                 if not self.path.exists():
@@ -106,6 +111,7 @@ class SqliteStore:
                 # NORMAL in WAL: a commit survives a crash of this process (not a power loss)
                 self._db.execute("PRAGMA synchronous=NORMAL")
                 self._db.execute("PRAGMA wal_autocheckpoint=0")  # _Checkpointer does it
+                self._db.execute(f"PRAGMA journal_size_limit={_WAL_BOUND}")
                 self._db.execute(f"PRAGMA cache_size=-{_CACHE_KIB}")
                 self._create()
                 self._checkpointer = _Checkpointer(self.path)
@@ -316,8 +322,16 @@ class SqliteStore:
         )
 
     def _checkpoint_soon(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.request()
+        """After a commit (lock held): the checkpointer's turn, or the writer's own past the bound."""
+        if self._checkpointer is None:
+            return
+        self._checkpointer.request()
+        try:
+            behind = self._wal.stat().st_size > _WAL_BOUND
+        except OSError:
+            return
+        if behind:
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     def close(self) -> None:
         """Stops the checkpointer first: the last connection to close checkpoints what is left
