@@ -114,6 +114,31 @@ def test_the_writer_checkpoints_itself_when_the_wal_outgrows_its_bound(
     assert store.count("telemetry") == 30 * 500
 
 
+def test_a_failing_checkpoint_in_the_writer_loses_no_committed_rows(
+        store: SqliteStore, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from stepwatch.store import sqlite as sqlite_module
+
+    class CheckpointFails:
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if "wal_checkpoint" in sql:
+                raise sqlite3.OperationalError("disk I/O error")
+            return self.db.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.db, name)
+
+    monkeypatch.setattr(sqlite_module, "_WAL_BOUND", 0)
+    store._db = CheckpointFails(store._db)  # type: ignore[assignment]
+    for commit in range(2):
+        assert store.append("telemetry", [telemetry(S1, 0, commit * 10 + t) for t in range(10)]) == 10
+    store._db = store._db.db  # type: ignore[attr-defined]
+    assert store.count("telemetry") == 20
+    assert capsys.readouterr().err.count("WAL checkpoint failed") == 1
+
+
 def test_open_store_on_a_directory_uses_history_sqlite(tmp_path: Path) -> None:
     s = open_store(tmp_path)
     try:

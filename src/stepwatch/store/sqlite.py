@@ -331,7 +331,10 @@ class SqliteStore:
         except OSError:
             return
         if behind:
-            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            except sqlite3.Error as exc:  # the rows are committed: a failed checkpoint loses nothing
+                self._checkpointer.warn(exc)
 
     def close(self) -> None:
         """Stops the checkpointer first: the last connection to close checkpoints what is left
@@ -389,7 +392,7 @@ class _Checkpointer:
         try:
             db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
         except sqlite3.Error as exc:
-            self._warn(exc)
+            self.warn(exc)
             return
         try:
             while True:
@@ -400,11 +403,11 @@ class _Checkpointer:
                 try:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 except sqlite3.Error as exc:
-                    self._warn(exc)
+                    self.warn(exc)
         finally:
             db.close()
 
-    def _warn(self, exc: sqlite3.Error) -> None:
+    def warn(self, exc: sqlite3.Error) -> None:
         if not self._failed:
             self._failed = True
             print(f"[stepwatch] store: {self._path}: WAL checkpoint failed (later failures are not shown; "
