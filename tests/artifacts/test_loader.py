@@ -354,6 +354,19 @@ def test_torn_line_in_a_closed_segment_is_counted_and_the_rest_loads(tmp_path: P
     assert loaded.events == events and loaded.torn_lines == 1
 
 
+def test_only_closed_segments_are_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newest segment may still be cut back by its writer: a mapping of it could SIGBUS."""
+    from stepwatch.artifacts import telemetry_loader
+
+    _, events = write_session(tmp_path, 7, SinkConfig(rollover_max_events=3))
+    mapped: list[str] = []
+    real = telemetry_loader._mapped
+    monkeypatch.setattr(telemetry_loader, "_mapped", lambda path: mapped.append(path.name) or real(path))
+    [loaded] = load_telemetry_sessions(tmp_path)
+    assert loaded.events == events
+    assert mapped == ["segment-000001.jsonl", "segment-000002.jsonl"]
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_load_runs_no_gc_collection_and_restores_the_gc_state(tmp_path: Path, enabled: bool) -> None:
     """Records whose metadata holds lists are GC-tracked; no collection may run inside a load."""

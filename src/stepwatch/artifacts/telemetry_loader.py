@@ -68,7 +68,8 @@ _local_rank_of = attrgetter("local_rank")
 _world_of = attrgetter("world_size")
 _drain = partial(deque, maxlen=0)  # runs an iterator to its end in C
 _EVENT_KEYS = ("events", "telemetry_events")
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# POSIX only (elsewhere segments are read): a mapped file there can still be pruned by a writer
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0) if hasattr(mmap, "MAP_SHARED") else None
 # msgspec raises UnicodeDecodeError (not a DecodeError) for bytes that are not UTF-8 in a string
 _UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError)
 
@@ -385,6 +386,8 @@ def _mapped(path: Path) -> mmap.mmap | None:
     Only closed segments: a writer may cut back the active one, and a mapped page past a
     truncation would raise SIGBUS.
     """
+    if _MAP_FLAGS is None:
+        return None
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         if size == 0:
