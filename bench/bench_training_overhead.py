@@ -6,6 +6,7 @@ Usage::
 
     .venv/bin/python bench/bench_training_overhead.py [--rounds-small 200] [--rounds-large 80]
         [--block-small 40] [--block-large 8] [--warmup 4] [--only NAME ...] [--tmp-dir DIR] [--profile]
+        [--device cuda]
 
 One fresh subprocess per contender (``--worker NAME``, through ``_common.run_worker``):
 
@@ -36,7 +37,10 @@ momentum; cross-entropy)::
             loss.backward()
             optimizer.step()
 
-Two sizes: ``small`` (~2 ms a step here) and ``large`` (~20 ms). A block is one pass over a
+Two sizes: ``small`` (~2 ms a step here) and ``large`` (~20 ms). ``--device cuda`` runs the
+same loop with the model on the GPU (the batch still comes from the CPU loader, so every step
+has two host-to-device copies, and stepwatch times its phases with CUDA events); each block
+then ends with ``torch.cuda.synchronize()`` inside its timed span, so the device's work counts. A block is one pass over a
 loader of ``--block-*`` batches (so it includes one ``iter(loader)``); a round is one untraced
 and one traced block, in alternating order (ABBA), after a full collection; switching patches
 on or off happens between blocks, untimed. Per round: per-step time of each block and their
@@ -103,7 +107,7 @@ DEFAULT_BLOCKS = {"small": (40, 200), "large": (8, 80), "tiny": (100, 60)}  # st
 class Workload:
     """Model, optimizer, loss and loader of one size; ``block(traced)`` runs one pass."""
 
-    def __init__(self, name: str, steps: int, trace_step: Callable[[Any], Any] | None) -> None:
+    def __init__(self, name: str, steps: int, trace_step: Callable[[Any], Any] | None, device: str = "cpu") -> None:
         import torch
 
         features, hidden, depth, batch = CONFIGS[name]
@@ -116,7 +120,9 @@ class Workload:
         layers.append(torch.nn.Linear(width, 10))
         self.name = name
         self.steps = steps
-        self.model = torch.nn.Sequential(*layers)
+        self.model = torch.nn.Sequential(*layers).to(device)
+        self.device = device
+        self.finish = torch.cuda.synchronize if device == "cuda" else None  # the device's work counts
         self.params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss_fn = torch.nn.CrossEntropyLoss()
@@ -130,7 +136,7 @@ class Workload:
 
     def plain(self) -> list[float]:
         """One pass, untraced; the wall time of each step (the first one includes ``iter(loader)``)."""
-        model, optimizer, loss_fn, device = self.model, self.optimizer, self.loss_fn, "cpu"
+        model, optimizer, loss_fn, device = self.model, self.optimizer, self.loss_fn, self.device
         clock = time.perf_counter
         times: list[float] = []
         mark = clock()
@@ -143,6 +149,9 @@ class Workload:
             now = clock()
             times.append(now - mark)
             mark = now
+        if self.finish is not None:
+            self.finish()
+            times[-1] += clock() - mark
         return times
 
     def traced(self) -> list[float]:
@@ -150,7 +159,7 @@ class Workload:
         if self.trace_step is None:
             return self.plain()
         model, optimizer, loss_fn, device, trace_step = (
-            self.model, self.optimizer, self.loss_fn, "cpu", self.trace_step)
+            self.model, self.optimizer, self.loss_fn, self.device, self.trace_step)
         clock = time.perf_counter
         times: list[float] = []
         mark = clock()
@@ -164,6 +173,9 @@ class Workload:
             now = clock()
             times.append(now - mark)
             mark = now
+        if self.finish is not None:
+            self.finish()
+            times[-1] += clock() - mark
         return times
 
 
@@ -253,6 +265,7 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--aggregator-pid", type=int, default=0)
     parser.add_argument("--collect-each-round", action="store_true")
+    parser.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
 
 
@@ -288,12 +301,13 @@ def _stepwatch_worker(argv: list[str], inferred: bool) -> dict[str, Any]:
     series = []
     traced_steps = 0
     for name, steps, rounds in _plan(args):
-        work = Workload(name, steps, trace_step)
+        work = Workload(name, steps, trace_step, args.device)
         series.append(measure(work, rounds, args.warmup, patches.install, patches.uninstall,
                               collect_each_round=args.collect_each_round))
         traced_steps += (rounds + args.warmup) * steps
         del work
     drops = runtime.drops()
+    timer = runtime.training.gpu_timer
     started = time.perf_counter()
     stepwatch.shutdown()
     shutdown_s = time.perf_counter() - started
@@ -307,6 +321,10 @@ def _stepwatch_worker(argv: list[str], inferred: bool) -> dict[str, Any]:
         "recorded_spans": names,
         "recorded_steps": names.get("step", 0),
         "drops": {k: v for k, v in drops.items() if v},
+        "gpu_timed_spans": sum(1 for span in spool.spans if span["gpu_ns"]),
+        "gpu_timer": None if timer is None else {
+            "resolved": timer.resolved, "pool_exhausted": timer.pool_exhausted,
+            "unresolved_dropped": timer.unresolved_dropped},
         "shutdown_s": shutdown_s,
         "rss_peak_bytes": peak_rss_bytes(),
     }
@@ -351,7 +369,7 @@ def _traceml_worker(argv: list[str]) -> dict[str, Any]:
     traced_steps = 0
     aggregator_pid = args.aggregator_pid or None
     for name, steps, rounds in _plan(args):
-        work = Workload(name, steps, traceml.trace_step)
+        work = Workload(name, steps, traceml.trace_step, args.device)
         series.append(measure(work, rounds, args.warmup, enable, disable, other_pid=aggregator_pid,
                               collect_each_round=args.collect_each_round))
         traced_steps += (rounds + args.warmup) * steps
@@ -438,11 +456,12 @@ def _profile_worker(argv: list[str]) -> dict[str, Any]:
     runtime._thread.join()
     out: dict[str, Any] = {}
     name, steps, rounds = _plan(args)[0]  # the ~2 ms config
-    work = Workload(name, steps, stepwatch.trace_step)
+    work = Workload(name, steps, stepwatch.trace_step, args.device)
     blocks = max(4, min(rounds, 2000 // steps))
     total = blocks * steps
     for _ in range(args.warmup):
         work.traced()
+    runtime._enable_gpu_timing()  # done by the sampler's tick, stopped above
     runtime._seal_spool()
 
     # 1. cProfile of the traced loop (wall clock; preemption lands on functions in proportion to their time)
@@ -552,7 +571,10 @@ def start_aggregator(logs_dir: Path) -> tuple[subprocess.Popen[bytes], int, Path
     log = logs_dir / "serve.log"
     logs_dir.mkdir(parents=True, exist_ok=True)
     traceml_cli = Path(sys.executable).with_name("traceml")
-    command = [str(traceml_cli), "serve", "--mode", "summary", "--logs-dir", str(logs_dir), "--run-name", "bench",
+    # its console script, else its entry point (a package installed with pip --target has no script)
+    launcher = [str(traceml_cli)] if traceml_cli.exists() else [
+        sys.executable, "-c", "import sys; from traceml_ai.launcher.cli import main; sys.exit(main())"]
+    command = [*launcher, "serve", "--mode", "summary", "--logs-dir", str(logs_dir), "--run-name", "bench",
                "--aggregator-port", str(port)]
     handle = open(log, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=logs_dir)
@@ -653,6 +675,8 @@ def main() -> None:
                         help="where run directories and TraceML logs go (default: the temp dir)")
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile a traced stepwatch loop and the seal of its spans")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model runs (default cpu; cuda: a GPU, phases timed with CUDA events)")
     args = parser.parse_args()
 
     header = machine_header(args.tmp_dir)
@@ -660,18 +684,23 @@ def main() -> None:
     header["configs"] = {
         name: {"features": f, "hidden": h, "hidden_layers": d, "batch": b} for name, (f, h, d, b) in CONFIGS.items()
     }
-    print_header("training instrumentation overhead: per-step cost on a CPU training loop", header)
+    if args.device == "cuda":
+        import torch
+
+        header["gpu"] = torch.cuda.get_device_name(0)
+    print_header(f"training instrumentation overhead: per-step cost on a {args.device.upper()} training loop", header)
     for name, (f, h, d, b) in CONFIGS.items():
         if name not in args.configs:
             continue
-        print(f"config {name}: MLP {f}->{h}x{d}->10 (ReLU), batch {b}, SGD momentum, cross-entropy, "
+        print(f"config {name}: MLP {f}->{h}x{d}->10 (ReLU) on {args.device}, batch {b}, SGD momentum, cross-entropy, "
               f"DataLoader(num_workers=0), torch threads 1")
     plan = [f"{name}:{getattr(args, f'block_{name}')}:{getattr(args, f'rounds_{name}')}" for name in args.configs]
     print("rounds: " + ", ".join(f"{name} {getattr(args, f'rounds_{name}')} x {getattr(args, f'block_{name}')} "
                                  f"steps per block" for name in args.configs)
           + f"; {args.warmup} warm-up rounds each\n")
     work = Path(tempfile.mkdtemp(prefix="bench-training-overhead-", dir=args.tmp_dir))
-    common = ["--plan", *plan, "--warmup", str(args.warmup), *(["--collect-each-round"] if args.collect_each_round else [])]
+    common = ["--plan", *plan, "--warmup", str(args.warmup), "--device", args.device,
+              *(["--collect-each-round"] if args.collect_each_round else [])]
     results: dict[str, dict[str, Any]] = {}
     try:
         for name in args.only:
@@ -733,6 +762,8 @@ def main() -> None:
         line = f"  {name}: traced steps run {result['traced_steps']}, steps recorded {result['recorded_steps']}"
         if "drops" in result:
             line += f", drops {result['drops'] or 'none'}"
+        if result.get("gpu_timer"):
+            line += f", spans with GPU time {result['gpu_timed_spans']}, CUDA-event timer {result['gpu_timer']}"
         line += f", shutdown {result['shutdown_s']:.2f} s, worker wall {result['worker_wall_s']:.0f} s"
         print(line)
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import read_spool
-from stepwatch.capture.gpu_timing import GpuTimer
+from stepwatch.capture.gpu_timing import GpuTimer, cuda_event_source
 
 
 class FakeGpu:
@@ -80,12 +81,14 @@ def timed(timer: GpuTimer, span: Span) -> Span:
 
 def test_pool_is_capped_and_exhaustion_is_counted() -> None:
     gpu = FakeGpu()
+    gpu.done_until = 0  # the device is behind: no pair can be reused yet
     timer = GpuTimer(gpu.make_event, capacity=4)
     first, second = timed(timer, Span()), timed(timer, Span())
     third = timed(timer, Span())  # the pool is empty: no GPU time for this one
     assert len(gpu.events) == 4
     assert timer.pool_exhausted == 1 and third.gpu is None
 
+    gpu.done_until = float("inf")
     assert timer.resolve() == 2
     assert first.gpu == second.gpu == 1_500_000  # ticks 1 -> 2 at 1.5 ms a tick, in ns
     assert not timer.outstanding(first)
@@ -93,17 +96,31 @@ def test_pool_is_capped_and_exhaustion_is_counted() -> None:
 
 def test_start_event_returned_when_no_end_event_is_left() -> None:
     gpu = FakeGpu()
+    gpu.done_until = 0
     timer = GpuTimer(gpu.make_event, capacity=3)
     timed(timer, Span())
     starved = timed(timer, Span())  # got a start event, then no end event
     assert timer.pool_exhausted == 1
     assert not timer.outstanding(starved)
+    gpu.done_until = float("inf")
     timer.resolve()
     assert not isinstance(starved.gpu, int)
     reused = timed(timer, Span())  # the start event went back to the pool
     assert len(gpu.events) == 3 and timer.pool_exhausted == 1
     timer.resolve()
     assert reused.gpu == 1_500_000
+
+
+def test_an_empty_pool_reuses_finished_pairs_on_the_spot() -> None:
+    """Hundreds of steps a second run through a 512-event pool between two background ticks: the
+    training thread takes back the pairs the device has finished instead of dropping spans."""
+    gpu = FakeGpu()
+    timer = GpuTimer(gpu.make_event, capacity=4)
+    spans = [timed(timer, Span()) for _ in range(50)]  # no resolve() from any tick in between
+    assert timer.pool_exhausted == 0 and len(gpu.events) == 4
+    timer.resolve()
+    assert all(s.gpu == 1_500_000 for s in spans)
+    assert "synchronize" not in gpu.calls
 
 
 def test_events_are_reused_after_resolution() -> None:
@@ -248,3 +265,80 @@ def test_spans_wait_for_their_gpu_time_across_seals(tmp_path: Path) -> None:
     timed_spans = [s for s in spool.spans if s["name"] in ("forward", "backward", "optimizer_step")]
     assert len(timed_spans) == 12
     assert all(s["gpu_ns"] == 1_500_000 for s in timed_spans)
+
+
+def test_shutdown_waits_briefly_for_the_last_gpu_times(tmp_path: Path) -> None:
+    """The device runs behind the host: at shutdown the last steps' events are polled (never
+    synchronized) for a moment, so the end of a run keeps its GPU time."""
+    gpu = FakeGpu()
+    gpu.done_until = 0
+    runtime = stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False)
+    runtime.training.gpu_timer = timer = GpuTimer(gpu.make_event, capacity=64, max_wait_s=60)
+    _train()
+    catch_up = threading.Timer(0.1, lambda: setattr(gpu, "done_until", float("inf")))
+    catch_up.start()
+    stepwatch.shutdown()
+    catch_up.join()
+    timed_spans = [s for s in read_spool(tmp_path).spans if s["name"] in ("forward", "backward", "optimizer_step")]
+    assert len(timed_spans) == 12 and all(s["gpu_ns"] == 1_500_000 for s in timed_spans)
+    assert timer.unresolved_dropped == 0 and "synchronize" not in gpu.calls
+
+
+def test_gpu_times_still_pending_at_shutdown_are_counted(tmp_path: Path) -> None:
+    gpu = FakeGpu()
+    gpu.done_until = 0  # a device that never catches up: shutdown gives up after its wait
+    runtime = stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False)
+    runtime.training.gpu_timer = timer = GpuTimer(gpu.make_event, capacity=64, max_wait_s=60)
+    _train()
+    began = time.monotonic()
+    stepwatch.shutdown()
+    assert time.monotonic() - began < 1.8  # the wait is bounded (1 s) within the stop's 2 s
+    spans = read_spool(tmp_path).spans
+    assert all(s["gpu_ns"] is None for s in spans)
+    assert timer.unresolved_dropped == 12 and runtime.drops()["gpu_timing_unresolved"] == 12
+
+
+# -- recording on CUDA ------------------------------------------------------------------------
+
+
+def _fake_cuda_torch(current: dict[str, Any], recorded: list[Any]) -> Any:
+    """The torch internals ``cuda_event_source`` uses, shaped as torch has them."""
+
+    class Stream:
+        made: list[tuple[int, int, int]] = []
+
+        def __init__(self, stream_id: int, device_index: int, device_type: int) -> None:
+            self.key = (stream_id, device_index, device_type)
+            Stream.made.append(self.key)
+
+    C = SimpleNamespace(
+        _CudaEventBase=SimpleNamespace(record=lambda event, stream: recorded.append((event, stream.key))),
+        _cuda_getDevice=lambda: current["device"],
+        _cuda_getCurrentStream=lambda device: (current["stream"], device, 1),
+    )
+    return SimpleNamespace(_C=C, cuda=SimpleNamespace(Stream=Stream, Event=lambda enable_timing: object()))
+
+
+def test_cuda_events_are_recorded_on_the_current_stream_of_the_current_device() -> None:
+    current = {"device": 0, "stream": 7}
+    recorded: list[Any] = []
+    fake = _fake_cuda_torch(current, recorded)
+    make_event, record = cuda_event_source(fake)
+    event = make_event()
+    record(event)
+    record(event)
+    current["stream"] = 9  # the program made another stream current (torch.cuda.stream(s))
+    record(event)
+    current["device"] = 1
+    record(event)
+    assert recorded == [(event, (7, 0, 1)), (event, (7, 0, 1)), (event, (9, 0, 1)), (event, (9, 1, 1))]
+    assert fake.cuda.Stream.made == [(7, 0, 1), (9, 0, 1), (9, 1, 1)]  # one Stream object per stream
+
+
+def test_cuda_event_source_without_torch_internals_uses_the_public_record() -> None:
+    gpu = FakeGpu()
+    fake = SimpleNamespace(cuda=SimpleNamespace(Event=lambda enable_timing: gpu.make_event()))
+    make_event, record = cuda_event_source(fake)
+    event = make_event()
+    record(event)
+    assert event.records == 1

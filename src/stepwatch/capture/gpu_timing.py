@@ -1,19 +1,23 @@
 """GPU time of a span from a pair of CUDA events, resolved later with ``query()``.
 
 Never ``synchronize()``: reading a timing must not stall the stream being measured. Events
-come from a capped pool; when the pool is empty the span gets no GPU time (counted), and an
-event pair still unresolved after ``max_wait_s`` is given up (counted). The event source is a
+come from a capped pool. The background thread resolves finished pairs at each tick; a training
+thread that finds the pool empty first resolves what has finished itself (at a few hundred steps
+a second the pool would otherwise run dry between ticks), and only when the device is that far
+behind does the span get no GPU time (counted). An event pair still unresolved after
+``max_wait_s`` is given up (counted). The event source is a
 parameter so the path is tested on CPU with fake events.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GpuTimer", "PendingTiming"]
+__all__ = ["GpuTimer", "PendingTiming", "cuda_event_source"]
 
 
 class PendingTiming:
@@ -38,8 +42,11 @@ class GpuTimer:
         timer.resolve()                  # background thread: fills span.gpu_ns when ready
     """
 
-    def __init__(self, make_event: Callable[[], Any], *, capacity: int = 512, max_wait_s: float = 5.0) -> None:
+    def __init__(self, make_event: Callable[[], Any], *, capacity: int = 512, max_wait_s: float = 5.0,
+                 record: Callable[[Any], None] | None = None) -> None:
+        """``record(event)`` records an event on the current stream (default: ``event.record()``)."""
         self._make_event = make_event
+        self._record = record or _record
         self.capacity = capacity
         self.max_wait_s = max_wait_s
         self._free: deque[Any] = deque()
@@ -48,22 +55,28 @@ class GpuTimer:
         self.pool_exhausted = 0
         self.unresolved_dropped = 0
         self.resolved = 0
+        self._resolving = threading.Lock()
 
     def _take(self) -> Any | None:
         try:
             return self._free.pop()
         except IndexError:
-            if self._created >= self.capacity:
-                self.pool_exhausted += 1
-                return None
-            self._created += 1
-            return self._make_event()
+            if self._created < self.capacity:
+                self._created += 1
+                return self._make_event()
+        if self.resolve():  # the device has finished some pairs since the last tick: reuse them
+            try:
+                return self._free.pop()
+            except IndexError:
+                pass
+        self.pool_exhausted += 1
+        return None
 
     def begin(self, span: Any) -> PendingTiming | None:
         start = self._take()
         if start is None:
             return None
-        start.record()
+        self._record(start)
         return PendingTiming(start, span)
 
     def end(self, pending: PendingTiming | None) -> None:
@@ -73,7 +86,7 @@ class GpuTimer:
         if end is None:
             self._free.append(pending.start)
             return
-        end.record()
+        self._record(end)
         pending.end = end
         self._pending.append(pending)
 
@@ -84,17 +97,26 @@ class GpuTimer:
         return isinstance(pending, PendingTiming) and pending.end is not None and pending.span is span
 
     def resolve(self) -> int:
-        """Fills ``span.gpu_ns`` of every finished pair, oldest first; returns how many."""
+        """Fills ``span.gpu_ns`` of every finished pair, oldest first; returns how many.
+
+        One thread at a time (the training thread and the background one both call it); a caller
+        that finds it busy returns at once rather than wait.
+        """
+        if not self._resolving.acquire(blocking=False):
+            return 0
+        try:
+            return self._resolve_locked()
+        finally:
+            self._resolving.release()
+
+    def _resolve_locked(self) -> int:
         done = 0
         now = time.monotonic()
         while self._pending:
             pending = self._pending[0]
             if not pending.end.query():
                 if now - pending.recorded_at > self.max_wait_s:
-                    self._pending.popleft()
-                    self.unresolved_dropped += 1
-                    self._free.extend((pending.start, pending.end))
-                    pending.span.gpu = None
+                    self._give_up(self._pending.popleft())
                     continue
                 break  # events complete in stream order: later ones are not done either
             self._pending.popleft()
@@ -103,3 +125,62 @@ class GpuTimer:
             done += 1
         self.resolved += done
         return done
+
+    def settle(self, timeout_s: float) -> int:
+        """At shutdown: gives the last pairs up to ``timeout_s`` to complete, polling ``query()``
+        (the device is usually a few ms behind the host); what is still pending is given up and
+        counted. Returns how many were given up."""
+        deadline = time.monotonic() + timeout_s
+        self.resolve()
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self.resolve()
+        with self._resolving:
+            given_up = len(self._pending)
+            while self._pending:
+                self._give_up(self._pending.popleft())
+        return given_up
+
+    def _give_up(self, pending: PendingTiming) -> None:
+        self.unresolved_dropped += 1
+        self._free.extend((pending.start, pending.end))
+        pending.span.gpu = None
+
+
+def _record(event: Any) -> None:
+    event.record()
+
+
+def cuda_event_source(torch: Any) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """``make_event`` and ``record`` for a ``GpuTimer`` on CUDA.
+
+    ``torch.cuda.Event.record()`` builds a ``Stream`` object for the current stream at every
+    call, inside a device context switch: ~9.5 µs on an H100 host, ten times a step. Recording
+    with the current stream's ``Stream`` kept per (stream, device) costs ~3 µs, nearly all of it
+    the driver's own cudaEventRecord. Where torch lacks the internals this needs, the public
+    call is used.
+    """
+    cuda = torch.cuda
+
+    def make_event() -> Any:
+        return cuda.Event(enable_timing=True)
+
+    try:
+        C = torch._C
+        raw_record = C._CudaEventBase.record
+        current_device = C._cuda_getDevice
+        current_stream = C._cuda_getCurrentStream
+    except AttributeError:
+        return make_event, _record
+    streams: dict[Any, Any] = {}
+
+    def record(event: Any) -> None:
+        key = current_stream(current_device())  # (stream id, device index, device type)
+        stream = streams.get(key)
+        if stream is None:
+            if len(streams) >= 64:  # a program that makes streams on the fly: stay bounded
+                streams.clear()
+            stream = streams[key] = cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        raw_record(event, stream)
+
+    return make_event, record

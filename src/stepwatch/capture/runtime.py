@@ -493,9 +493,10 @@ class Runtime:
     def _enable_gpu_timing(self) -> None:
         torch = _fully_imported_torch()
         if self.training.gpu_timer is None and torch is not None and torch.cuda.is_initialized():
-            from .gpu_timing import GpuTimer
+            from .gpu_timing import GpuTimer, cuda_event_source
 
-            self.training.gpu_timer = GpuTimer(lambda: torch.cuda.Event(enable_timing=True))
+            make_event, record = cuda_event_source(torch)
+            self.training.gpu_timer = GpuTimer(make_event, record=record)
 
     def _on_step(self, step: int) -> None:
         self.step = step
@@ -629,6 +630,8 @@ class Runtime:
             self.training.finish()
         with guarded:
             self.spans.close_all()
+            if self.training.gpu_timer is not None:  # the last steps' GPU time, not dropped
+                self.training.gpu_timer.settle(min(1.0, max(0.0, deadline - time.monotonic())))
             self._seal_spool(final=True)
         if self.exporter is not None:
             with guarded:
