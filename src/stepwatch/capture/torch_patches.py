@@ -87,13 +87,14 @@ class TorchPatches:
 
     def _wrap_module_call(self, original: Any) -> Any:
         state = self.state
-        local = state.local
+        threads = state.threads
         loss_type = self.torch.nn.modules.loss._Loss
 
         # Every submodule call inside a forward passes through here: that path is one check and
         # the call, with the caller's argument tuple passed on as it is (no repacking of the
         # module and its arguments, no empty kwargs dict): ~0.15 µs a call, not ~0.35.
         def __call__(*args: Any, **kwargs: Any) -> Any:
+            local = threads.me
             if local.in_forward:
                 return original(*args, **kwargs) if kwargs else original(*args)
             module = args[0] if args else None
@@ -121,9 +122,10 @@ class TorchPatches:
 
     def _wrap_backward(self, original: Any) -> Any:
         state = self.state
-        local = state.local
+        threads = state.threads
 
         def backward(*args: Any, **kwargs: Any) -> Any:
+            local = threads.me
             if local.in_backward:  # Tensor.backward calls torch.autograd.backward
                 return original(*args, **kwargs) if kwargs else original(*args)
             span = None
@@ -147,7 +149,7 @@ class TorchPatches:
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            local = self.state.local
+            local = self.state.threads.me
             token = local.optimizer_token
             if token is not None and not token.closed:
                 # an optimizer step inside another (a subclass calling super().step(), a wrapper
@@ -161,7 +163,7 @@ class TorchPatches:
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            local = self.state.local
+            local = self.state.threads.me
             if local.optimizer_depth > 0:
                 local.optimizer_depth -= 1
                 return
@@ -249,7 +251,7 @@ def _is_accelerator(torch: Any, target: Any) -> bool:
 
 
 def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwargs: Any) -> Any:
-    local = state.local
+    local = state.threads.me
     if local.in_forward or local.in_backward:
         # A copy the model makes inside its forward (or a hook in backward) is already forward
         # (backward) time: timing it as h2d too would count it twice (shares above 1).
