@@ -123,6 +123,50 @@ def test_an_empty_pool_reuses_finished_pairs_on_the_spot() -> None:
     assert "synchronize" not in gpu.calls
 
 
+class DeviceBoundEvent(FakeEvent):
+    """Like a CUDA event: bound to the device of its first record, refusing any other."""
+
+    def __init__(self, gpu: FakeGpu, current: dict[str, int]) -> None:
+        super().__init__(gpu)
+        self.current = current
+        self.device: int | None = None
+
+    def record(self) -> None:
+        if self.device is not None and self.device != self.current["device"]:
+            raise RuntimeError("Event device does not match recording stream's device")
+        self.device = self.current["device"]
+        super().record()
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if self.device != getattr(end, "device", None):
+            raise RuntimeError("events from different devices")
+        return super().elapsed_time(end)
+
+
+def test_a_change_of_current_device_costs_timings_not_errors() -> None:
+    gpu = FakeGpu()
+    current = {"device": 0}
+    timer = GpuTimer(lambda: DeviceBoundEvent(gpu, current), capacity=4)
+    before = [timed(timer, Span()) for _ in range(3)]
+    timer.resolve()
+    assert all(s.gpu == 1_500_000 for s in before)
+
+    current["device"] = 1  # the program moved on to another device
+    after = [timed(timer, Span()) for _ in range(6)]
+    timer.resolve()
+    # the device-0 events failed once each and were replaced by events of device 1
+    assert timer.record_failed >= 1 and all(e.device in (0, 1) for e in gpu.events)
+    assert after[-1].gpu == 1_500_000 and timer.pool_exhausted == 0
+
+    span = Span()
+    span.gpu = timer.begin(span)  # a phase that starts on device 1 ...
+    current["device"] = 0  # ... and ends on device 0: no elapsed time between the two
+    timer.end(span.gpu)
+    timer.resolve()
+    assert not isinstance(span.gpu, int) and not timer.outstanding(span)
+    assert timer.unresolved_dropped == 0  # counted as record_failed, not as unresolved
+
+
 def test_events_are_reused_after_resolution() -> None:
     gpu = FakeGpu()
     timer = GpuTimer(gpu.make_event, capacity=4)

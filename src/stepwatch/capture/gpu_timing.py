@@ -5,7 +5,12 @@ come from a capped pool. The background thread resolves finished pairs at each t
 thread that finds the pool empty first resolves what has finished itself (at a few hundred steps
 a second the pool would otherwise run dry between ticks), and only when the device is that far
 behind does the span get no GPU time (counted). An event pair still unresolved after
-``max_wait_s`` is given up (counted). The event source is a
+``max_wait_s`` is given up (counted).
+
+An event belongs to the device it was first recorded on. A program that changes its current
+device between phases makes a pooled event fail to record there, or a pair span two devices:
+the event is discarded (the pool makes a new one, which binds to the new device), the pair given
+up, both counted (``record_failed``); neither the span nor the program sees an error. The event source is a
 parameter so the path is tested on CPU with fake events.
 """
 
@@ -54,6 +59,7 @@ class GpuTimer:
         self._pending: deque[PendingTiming] = deque()
         self.pool_exhausted = 0
         self.unresolved_dropped = 0
+        self.record_failed = 0
         self.resolved = 0
         self._resolving = threading.Lock()
 
@@ -74,21 +80,29 @@ class GpuTimer:
 
     def begin(self, span: Any) -> PendingTiming | None:
         start = self._take()
-        if start is None:
+        if start is None or not self._recorded(start):
             return None
-        self._record(start)
         return PendingTiming(start, span)
 
     def end(self, pending: PendingTiming | None) -> None:
         if pending is None:
             return
         end = self._take()
-        if end is None:
+        if end is None or not self._recorded(end):
             self._free.append(pending.start)
+            pending.span.gpu = None
             return
-        self._record(end)
         pending.end = end
         self._pending.append(pending)
+
+    def _recorded(self, event: Any) -> bool:
+        try:
+            self._record(event)
+        except Exception:  # noqa: BLE001 - an event of another device: dropped, a new one is made
+            self._created -= 1
+            self.record_failed += 1
+            return False
+        return True
 
     def outstanding(self, span: Any) -> bool:
         # From the span, not by scanning ``_pending``: the training thread appends to it while
@@ -120,7 +134,13 @@ class GpuTimer:
                     continue
                 break  # events complete in stream order: later ones are not done either
             self._pending.popleft()
-            pending.span.gpu = int(pending.start.elapsed_time(pending.end) * 1_000_000)
+            try:
+                gpu_ns = int(pending.start.elapsed_time(pending.end) * 1_000_000)
+            except Exception:  # noqa: BLE001 - a pair across two devices has no elapsed time
+                self.record_failed += 1
+                self._give_up(pending, counted=False)
+                continue
+            pending.span.gpu = gpu_ns
             self._free.extend((pending.start, pending.end))
             done += 1
         self.resolved += done
@@ -141,8 +161,8 @@ class GpuTimer:
                 self._give_up(self._pending.popleft())
         return given_up
 
-    def _give_up(self, pending: PendingTiming) -> None:
-        self.unresolved_dropped += 1
+    def _give_up(self, pending: PendingTiming, *, counted: bool = True) -> None:
+        self.unresolved_dropped += counted
         self._free.extend((pending.start, pending.end))
         pending.span.gpu = None
 

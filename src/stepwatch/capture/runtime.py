@@ -587,6 +587,7 @@ class Runtime:
             "spool_records_lost_to_write_errors": self.spool_write_lost,
             "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
             "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
+            "gpu_timing_record_failed": getattr(self.training.gpu_timer, "record_failed", 0),
             "wire_rows_dropped": self.sender.rows_dropped if self.sender is not None else 0,
         }
 
