@@ -9,9 +9,10 @@ behind does the span get no GPU time (counted). An event pair still unresolved a
 
 An event belongs to the device it was first recorded on. A program that changes its current
 device between phases makes a pooled event fail to record there, or a pair span two devices:
-the event is discarded (the pool makes a new one, which binds to the new device), the pair given
-up, both counted (``record_failed``); neither the span nor the program sees an error. The event source is a
-parameter so the path is tested on CPU with fake events.
+the event is discarded (the pool makes a new one, which binds to the new device) and the pair
+given up, counted as ``record_failed``; neither the span nor the program sees an error.
+
+The event source is a parameter, so the path is tested on CPU with fake events.
 """
 
 from __future__ import annotations
@@ -175,10 +176,10 @@ def cuda_event_source(torch: Any) -> tuple[Callable[[], Any], Callable[[Any], No
     """``make_event`` and ``record`` for a ``GpuTimer`` on CUDA.
 
     ``torch.cuda.Event.record()`` builds a ``Stream`` object for the current stream at every
-    call, inside a device context switch: ~9.5 µs on an H100 host, ten times a step. Recording
-    with the current stream's ``Stream`` kept per (stream, device) costs ~3 µs, nearly all of it
-    the driver's own cudaEventRecord. Where torch lacks the internals this needs, the public
-    call is used.
+    call, inside a device context switch: 8.2-9.5 µs a call on an H100 host, ten calls a step.
+    Recording with the current stream's ``Stream`` kept per (stream, device) took 4.7 µs there,
+    about half of it the driver's own cudaEventRecord (bench/README.md). Where torch lacks the
+    internals this needs, the public call is used.
     """
     cuda = torch.cuda
 
