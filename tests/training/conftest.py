@@ -8,7 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 import stepwatch
-from stepwatch.capture import guard, training
+from stepwatch.capture import guard, torch_patches, training
+
+
+@pytest.fixture(autouse=True)
+def _as_on_an_accelerator_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patches as a GPU host gets them (h2d copies intercepted), on this CPU-only torch; the
+    tests of the CPU-only choice undo this."""
+    monkeypatch.setattr(torch_patches, "_accelerator_present", lambda torch: True)
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard
+from stepwatch.capture import guard, torch_patches
 from stepwatch.capture.torch_patches import _targets_accelerator
 from stepwatch.capture.training import TrainingState
 
@@ -28,6 +28,8 @@ TARGETS = [(nn.Module, "__call__"), (torch.Tensor, "backward"), (torch.autograd,
 # Taken at collection, before any test starts a runtime: whether each name is the owner's own
 # attribute (Tensor.to is inherited from TensorBase) must be the same after every shutdown.
 OWN_AT_IMPORT = {target: target[1] in vars(target[0]) for target in TARGETS}
+OWN_CALL = nn.Module.__call__
+REAL_ACCELERATOR_CHECK = torch_patches._accelerator_present  # the conftest makes it say yes
 
 
 
@@ -94,6 +96,22 @@ def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path
         steps = names(spool, "step")
         assert len(steps) == 5
         assert all(sorted(kids(spool, s)) == ["backward", "data_load", "forward", "optimizer_step"] for s in steps)
+
+
+def test_without_an_accelerator_tensor_to_stays_torchs_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No device, no host-to-device copy: ``Tensor.to``/``.cuda`` are left alone (this torch is
+    CPU-only: the check is torch's own), and the other phases are recorded as ever."""
+    monkeypatch.setattr(torch_patches, "_accelerator_present", REAL_ACCELERATOR_CHECK)
+    assert not torch.accelerator.is_available()
+    to, cuda = torch.Tensor.to, torch.Tensor.cuda
+    start(tmp_path)
+    assert torch.Tensor.to is to and torch.Tensor.cuda is cuda
+    assert nn.Module.__call__ is not OWN_CALL  # the rest is patched
+    train(epochs=1)
+    spool = finish(tmp_path)
+    steps = names(spool, "step")
+    assert len(steps) == 5 and not names(spool, "h2d")
+    assert all(sorted(kids(spool, s)) == ["backward", "data_load", "forward", "optimizer_step"] for s in steps)
 
 
 # -- user exceptions pass through untouched --------------------------------------------------
