@@ -117,7 +117,9 @@ def test_stepwatch_never_creates_a_cuda_context(tmp_path: Path) -> None:
     proc = run_script(
         """
         import sys, time, torch, stepwatch
+        to = torch.Tensor.to
         stepwatch.init(out=sys.argv[1], interval=0.02, handle_signals=False)
+        print("H2D_PATCHED", torch.Tensor.to is not to)  # the accelerator check made no context
         model = torch.nn.Linear(8, 8)
         with stepwatch.trace_step(model):
             model(torch.randn(4, 8)).sum().backward()
@@ -128,7 +130,7 @@ def test_stepwatch_never_creates_a_cuda_context(tmp_path: Path) -> None:
         tmp_path, str(tmp_path / "run"),
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["INITIALIZED", "False"]
+    assert proc.stdout.split() == ["H2D_PATCHED", "True", "INITIALIZED", "False"]
 
 
 def test_nvml_reads_the_device_and_this_process() -> None:
