@@ -217,10 +217,10 @@ def test_events_are_recorded_on_the_current_stream() -> None:
     assert begin.elapsed_time(end) > 0.5  # ms; ~0 had the pair gone to the idle default stream
 
 
-def test_gpu_time_agrees_with_an_independent_measurement(tmp_path: Path) -> None:
+def test_gpu_time_agrees_with_an_independent_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward span's GPU time against the same forward timed by the test's own events."""
     torch.manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a slow, steady product
     model = nn.Linear(4096, 4096, bias=False).cuda()
     x = torch.randn(4096, 4096, device="cuda")
     with torch.no_grad():
