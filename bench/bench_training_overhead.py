@@ -40,8 +40,10 @@ momentum; cross-entropy)::
 Two sizes: ``small`` (~2 ms a step here) and ``large`` (~20 ms). ``--device cuda`` runs the
 same loop with the model on the GPU (the batch still comes from the CPU loader, so every step
 has two host-to-device copies, and stepwatch times its phases with CUDA events); each block
-then ends with ``torch.cuda.synchronize()`` inside its timed span, so the device's work counts. A block is one pass over a
-loader of ``--block-*`` batches (so it includes one ``iter(loader)``); a round is one untraced
+then ends with ``torch.cuda.synchronize()`` inside its timed span, so the device's work counts.
+
+A block is one pass over a loader of ``--block-*`` batches (so it includes one
+``iter(loader)``); a round is one untraced
 and one traced block, in alternating order (ABBA), after a full collection; switching patches
 on or off happens between blocks, untimed. Per round: per-step time of each block and their
 difference. Reported: medians over rounds, the added time (median of per-round differences)
