@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture import guard, torch_patches
-from stepwatch.capture.torch_patches import _targets_accelerator
+from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
 
 STEPWATCH_DIR = str(Path(stepwatch.__file__).resolve().parent)
@@ -373,7 +373,7 @@ _cuda_tensor.device = torch.device("cuda", 0)
     ((torch.empty(0),), {}, False), ((torch.empty(0, device="meta"),), {}, False),
 ])
 def test_targets_accelerator(args: tuple[Any, ...], kwargs: dict[str, Any], expected: bool) -> None:
-    assert _targets_accelerator(torch, args, kwargs) is expected
+    assert _is_accelerator(torch, _target(args, kwargs)) is expected  # as the Tensor.to wrapper decides
 
 
 # -- never synchronize -----------------------------------------------------------------------

@@ -247,13 +247,6 @@ def _target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return target
 
 
-def _targets_accelerator(torch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    target = _target(args, kwargs)
-    if target is None:
-        return False
-    return _is_accelerator(torch, target)
-
-
 def _is_accelerator(torch: Any, target: Any) -> bool:
     """True when ``target`` (a device, device string or index, or a tensor) is not the host."""
     if isinstance(target, torch.Tensor):
