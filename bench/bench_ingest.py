@@ -868,7 +868,8 @@ class TracemlServer:
 
 
 class StoreCounter:
-    """Read-only row counts of append-only tables: MAX(rowid) (= COUNT(*), at O(log n))."""
+    """Read-only row counts of append-only tables: MAX(rowid) (= COUNT(*), at O(log n)); of
+    stepwatch's ``<table>_rows`` under the view ``<table>`` where there is one."""
 
     def __init__(self, path: Path, tables: tuple[str, ...]) -> None:
         self.path = path
@@ -880,8 +881,10 @@ class StoreCounter:
             if not self.path.exists():
                 return {t: 0 for t in self.tables}
             self.db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
-        sql = "SELECT " + ", ".join(f"(SELECT MAX(rowid) FROM {t})" for t in self.tables)
         try:
+            names = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
+            physical = [f"{t}_rows" if f"{t}_rows" in names else t for t in self.tables]
+            sql = "SELECT " + ", ".join(f"(SELECT MAX(rowid) FROM {t})" for t in physical)
             values = self.db.execute(sql).fetchone()
         except sqlite3.OperationalError:  # a table the writer has not created yet
             return {t: 0 for t in self.tables}
@@ -1153,8 +1156,8 @@ def run_e2e(args: argparse.Namespace, work: Path, steps_per_frame: int) -> dict[
                     continue
                 db = sqlite3.connect(f"{server.db_path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
             t0 = time.perf_counter()
-            hb = db.execute("SELECT rowid, rank, msg, step FROM heartbeats WHERE rowid > ?", (last_hb,)).fetchall()
-            mk = db.execute("SELECT rowid, rank, name, value_num FROM marks WHERE rowid > ?", (last_mark,)).fetchall()
+            hb = db.execute("SELECT rowid, rank, msg, step FROM heartbeats_rows WHERE rowid > ?", (last_hb,)).fetchall()
+            mk = db.execute("SELECT rowid, rank, name, value_num FROM marks_rows WHERE rowid > ?", (last_mark,)).fetchall()
             now = time.time_ns()
             poll_durations.append(time.perf_counter() - t0)
             if hb:

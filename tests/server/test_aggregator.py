@@ -287,7 +287,7 @@ def test_writer_outlives_a_failed_write(tmp_path: Path, capsys: pytest.CaptureFi
     path = tmp_path / "history.sqlite"
     store = SqliteStore(path)
     db = sqlite3.connect(path)
-    db.execute("CREATE TRIGGER refuse BEFORE INSERT ON marks WHEN NEW.name = 'boom' "
+    db.execute("CREATE TRIGGER refuse BEFORE INSERT ON marks_rows WHEN NEW.name = 'boom' "
                "BEGIN SELECT RAISE(ABORT, 'refused by trigger'); END")
     db.commit()
     db.close()

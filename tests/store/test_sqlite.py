@@ -72,10 +72,14 @@ def test_wal_mode_and_every_table(store: SqliteStore) -> None:
     db = sqlite3.connect(store.path)
     try:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        names = dict(db.execute("SELECT name, type FROM sqlite_master").fetchall())
+        # readers see every table by its name, with its columns, through the session-key view
+        for table, cols in COLUMNS.items():
+            assert [r[1] for r in db.execute(f"PRAGMA table_info({table})")] == [c for c, _ in cols]
     finally:
         db.close()
-    assert set(TABLES) <= names
+    assert set(TABLES) <= names.keys()
+    assert {names[t] for t in TABLES if t != "sessions"} == {"view"}
     store.append("telemetry", [telemetry(S1, 0, 1)])
     assert store.path.with_name("history.sqlite-wal").exists()
 
@@ -183,6 +187,8 @@ def test_a_failing_row_rolls_back_every_table_of_the_batch(store: SqliteStore, b
     store.upsert_session(session(S1, 5))
     assert store.append_many({"telemetry": [telemetry(S1, 0, 2)]}) == 1
     assert reader_count(store.path, "telemetry") == 1
+    # the session key the failed batch was given went with it: the row is under its session
+    assert store.query("SELECT session_id FROM telemetry") == [{"session_id": S1}]
     assert reader_count(store.path, "sessions") == 1
 
 
@@ -394,29 +400,43 @@ def test_batch_ids_are_kept_with_their_rows_and_forgotten_after_the_window(store
     assert store.seen_batches(0) == {"b" * 32: 200}
 
 
-def test_a_store_from_before_the_unique_indexes_is_migrated_on_open(tmp_path: Path) -> None:
+def test_a_store_from_before_the_session_keys_is_migrated_on_open(tmp_path: Path) -> None:
+    """Tables with session_id in every row (and, older still, no unique indexes) become the
+    keyed tables: every row kept under its session, duplicates of a unique key stored once."""
     path = tmp_path / "old.sqlite"
     db = sqlite3.connect(path)
     for table, cols in COLUMNS.items():
         db.execute(f"CREATE TABLE {table} ({', '.join(c for c, _ in cols)})")
     for statement in ("CREATE INDEX telemetry_by_session ON telemetry (session_id, rank, timestamp_ns)",
-                      "CREATE INDEX spans_by_session ON spans (session_id, rank, start_ns)",
-                      "CREATE INDEX spans_by_parent ON spans (session_id, parent_id)",
-                      "CREATE INDEX steps_by_time ON steps (session_id, start_ns)",
+                      "CREATE UNIQUE INDEX spans_unique ON spans (session_id, rank, span_id)",
                       "CREATE INDEX heartbeats_by_session ON heartbeats (session_id, rank, ts_ns)"):
         db.execute(statement)
     row = (S1, 0, 5, "sample", "c", 0) + (None,) * 12
-    db.executemany(f"INSERT INTO telemetry VALUES ({', '.join('?' * 18)})", [row, row, (S1, 0, 6, *row[3:])])
+    db.executemany(f"INSERT INTO telemetry VALUES ({', '.join('?' * 18)})",
+                   [row, row, (S1, 0, 6, *row[3:]), (S2, 3, 5, *row[3:])])
+    db.executemany(f"INSERT INTO spans VALUES ({', '.join('?' * 12)})",
+                   [(S2, 1, "a", None, "step", 0, 10, 20, None, 1, 2, '{"k": 1}'), (S1, 0, "a", *(None,) * 9)])
+    db.execute(f"INSERT INTO steps VALUES ({', '.join('?' * 12)})", (S2, 1, 0, 10, 20, 10, 1, 0, 2, 3, 4, 0))
+    db.execute("INSERT INTO sessions (session_id, status) VALUES (?, 'completed')", (S2,))
     db.commit()
     db.close()
     with SqliteStore(path) as store:
-        assert store.count("telemetry") == 2
+        assert store.query("SELECT session_id, rank, timestamp_ns FROM telemetry ORDER BY 1, 3") == [
+            {"session_id": S1, "rank": 0, "timestamp_ns": 5}, {"session_id": S1, "rank": 0, "timestamp_ns": 6},
+            {"session_id": S2, "rank": 3, "timestamp_ns": 5}]
+        assert store.query("SELECT * FROM spans WHERE session_id = ?", (S2,)) == [
+            {"session_id": S2, "rank": 1, "span_id": "a", "parent_id": None, "name": "step", "idx": 0,
+             "start_ns": 10, "end_ns": 20, "gpu_ns": None, "thread_id": 1, "pid": 2, "attrs": '{"k": 1}'}]
+        assert [r["step_ns"] for r in store.step_rows(S2)] == [10]
+        assert store.count("spans", S1) == 1
         names = {r["name"] for r in store.query("SELECT name FROM sqlite_master WHERE type = 'index'")}
-        assert not names & {"spans_by_session", "spans_by_parent", "steps_by_time", "telemetry_by_session"}
+        assert "telemetry_by_session" not in names and "heartbeats_by_session" not in names
         assert {"telemetry_unique", "heartbeats_unique", "snapshots_unique", "spans_unique"} <= names
-        store.append_many({"telemetry": [telemetry(S1, 0, 5, event_type="sample")]})
+        store.append_many({"telemetry": [{**telemetry(S1, 0, 5), "allocated": None, "reserved": None,
+                                          "total": None, "metadata": None}]})  # the same key: ignored
     with SqliteStore(path) as store:  # opening again changes nothing
-        assert store.count("telemetry") == 2
+        assert store.count("telemetry") == 3
+        assert store.count("telemetry", S1) == 2
 
 
 def test_retention_needs_no_time_index_and_covers_snapshots(store: SqliteStore) -> None:

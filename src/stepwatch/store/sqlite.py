@@ -33,33 +33,32 @@ from .rows import row_tuples
 __all__ = ["SqliteStore"]
 
 _SQL_TYPES = {"text": "TEXT", "int": "INTEGER", "real": "REAL", "json": "TEXT"}
+# Every row table is stored as ``<table>_rows`` with an integer ``session_key`` where the others
+# have ``session_id``, and read through a view named ``<table>`` with the columns of COLUMNS, so
+# every reader's SQL (``WHERE session_id = ?``) is unchanged. The 36-character uuid in every row
+# and in every unique key cost the writer ~20% of its time per row (bench/README.md); the keys
+# live in ``session_keys`` and never change (a VACUUM keeps an INTEGER PRIMARY KEY).
+_KEYS_TABLE = ("CREATE TABLE IF NOT EXISTS session_keys "
+               "(session_key INTEGER PRIMARY KEY, session_id TEXT NOT NULL UNIQUE)")
+ROW_TABLES = tuple(t for t in COLUMNS if t != "sessions")
 # Every index costs each insert a B-tree descent (bench/README.md: 7.7 us a row with ten, 4.3 with
 # none), so there is one only where a query reads it or it keeps a table idempotent. The unique
 # ones make re-imports and retried batches store nothing twice (INSERT OR IGNORE): spans, marks,
 # snapshots and steps by their ids; telemetry by (session, rank, time, type, collector, device)
 # and heartbeats by (session, rank, time, step, msg), which no two distinct records share. Their
-# (session_id, rank, time) prefix serves the per-rank time queries and retention.
+# (session_key, rank, time) prefix serves the per-rank time queries and retention.
 _INDEXES = (
-    "CREATE UNIQUE INDEX IF NOT EXISTS telemetry_unique ON telemetry "
-    "(session_id, rank, timestamp_ns, event_type, collector, ifnull(device_id, -1))",
-    "CREATE UNIQUE INDEX IF NOT EXISTS spans_unique ON spans (session_id, rank, span_id)",
-    "CREATE INDEX IF NOT EXISTS marks_by_session ON marks (session_id, rank, name, ts_ns)",
-    "CREATE UNIQUE INDEX IF NOT EXISTS marks_unique ON marks (session_id, rank, mark_id)",
-    "CREATE INDEX IF NOT EXISTS snapshots_by_span ON snapshots (session_id, span_id)",
-    "CREATE UNIQUE INDEX IF NOT EXISTS snapshots_unique ON snapshots (session_id, rank, snapshot_id)",
-    "CREATE UNIQUE INDEX IF NOT EXISTS heartbeats_unique ON heartbeats (session_id, rank, ts_ns, step, ifnull(msg, ''))",
-    "CREATE UNIQUE INDEX IF NOT EXISTS steps_unique ON steps (session_id, rank, step)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS telemetry_unique ON telemetry_rows "
+    "(session_key, rank, timestamp_ns, event_type, collector, ifnull(device_id, -1))",
+    "CREATE UNIQUE INDEX IF NOT EXISTS spans_unique ON spans_rows (session_key, rank, span_id)",
+    "CREATE INDEX IF NOT EXISTS marks_by_session ON marks_rows (session_key, rank, name, ts_ns)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS marks_unique ON marks_rows (session_key, rank, mark_id)",
+    "CREATE INDEX IF NOT EXISTS snapshots_by_span ON snapshots_rows (session_key, span_id)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS snapshots_unique ON snapshots_rows (session_key, rank, snapshot_id)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS heartbeats_unique ON heartbeats_rows "
+    "(session_key, rank, ts_ns, step, ifnull(msg, ''))",
+    "CREATE UNIQUE INDEX IF NOT EXISTS steps_unique ON steps_rows (session_key, rank, step)",
 )
-# Indexes of earlier versions of this schema: unread ones (dropped), and the non-unique ones the
-# unique indexes above replace. A store written before keeps working; opening it for writing
-# drops these and removes the duplicate rows the new unique indexes would refuse.
-_RETIRED_INDEXES = ("spans_by_session", "spans_by_parent", "steps_by_time", "telemetry_by_session",
-                    "heartbeats_by_session")
-_UNIQUE_KEYS = {
-    "telemetry_unique": ("telemetry", "session_id, rank, timestamp_ns, event_type, collector, ifnull(device_id, -1)"),
-    "snapshots_unique": ("snapshots", "session_id, rank, snapshot_id"),
-    "heartbeats_unique": ("heartbeats", "session_id, rank, ts_ns, step, ifnull(msg, '')"),
-}
 # HTTP batch ids already stored, with when (wall clock): a retried batch is not stored twice, also
 # across a restart of the server (spool-format-v1.md: idempotent by batch_id for 24 hours).
 _BATCHES_TABLE = "CREATE TABLE IF NOT EXISTS ingest_batches (batch_id TEXT PRIMARY KEY, seen_at_ns INTEGER) WITHOUT ROWID"
@@ -121,14 +120,7 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open history store: {exc}") from exc
         self._db.row_factory = sqlite3.Row
-        self._inserts = {
-            table: (
-                f"INSERT OR IGNORE INTO {table} ({', '.join(c for c, _ in cols)}) "
-                f"VALUES ({', '.join('?' for _ in cols)})",
-                tuple(c for c, _ in cols),
-            )
-            for table, cols in COLUMNS.items()
-        }
+        self._keys = _SessionKeys(self._db)
         try:  # the most parameters one statement may bind in this build (999 before SQLite 3.32)
             limit = self._db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
         except (AttributeError, sqlite3.Error):  # Python < 3.11
@@ -136,21 +128,40 @@ class SqliteStore:
         self._chunk_rows = {table: max(1, min(CHUNK_ROWS, limit // len(cols))) for table, cols in COLUMNS.items()}
 
     def _create(self) -> None:
-        for table, cols in COLUMNS.items():
-            body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in cols)
-            if table == "sessions":
-                body = body.replace("session_id TEXT", "session_id TEXT PRIMARY KEY")
-            self._db.execute(f"CREATE TABLE IF NOT EXISTS {table} ({body})")
+        body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in COLUMNS["sessions"])
+        self._db.execute(f"CREATE TABLE IF NOT EXISTS sessions ({body.replace('session_id TEXT', 'session_id TEXT PRIMARY KEY')})")
         self._db.execute(_BATCHES_TABLE)
-        existing = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-        for name in _RETIRED_INDEXES:
-            if name in existing:
+        self._db.execute(_KEYS_TABLE)
+        kinds = dict(self._db.execute("SELECT name, type FROM sqlite_master").fetchall())
+        old = [t for t in ROW_TABLES if kinds.get(t) == "table"]  # a store from before the session keys
+        self._db.execute("BEGIN")
+        for table in old:  # their index names are the new tables' (dropped with them in any case)
+            for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ? "
+                                            "AND sql IS NOT NULL", (table,)).fetchall():
                 self._db.execute(f"DROP INDEX {name}")
-        for name, (table, key) in _UNIQUE_KEYS.items():
-            if name not in existing:  # a store from before this index: keep the first of each key
-                self._db.execute(f"DELETE FROM {table} WHERE rowid NOT IN (SELECT MIN(rowid) FROM {table} GROUP BY {key})")
+        for table in ROW_TABLES:
+            cols = COLUMNS[table][1:]
+            body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in cols)
+            self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}_rows (session_key INTEGER, {body})")
         for statement in _INDEXES:
             self._db.execute(statement)
+        for table in ROW_TABLES:
+            names = ", ".join(c for c, _ in COLUMNS[table][1:])
+            if table in old:  # move its rows
+                self._db.execute(f"INSERT OR IGNORE INTO session_keys (session_id) "
+                                 f"SELECT DISTINCT session_id FROM {table} WHERE session_id IS NOT NULL")
+                # INSERT OR IGNORE in rowid order: the first of rows the unique keys call the same
+                # stays (older stores had no unique indexes)
+                self._db.execute(f"INSERT OR IGNORE INTO {table}_rows (session_key, {names}) "
+                                 f"SELECT k.session_key, {', '.join('t.' + c for c, _ in COLUMNS[table][1:])} "
+                                 f"FROM {table} t LEFT JOIN session_keys k ON k.session_id = t.session_id "
+                                 f"ORDER BY t.rowid")
+                self._db.execute(f"DROP TABLE {table}")
+            self._db.execute(
+                f"CREATE VIEW IF NOT EXISTS {table} (session_id, {names}) AS SELECT k.session_id, "
+                f"{', '.join('r.' + c for c, _ in COLUMNS[table][1:])} FROM {table}_rows r "
+                f"LEFT JOIN session_keys k ON k.session_key = r.session_key")
+        self._db.execute("COMMIT")
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -167,7 +178,7 @@ class SqliteStore:
         if self.read_only:
             raise StoreError(f"{self.path}: store opened read-only")
         for table in batches:
-            if table not in self._inserts:
+            if table not in ROW_TABLES:
                 raise StoreError(f"unknown table {table!r}")
         return self.append_tuples({table: self._params(table, rows) for table, rows in batches.items() if rows})
 
@@ -184,7 +195,7 @@ class SqliteStore:
             try:
                 self._db.execute("BEGIN")
                 for table, rows in batches.items():
-                    if table not in self._inserts:
+                    if table not in ROW_TABLES:
                         raise StoreError(f"unknown table {table!r}")
                     if rows:
                         self._insert(table, rows)
@@ -198,6 +209,7 @@ class SqliteStore:
                 # whole batch: an open transaction would swallow later writes.
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
+                self._keys.clear()  # keys given out in the transaction are gone with it
                 if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                     raise
                 raise StoreError(f"{self.path}: write failed: {exc}") from exc
@@ -206,26 +218,33 @@ class SqliteStore:
     def _insert(self, table: str, rows: list[tuple[Any, ...]]) -> None:
         """Whole chunks by one multi-row statement, the rest by one statement of its own length
         (see CHUNK_ROWS); the same rows in the same order, so INSERT OR IGNORE keeps the same
-        first of duplicates."""
-        size = self._chunk_rows[table]
+        first of duplicates. Each row's session id is bound as its session key."""
+        size, width = self._chunk_rows[table], len(COLUMNS[table])
         whole = len(rows) - len(rows) % size
         if whole:
             self._db.executemany(self._values_insert(table, size),
-                                 (list(chain.from_iterable(rows[i:i + size])) for i in range(0, whole, size)))
+                                 (self._keyed(rows[i:i + size], width) for i in range(0, whole, size)))
         if whole < len(rows):
-            self._db.execute(self._values_insert(table, len(rows) - whole), list(chain.from_iterable(rows[whole:])))
+            self._db.execute(self._values_insert(table, len(rows) - whole), self._keyed(rows[whole:], width))
+
+    def _keyed(self, rows: list[tuple[Any, ...]], width: int) -> list[Any]:
+        """The rows' values in one list, each row's first (its session id) replaced by the key:
+        two C-level passes, not a new tuple per row."""
+        flat = list(chain.from_iterable(rows))
+        flat[::width] = map(self._keys.__getitem__, flat[::width])
+        return flat
 
     def _values_insert(self, table: str, count: int) -> str:
         """``INSERT OR IGNORE`` of ``count`` rows in one statement (sqlite3 caches the prepared
         statements by their text)."""
-        cols = COLUMNS[table]
-        one = f"({', '.join('?' for _ in cols)})"
-        return f"INSERT OR IGNORE INTO {table} ({', '.join(c for c, _ in cols)}) VALUES " + ", ".join([one] * count)
+        names = ", ".join(c for c, _ in COLUMNS[table][1:])
+        one = f"({', '.join('?' for _ in COLUMNS[table])})"
+        return f"INSERT OR IGNORE INTO {table}_rows (session_key, {names}) VALUES " + ", ".join([one] * count)
 
     def upsert_session(self, row: Mapping[str, Any]) -> None:
         """Creates or updates a session; an existing status only moves forward."""
         params = self._params("sessions", [row])[0]
-        cols = self._inserts["sessions"][1]
+        cols = tuple(c for c, _ in COLUMNS["sessions"])
         updates = ", ".join(
             f"{c} = COALESCE(excluded.{c}, {c})" for c in cols if c not in ("session_id", "started_at_ns", "status")
         )
@@ -259,15 +278,15 @@ class SqliteStore:
             try:
                 self._db.execute("BEGIN")
                 self._db.execute("CREATE TEMP TABLE IF NOT EXISTS retention_cutoff "
-                                 "(session_id TEXT, rank INTEGER, cutoff INTEGER, PRIMARY KEY (session_id, rank))")
+                                 "(session_key INTEGER, rank INTEGER, cutoff INTEGER, PRIMARY KEY (session_key, rank))")
                 for table, column in _RETENTION_TIME:
                     self._db.execute("DELETE FROM retention_cutoff")
                     self._db.execute(
-                        f"INSERT INTO retention_cutoff SELECT session_id, rank, MAX({column}) - ? FROM {table} "
-                        f"WHERE {column} IS NOT NULL GROUP BY session_id, rank", (window_ns,))
+                        f"INSERT INTO retention_cutoff SELECT session_key, rank, MAX({column}) - ? FROM {table}_rows "
+                        f"WHERE {column} IS NOT NULL GROUP BY session_key, rank", (window_ns,))
                     cursor = self._db.execute(
-                        f"DELETE FROM {table} WHERE {column} < (SELECT c.cutoff FROM retention_cutoff c "
-                        f"WHERE c.session_id = {table}.session_id AND c.rank = {table}.rank)")
+                        f"DELETE FROM {table}_rows WHERE {column} < (SELECT c.cutoff FROM retention_cutoff c "
+                        f"WHERE c.session_key IS {table}_rows.session_key AND c.rank = {table}_rows.rank)")
                     removed += cursor.rowcount
                 self._db.execute("COMMIT")
                 self._checkpoint_soon()
@@ -353,6 +372,24 @@ class SqliteStore:
     @staticmethod
     def now_ns() -> int:
         return time.time_ns()
+
+
+class _SessionKeys(dict):  # type: ignore[type-arg]
+    """session id -> session key, filled from ``session_keys`` as ids come; a new id gets its key
+    inside the writer's open transaction (so ``clear()`` after a rollback)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        super().__init__()
+        self._db = db
+
+    def __missing__(self, session_id: Any) -> int | None:
+        if session_id is None:  # stored with no key, as the row had no session
+            return None
+        self._db.execute("INSERT OR IGNORE INTO session_keys (session_id) VALUES (?)", (session_id,))
+        key: int = self._db.execute("SELECT session_key FROM session_keys WHERE session_id = ?",
+                                    (session_id,)).fetchone()[0]
+        self[session_id] = key
+        return key
 
 
 class _Checkpointer:
