@@ -129,7 +129,8 @@ class SqliteStore:
 
     def _create(self) -> None:
         body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in COLUMNS["sessions"])
-        self._db.execute(f"CREATE TABLE IF NOT EXISTS sessions ({body.replace('session_id TEXT', 'session_id TEXT PRIMARY KEY')})")
+        body = body.replace("session_id TEXT", "session_id TEXT PRIMARY KEY")
+        self._db.execute(f"CREATE TABLE IF NOT EXISTS sessions ({body})")
         self._db.execute(_BATCHES_TABLE)
         self._db.execute(_KEYS_TABLE)
         kinds = dict(self._db.execute("SELECT name, type FROM sqlite_master").fetchall())
@@ -140,8 +141,7 @@ class SqliteStore:
                                             "AND sql IS NOT NULL", (table,)).fetchall():
                 self._db.execute(f"DROP INDEX {name}")
         for table in ROW_TABLES:
-            cols = COLUMNS[table][1:]
-            body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in cols)
+            body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in COLUMNS[table][1:])
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}_rows (session_key INTEGER, {body})")
         for statement in _INDEXES:
             self._db.execute(statement)
