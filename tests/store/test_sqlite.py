@@ -365,6 +365,21 @@ def test_random_batch_splits_store_the_same_rows(rows: list[tuple[str, dict[str,
             split.close()
 
 
+def test_whole_chunks_and_the_rest_keep_each_rows_session(store: SqliteStore) -> None:
+    """Rows of three sessions interleaved, over several whole multi-row chunks and a remainder:
+    every row reads back under its own session (the key stands in for the id in every chunk)."""
+    from stepwatch.store.sqlite import CHUNK_ROWS
+
+    sessions = (S1, S2, "session-three")
+    rows = [telemetry(sessions[i % 3], i % 5, i) for i in range(3 * CHUNK_ROWS + 5)]
+    spans = [span(sessions[i % 2], 0, f"s{i}", i) for i in range(CHUNK_ROWS + 1)]
+    assert store.append_many({"telemetry": rows, "spans": spans}) == len(rows) + len(spans)
+    got = store.query("SELECT session_id, rank, timestamp_ns, allocated FROM telemetry ORDER BY timestamp_ns")
+    assert got == [{"session_id": r["session_id"], "rank": r["rank"], "timestamp_ns": r["timestamp_ns"],
+                    "allocated": r["allocated"]} for r in rows]
+    assert [store.count("spans", sid) for sid in sessions] == [CHUNK_ROWS // 2 + 1, CHUNK_ROWS // 2, 0]
+
+
 # -- idempotence, batch ids, an older store ------------------------------------------------------
 
 
