@@ -40,7 +40,9 @@ _SQL_TYPES = {"text": "TEXT", "int": "INTEGER", "real": "REAL", "json": "TEXT"}
 # live in ``session_keys`` and never change (a VACUUM keeps an INTEGER PRIMARY KEY).
 _KEYS_TABLE = ("CREATE TABLE IF NOT EXISTS session_keys "
                "(session_key INTEGER PRIMARY KEY, session_id TEXT NOT NULL UNIQUE)")
-ROW_TABLES = tuple(t for t in COLUMNS if t != "sessions")
+# table -> its columns after session_id, as ``<table>_rows`` holds them after ``session_key``
+_ROW_COLUMNS = {table: tuple(c for c, _ in cols[1:]) for table, cols in COLUMNS.items() if table != "sessions"}
+_SESSION_COLUMNS = tuple(c for c, _ in COLUMNS["sessions"])
 # Every index costs each insert a B-tree descent (bench/README.md: 7.7 us a row with ten, 4.3 with
 # none), so there is one only where a query reads it or it keeps a table idempotent. The unique
 # ones make re-imports and retried batches store nothing twice (INSERT OR IGNORE): spans, marks,
@@ -134,32 +136,32 @@ class SqliteStore:
         self._db.execute(_BATCHES_TABLE)
         self._db.execute(_KEYS_TABLE)
         kinds = dict(self._db.execute("SELECT name, type FROM sqlite_master").fetchall())
-        old = [t for t in ROW_TABLES if kinds.get(t) == "table"]  # a store from before the session keys
+        old = [t for t in _ROW_COLUMNS if kinds.get(t) == "table"]  # a store from before the session keys
         self._db.execute("BEGIN")
         for table in old:  # their index names are the new tables' (dropped with them in any case)
             for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ? "
                                             "AND sql IS NOT NULL", (table,)).fetchall():
                 self._db.execute(f"DROP INDEX {name}")
-        for table in ROW_TABLES:
+        for table in _ROW_COLUMNS:
             body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in COLUMNS[table][1:])
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}_rows (session_key INTEGER, {body})")
         for statement in _INDEXES:
             self._db.execute(statement)
-        for table in ROW_TABLES:
-            names = ", ".join(c for c, _ in COLUMNS[table][1:])
+        for table, columns in _ROW_COLUMNS.items():
+            names = ", ".join(columns)
             if table in old:  # move its rows
                 self._db.execute(f"INSERT OR IGNORE INTO session_keys (session_id) "
                                  f"SELECT DISTINCT session_id FROM {table} WHERE session_id IS NOT NULL")
                 # INSERT OR IGNORE in rowid order: the first of rows the unique keys call the same
                 # stays (older stores had no unique indexes)
                 self._db.execute(f"INSERT OR IGNORE INTO {table}_rows (session_key, {names}) "
-                                 f"SELECT k.session_key, {', '.join('t.' + c for c, _ in COLUMNS[table][1:])} "
+                                 f"SELECT k.session_key, {', '.join('t.' + c for c in columns)} "
                                  f"FROM {table} t LEFT JOIN session_keys k ON k.session_id = t.session_id "
                                  f"ORDER BY t.rowid")
                 self._db.execute(f"DROP TABLE {table}")
             self._db.execute(
                 f"CREATE VIEW IF NOT EXISTS {table} (session_id, {names}) AS SELECT k.session_id, "
-                f"{', '.join('r.' + c for c, _ in COLUMNS[table][1:])} FROM {table}_rows r "
+                f"{', '.join('r.' + c for c in columns)} FROM {table}_rows r "
                 f"LEFT JOIN session_keys k ON k.session_key = r.session_key")
         self._db.execute("COMMIT")
 
@@ -178,7 +180,7 @@ class SqliteStore:
         if self.read_only:
             raise StoreError(f"{self.path}: store opened read-only")
         for table in batches:
-            if table not in ROW_TABLES:
+            if table not in _ROW_COLUMNS:
                 raise StoreError(f"unknown table {table!r}")
         return self.append_tuples({table: self._params(table, rows) for table, rows in batches.items() if rows})
 
@@ -195,7 +197,7 @@ class SqliteStore:
             try:
                 self._db.execute("BEGIN")
                 for table, rows in batches.items():
-                    if table not in ROW_TABLES:
+                    if table not in _ROW_COLUMNS:
                         raise StoreError(f"unknown table {table!r}")
                     if rows:
                         self._insert(table, rows)
@@ -237,14 +239,14 @@ class SqliteStore:
     def _values_insert(self, table: str, count: int) -> str:
         """``INSERT OR IGNORE`` of ``count`` rows in one statement (sqlite3 caches the prepared
         statements by their text)."""
-        names = ", ".join(c for c, _ in COLUMNS[table][1:])
+        names = ", ".join(_ROW_COLUMNS[table])
         one = f"({', '.join('?' for _ in COLUMNS[table])})"
         return f"INSERT OR IGNORE INTO {table}_rows (session_key, {names}) VALUES " + ", ".join([one] * count)
 
     def upsert_session(self, row: Mapping[str, Any]) -> None:
         """Creates or updates a session; an existing status only moves forward."""
         params = self._params("sessions", [row])[0]
-        cols = tuple(c for c, _ in COLUMNS["sessions"])
+        cols = _SESSION_COLUMNS
         updates = ", ".join(
             f"{c} = COALESCE(excluded.{c}, {c})" for c in cols if c not in ("session_id", "started_at_ns", "status")
         )
