@@ -380,6 +380,35 @@ def test_whole_chunks_and_the_rest_keep_each_rows_session(store: SqliteStore) ->
     assert [store.count("spans", sid) for sid in sessions] == [CHUNK_ROWS // 2 + 1, CHUNK_ROWS // 2, 0]
 
 
+_maybe_int = st.none() | st.integers(-(2**63), 2**63 - 1)
+_maybe_text = st.none() | st.text(max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_maybe_int, _maybe_int, _maybe_int, _maybe_text, _maybe_text,
+                          st.none() | st.floats(allow_nan=False)), min_size=1, max_size=12))
+def test_often_null_columns_read_back_null_or_their_value(store: SqliteStore, values: list[tuple[Any, ...]]) -> None:
+    """The writer binds None as NaN in the columns that are often NULL (SQLite stores it as NULL):
+    every None reads back as a real NULL and every value, extremes and empty strings included,
+    as itself."""
+    base = store.count("telemetry") + store.count("spans") + store.count("marks")
+    rows = {"telemetry": [], "spans": [], "marks": []}
+    for i, (a, b, c, text, parent, num) in enumerate(values, start=base):
+        rows["telemetry"].append(telemetry(S1, 0, i, active=a, inactive=b, free=c, total=None, context=text))
+        rows["spans"].append({**span(S1, 0, f"s{i}", i), "parent_id": parent, "idx": a, "gpu_ns": b})
+        rows["marks"].append({**mark(S1, 0, f"m{i}", i), "span_id": parent, "value_num": num, "value_text": text})
+    store.append_many(rows)
+    got = store.query("SELECT active, inactive, free, total, context, typeof(total) AS t FROM telemetry "
+                      "WHERE timestamp_ns >= ? ORDER BY timestamp_ns", [base])
+    assert [(r["active"], r["inactive"], r["free"], r["context"]) for r in got] == [
+        (a, b, c, text) for a, b, c, text, _, _ in values]
+    assert {(r["total"], r["t"]) for r in got} == {(None, "null")}
+    spans = store.query("SELECT parent_id, idx, gpu_ns FROM spans WHERE start_ns >= ? ORDER BY start_ns", [base])
+    assert [tuple(r.values()) for r in spans] == [(parent, a, b) for a, b, _, _, parent, _ in values]
+    marks = store.query("SELECT span_id, value_num, value_text FROM marks WHERE ts_ns >= ? ORDER BY ts_ns", [base])
+    assert [tuple(r.values()) for r in marks] == [(parent, num, text) for _, _, _, text, parent, num in values]
+
+
 # -- idempotence, batch ids, an older store ------------------------------------------------------
 
 
