@@ -66,8 +66,9 @@ _INDEXES = (
 # lookups: ~250 ns a value, where an int, float or str binds in 20-70 ns), and SQLite stores a
 # bound NaN as NULL (sqlite3_bind_double). So in the columns that are NULL in many rows (absent
 # allocator or device counters, no context, a span without an index or GPU time, a mark without
-# a span or text value...), None is bound as NaN: the same NULL, ~0.2 µs less per value, ~10% of
-# the writer's time on the aggregator's rows (bench/README.md). Other columns bind None as it is.
+# a span or text value...), None is bound as NaN: the same NULL, ~0.2 µs less per value, about
+# a fifth of the writer's time on the aggregator's rows (bench/README.md). Other columns bind None
+# as it is.
 _NULL = math.nan
 _OFTEN_NULL_COLUMNS = {
     "telemetry": ("active", "inactive", "free", "total", "context"),
