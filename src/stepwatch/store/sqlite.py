@@ -148,8 +148,7 @@ class SqliteStore:
         self._chunk_rows = {table: max(1, min(CHUNK_ROWS, limit // len(cols))) for table, cols in COLUMNS.items()}
 
     def _create(self) -> None:
-        body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in COLUMNS["sessions"])
-        body = body.replace("session_id TEXT", "session_id TEXT PRIMARY KEY")
+        body = _column_defs(COLUMNS["sessions"]).replace("session_id TEXT", "session_id TEXT PRIMARY KEY")
         self._db.execute(f"CREATE TABLE IF NOT EXISTS sessions ({body})")
         self._db.execute(_BATCHES_TABLE)
         self._db.execute(_KEYS_TABLE)
@@ -161,7 +160,7 @@ class SqliteStore:
                                             "AND sql IS NOT NULL", (table,)).fetchall():
                 self._db.execute(f"DROP INDEX {name}")
         for table in _ROW_COLUMNS:
-            body = ", ".join(f"{c} {_SQL_TYPES[t]}" for c, t in COLUMNS[table][1:])
+            body = _column_defs(COLUMNS[table][1:])
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}_rows (session_key INTEGER, {body})")
         for statement in _INDEXES:
             self._db.execute(statement)
@@ -396,6 +395,10 @@ class SqliteStore:
     @staticmethod
     def now_ns() -> int:
         return time.time_ns()
+
+
+def _column_defs(columns: Iterable[tuple[str, str]]) -> str:
+    return ", ".join(f"{name} {_SQL_TYPES[kind]}" for name, kind in columns)
 
 
 class _SessionKeys(dict):  # type: ignore[type-arg]
