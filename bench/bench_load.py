@@ -17,6 +17,12 @@ of ``K``, after a full collection each round, dropping each result before the ne
   * ``stormlog M``: ``stormlog.telemetry.load_telemetry_sessions`` loads the subset (Stormlog
     reads v3 records and stepwatch's manifest; it returns v4 objects).
 
+The ``stepwatch M`` worker also times, after its loads, ``msgspec`` alone on the same records:
+every segment's bytes already read into memory, decoded by one ``decode_lines`` call each into
+``TelemetryEventV3`` with the cyclic GC off, nothing else (no file access, identity check,
+grouping or summary). No loader that returns one ``TelemetryEventV3`` per record can pass this
+figure by much: it is the cost of building the objects.
+
 Every worker checks it got one session of the expected number of events and returns a checksum
 of a counter over all of them; the parent checks the subset checksums agree.
 Peak RSS per event is ``(ru_maxrss at the end - ru_maxrss after imports) / events``.
@@ -144,6 +150,7 @@ def _load_worker(name: str, argv: list[str]) -> dict[str, Any]:
 
     timing = best_of(args.repeat, lambda _state: load(args.dir), teardown=teardown)
     peak = peak_rss_bytes()
+    decode = _decode_alone(args.dir, args.repeat) if name == "stepwatch-subset" else None
     if len(set(checksums)) != 1:
         raise SystemExit(f"{name}: checksums differ between rounds: {checksums}")
     return {
@@ -157,7 +164,31 @@ def _load_worker(name: str, argv: list[str]) -> dict[str, Any]:
         "rss_peak_bytes": peak,
         "rss_delta_bytes": peak - baseline,
         "rss_bytes_per_event": (peak - baseline) / args.events,
+        "decode_alone_events_per_s": decode,
     }
+
+
+def _decode_alone(path: Path, repeat: int) -> float:
+    """Events/s of msgspec decoding the segments' bytes (in memory) into TelemetryEventV3."""
+    import gc
+
+    import msgspec
+
+    from stepwatch.schema import TelemetryEventV3
+
+    decode = msgspec.json.Decoder(TelemetryEventV3).decode_lines
+    data = [segment.read_bytes() for segment in sorted(path.glob("segment-*.jsonl"))]
+    events = sum(chunk.count(b"\n") for chunk in data)
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        gc.disable()
+        started = time.perf_counter()
+        decoded = [decode(chunk) for chunk in data]
+        best = min(best, time.perf_counter() - started)
+        gc.enable()
+        del decoded
+    return events / best
 
 
 def _profile_worker(name: str, argv: list[str]) -> dict[str, Any]:
@@ -276,6 +307,10 @@ def main() -> None:
           f"(target >= {TARGET_RATIO:.0f}x: {'met' if issue_ratio >= TARGET_RATIO else 'NOT met'})")
     print(f"ratio stepwatch {args.subset:,} / stormlog {args.subset:,} (same files):  {same_ratio:.1f}x "
           f"(target >= {TARGET_RATIO:.0f}x: {'met' if same_ratio >= TARGET_RATIO else 'NOT met'})")
+    decode_rate = results["stepwatch-subset"]["decode_alone_events_per_s"]
+    print(f"msgspec alone, the subset's bytes in memory -> TelemetryEventV3: {format_rate(decode_rate)} = "
+          f"{decode_rate / stormlog_rate:.1f}x stormlog (the loader on the same files: "
+          f"{results['stepwatch-subset']['events_per_s'] / decode_rate:.0%} of it)")
     memory_ratio = results["stormlog-subset"]["rss_bytes_per_event"] / results["stepwatch-subset"]["rss_bytes_per_event"]
     print(f"peak RSS per event, stormlog / stepwatch on the same files: {memory_ratio:.1f}x")
 
@@ -287,6 +322,7 @@ def main() -> None:
         "results": results,
         "ratios": {"stepwatch_full_vs_stormlog_subset": issue_ratio,
                    "stepwatch_subset_vs_stormlog_subset": same_ratio,
+                   "decode_alone_vs_stormlog_subset": decode_rate / stormlog_rate,
                    "rss_per_event_stormlog_vs_stepwatch_subset": memory_ratio},
     })
     print(f"\nraw results: {path}")
