@@ -147,7 +147,8 @@ def test_loop_without_a_dataloader_gets_optimizer_driven_steps(tmp_path: Path) -
     assert [s["index"] for s in steps] == list(range(5))
     tree = kids(spool)
     warmup = named(spool, "forward")[0]
-    assert warmup["parent_id"] == session["id"]
+    (evaluation,) = named(spool, "eval_step")  # a forward-only iteration: an eval_step under the session
+    assert warmup["parent_id"] == evaluation["id"] and evaluation["parent_id"] == session["id"]
     assert steps[0]["start_ns"] >= warmup["end_ns"]
     for number, step in enumerate(steps):
         assert step["parent_id"] == session["id"]
@@ -160,7 +161,6 @@ def test_loop_without_a_dataloader_gets_optimizer_driven_steps(tmp_path: Path) -
             assert step["start_ns"] == steps[number - 1]["end_ns"]  # from the previous optimizer step
         assert step["attrs"]["forward_ns"] == phases["forward"]["end_ns"] - phases["forward"]["start_ns"]
         assert len(step["mark_ids"]) == 1
-    assert named(spool, "eval_step") == []
 
 
 def test_gradient_accumulation_without_a_dataloader_is_one_step(tmp_path: Path) -> None:
@@ -392,10 +392,11 @@ def test_second_snapshot_on_a_span_keeps_its_own_blobs(tmp_path: Path) -> None:
     taken: list[dict[str, torch.Tensor]] = []
     for _ in stepwatch.epochs(1):
         for round_ in range(2):  # two full snapshots on the same epoch span, training between
-            for x, y in train:
-                train_step(model, optimizer, x, y)
-            nn.functional.mse_loss(model(torch.randn(2, 4)), torch.randn(2, 1)).backward()
-            stepwatch.snapshot(model, "full", round=round_)
+            for x, y in train:  # the last batch's gradients are kept for the snapshot
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+            stepwatch.snapshot(model, "full", round=round_)  # the pass is over: on the epoch
             taken.append({**{n: p.detach().clone() for n, p in model.named_parameters()},
                           **{f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()}})
             optimizer.zero_grad()

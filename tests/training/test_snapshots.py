@@ -146,7 +146,9 @@ def test_records_per_parameter_and_gradient(tmp_path: Path) -> None:
 
     epochs = sorted((s for s in spool.spans if s["name"] == "epoch"), key=lambda s: s["index"])
     first = [r for r in spool.snapshots if r["span_id"] == epochs[0]["id"]]
-    second = [r for r in spool.snapshots if r["span_id"] == epochs[1]["id"]]
+    # the forward and backward of epoch 1 are a step (docs/step-inference.md): its snapshot is on it
+    (probe,) = [s for s in spool.spans if s["name"] == "step" and s["parent_id"] == epochs[1]["id"]]
+    second = [r for r in spool.snapshots if r["span_id"] == probe["id"]]
     assert [r["tensor_name"] for r in first] == PARAMS  # no gradients yet
     names = [r["tensor_name"] for r in second]
     assert sorted(names) == sorted(PARAMS + [f"{n}.grad" for n in USED])  # none for the unused layer

@@ -467,7 +467,8 @@ def test_runtime_records_have_the_spec_fields_in_order(tmp_path: Path) -> None:
     assert list(by_name["loss"]) == MARK_FIELDS and by_name["loss"]["attrs"] == {"step": 1}
     assert list(by_name["diverged"]) == [*MARK_FIELDS, "value_nonfinite"]
     first, second = sorted((s for s in spans if s["name"] == "step"), key=lambda s: s["index"])
-    breakdown = ["step_ns", "data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns", "wait_ns"]
+    breakdown = ["step_ns", "data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns", "recompute_ns",
+                 "wait_ns"]
     assert list(first["attrs"]) == ["lr", "tag", *breakdown] and first["attrs"]["lr"] == 0.1
     assert first["mark_ids"] == [by_name["loss"]["id"], by_name["diverged"]["id"]]
     assert list(second["attrs"]) == [*breakdown, "error"] and second["attrs"]["error"] == "KeyError"

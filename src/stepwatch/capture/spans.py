@@ -29,7 +29,7 @@ MAX_DEPTH = 64
 MAX_STRING_BYTES = 256
 ROOT_SENTINEL = "root"  # legacy span id of marks made before init / after shutdown
 SESSION_SPAN = "stepwatch.session"
-PHASES = ("data_load", "h2d", "forward", "backward", "optimizer_step")
+PHASES = ("data_load", "h2d", "forward", "backward", "optimizer_step", "recompute")
 _NO_TIMES = dict.fromkeys(PHASES, 0)
 
 
@@ -183,10 +183,11 @@ def step_attrs(span: OpenSpan, end_ns: int) -> dict[str, Any]:
     residual (aggregator-architecture.md), after the attrs it was opened with (cleaned)."""
     times = span.phase_ns or _NO_TIMES
     h2d, forward, backward, optimizer = times["h2d"], times["forward"], times["backward"], times["optimizer_step"]
+    recompute = times["recompute"]
     step_ns = end_ns - span.start_ns
     breakdown = {"step_ns": step_ns, "data_load_ns": times["data_load"], "h2d_ns": h2d, "forward_ns": forward,
-                 "backward_ns": backward, "optimizer_step_ns": optimizer,
-                 "wait_ns": max(0, step_ns - h2d - forward - backward - optimizer)}
+                 "backward_ns": backward, "optimizer_step_ns": optimizer, "recompute_ns": recompute,
+                 "wait_ns": max(0, step_ns - h2d - forward - backward - optimizer - recompute)}
     return {**clean_attrs(span.attrs), **breakdown} if span.attrs else breakdown
 
 

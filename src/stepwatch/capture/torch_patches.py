@@ -43,6 +43,7 @@ class TorchPatches:
                 from torch.optim import optimizer
                 from torch.utils.data import DataLoader
 
+                self.state.grad_enabled = torch.is_grad_enabled
                 self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
                 self._patch(torch.Tensor, "backward", self._wrap_backward)
                 self._patch(torch.autograd, "backward", self._wrap_backward)
@@ -104,7 +105,8 @@ class TorchPatches:
                 return original(*args, **kwargs)  # not the traced model / a loss function
             span = None
             try:
-                span = state.begin_phase("forward")
+                # A forward run during backward is activation checkpointing recomputing it.
+                span = state.begin_phase("recompute" if local.in_backward else "forward")
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "patch.forward")
             local.in_forward = True
@@ -158,7 +160,7 @@ class TorchPatches:
                 local.optimizer_depth += 1
                 return
             local.optimizer_depth = 0
-            local.optimizer_token = self.state.begin_phase("optimizer_step")
+            local.optimizer_token = self.state.begin_optimizer(optimizer)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, "patch.optimizer")
 

@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from . import step_inference as machine
 from .guard import report_internal
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
 
@@ -56,7 +57,6 @@ T = TypeVar("T")
 # Who owns epoch and step when several hooks are active (spool-format-v1.md): highest wins.
 FRAMEWORK_PRIORITY = {"transformers": 3, "lightning": 2, "torch": 1}
 _PRE_INIT_MARKS_MAX = 1024
-_MAX_HELD = 64  # phases held back with no optimizer step after them (gradients only)
 _NO_PHASE_TIME = dict.fromkeys(PHASES, 0)  # copied for each step: a small dict's copy beats fromkeys
 _time_ns = time.time_ns
 
@@ -70,14 +70,15 @@ class _ThreadState:
 
     __slots__ = ("stack", "ident", "step", "model", "pending_fetch", "in_forward", "in_backward",
                  "optimizer_token", "optimizer_depth", "implicit", "live", "done_ns", "holding", "held",
-                 "last_opt_end", "source")
+                 "last_opt_end", "source", "mode", "watch", "cuts", "first_times", "eval_ids", "it_fwd",
+                 "it_bwd", "step_opts", "opt_label", "opt_nested")
 
     def __init__(self, recorder: SpanRecorder) -> None:
         self.stack: list[OpenSpan] = recorder.thread_stack()
         self.ident = threading.get_ident()
         self.step: OpenSpan | None = None
         self.model: Any = None
-        self.pending_fetch: tuple[int, int] | None = None
+        self.pending_fetch: tuple[int, int, Any] | None = None  # (start, end, its pass)
         self.in_forward = False
         self.in_backward = False
         self.optimizer_token: Any = None
@@ -88,10 +89,22 @@ class _ThreadState:
         # The one attribute begin_phase tests before taking its slow path.
         self.live: OpenSpan | None = None
         self.done_ns = 0
-        self.holding = False  # phases outside any step are held back (no DataLoader: _outside_step)
+        # The step machine (step_inference.py): closed phases held back until it is known whose
+        # they are, the mode learned from the loop, the iterations of a step that may be split.
+        self.holding = False
         self.held: list[OpenSpan] = []
         self.last_opt_end = 0  # end of the last inferred step, where a DataLoader-less step starts
         self.source: tuple[Any, int] | None = None  # (loader, pass start ns) of the last fetch
+        self.mode = machine.UNKNOWN
+        self.watch = False  # begin_phase takes the slow path even in a running step
+        self.cuts: list[int] = []  # starts of the held iterations of the open step (UNKNOWN mode)
+        self.first_times: dict[str, int] | None = None  # the open step's times before its held iterations
+        self.eval_ids: set[int] = set()  # held forwards that ran with gradients off
+        self.it_fwd = 0  # the current iteration's forwards: 0 none, 1 gradients off only, 2 with gradients
+        self.it_bwd = False
+        self.step_opts: dict[str, int] = {}  # optimizer label -> its own ns in the open step
+        self.opt_label = ""
+        self.opt_nested = 0  # ns of phases nested in the open optimizer step (its closure)
 
 
 class _PerThread(threading.local):
@@ -139,7 +152,8 @@ class TrainingState:
         self.epoch_is_auto = False
         self.auto_epoch_index = itertools.count()
         self.train_loader: Callable[[], Any] | None = None  # a weakref to it, once known
-        self.seek_epoch = True  # no training DataLoader known yet (close_step asks _first_epoch)
+        self.grad_enabled: Callable[[], bool] = lambda: True  # torch.is_grad_enabled, from the patches
+        self.optimizer_labels: dict[int, str] = {}  # id(optimizer) -> "<class>#<order first stepped>"
 
     @property
     def local(self) -> _ThreadState:
@@ -168,81 +182,50 @@ class TrainingState:
 
         The hot path of every patch: one thread-local read, the span made and pushed here
         (no call into the recorder), the id a C-level counter, nothing formatted. Outside a
-        running step ``_outside_step`` decides first whether a step opens or closes.
+        running step (or while its iterations are watched) the step machine decides first
+        whether a step opens, closes, splits or takes the phase (``step_inference``).
         """
         local = self.threads.me
-        if local.live is None:
-            self._outside_step(local, name)
+        now = _time_ns()
+        slow = local.live is None or local.watch
+        if slow:
+            machine.before_phase(self, local, name, now)
         stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
             return None
-        span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, _time_ns(), None,
+        span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, now, None,
                         local.ident)
         stack.append(span)
+        if slow and name == "forward" and local.step is not None and not self.grad_enabled():
+            local.eval_ids.add(span.id)  # evaluation work, if it comes between training steps
         if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
         return span
 
-    def _outside_step(self, local: _ThreadState, name: str) -> None:
-        """A phase begins with no running step: closes an inferred step that ended at its
-        optimizer step, and opens an inferred step when one starts here.
-
-        Without a DataLoader, phases outside a step are held back (``holding``: spooled only
-        when the next optimizer step shows they were its step's, or when something else shows
-        they were not), since a step's parent id must be known when its children are spooled.
-        """
-        if local.step is not None:
-            if local.implicit:
-                self.close_step(local.step, None)  # the inferred step ended at its optimizer step
-            else:
-                return
-        if not self.auto_steps or self.owners or (self.requests and self._context_stack() is not None):  # requests are no steps
-            if local.holding:
-                self._flush_held(local)
-            return
-        if local.pending_fetch is not None:  # after a fetch: the step starts at the fetch
-            if local.holding:
-                self._flush_held(local)
-            self.open_step(None, {"implicit": True}, implicit=True)
-            return
-        held = local.held
-        if name == "optimizer_step":
-            # An optimizer-driven step, from the end of the previous one (or its first phase),
-            # adopting the phases held back since.
-            local.holding = False
-            local.held = []
-            start_ns = local.last_opt_end or (held[0].start_ns if held else 0)
-            step = self.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns or None)
-            if step is not None and step.phase_ns is not None:
-                times = step.phase_ns
-                for span in held:
-                    span.parent_id = step.id
-                    times[span.name] += span.end_ns - span.start_ns
-            for span in held:
-                self._push(span)
-                self._tally()
-            return
-        if held and (len(held) >= _MAX_HELD or (name == "forward" and all(s.name != "backward" for s in held))):
-            self._flush_held(local)  # forwards with no backward after them: not a training step's
-        local.holding = True
-
-    def _flush_held(self, local: _ThreadState) -> None:
-        """The held phases were not followed by an optimizer step: spooled where they ran."""
-        held, local.held = local.held, []
-        local.holding = False
-        for span in held:
-            self._push(span)
-            self._tally()
+    def begin_optimizer(self, optimizer: Any) -> OpenSpan | None:
+        """An optimizer's step begins: the machine learns which optimizer (a GAN's second one
+        joins the iteration, the same one again starts the next), then its phase opens."""
+        local = self.threads.me
+        label = self.optimizer_labels.get(id(optimizer))
+        if label is None:
+            label = self.optimizer_labels[id(optimizer)] = f"{type(optimizer).__name__}#{len(self.optimizer_labels)}"
+        local.opt_label = label
+        local.opt_nested = 0
+        if local.step is not None and local.implicit and self.auto_steps and not self.owners:
+            machine.before_optimizer(self, local, label)
+        elif local.step is None:
+            local.mode = machine.OPTIMIZER
+        return self.begin_phase("optimizer_step")
 
     def settle(self) -> None:
         """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
-        closes (a scope must not nest in it) and held phases are spooled."""
+        closes (a scope must not nest in it) and held phases are resolved."""
         local = self.threads.me
         if local.step is not None and local.live is None and local.implicit:
-            self.close_step(local.step, None)
-        if local.holding:
-            self._flush_held(local)
+            machine.resolve_done(self, local, reopen=False)
+        elif local.held and local.step is None:
+            machine.flush_held(self, local)
 
     def end_phase(self, span: OpenSpan | None) -> None:
         if span is None:
@@ -257,23 +240,33 @@ class TrainingState:
             stack.pop()
             span.closed = True
             span.end_ns = end_ns
-            if step is None and local.holding and span.name in _NO_PHASE_TIME:
-                local.held.append(span)  # spooled once its parent is known (_outside_step)
-                return
-            self._push(span)
-            self._tally()
+            if local.holding and span.name in _NO_PHASE_TIME:
+                local.held.append(span)  # spooled once the machine knows its step
+            else:
+                self._push(span)
+                self._tally()
         else:  # closed already, or children left open above it: the recorder sorts it out
             self.recorder.close(span, end_ns)
         if step is not None:
             name = span.name
             times = step.phase_ns
             if times is not None and name in times:
-                times[name] += end_ns - span.start_ns
-                if local.implicit and name == "optimizer_step":
-                    # The inferred step ends here but stays open for the marks made after
-                    # optimizer.step(); the next fetch, phase, scope or epoch end closes it.
-                    local.live = None
-                    local.done_ns = end_ns
+                duration = end_ns - span.start_ns
+                times[name] += duration
+                parent = stack[-1] if stack else None
+                if parent is not None and parent is not step and parent.name in times:
+                    times[parent.name] -= duration  # a phase's time is its own: nested ones count once
+                    if parent.name == "optimizer_step":
+                        local.opt_nested += duration
+                if name == "optimizer_step":
+                    opts = local.step_opts
+                    opts[local.opt_label] = opts.get(local.opt_label, 0) + duration - local.opt_nested
+                    local.opt_nested = 0
+                    if local.implicit:
+                        # The inferred step ends here but stays open for the marks made after
+                        # optimizer.step(); the next event decides what follows (step_inference).
+                        local.live = None
+                        local.done_ns = end_ns
 
     def record_fetch(self, start_ns: int, end_ns: int, source: Any = None) -> None:
         """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
@@ -281,40 +274,40 @@ class TrainingState:
         local = self.threads.me
         local.source = source
         local.last_opt_end = 0
-        if local.holding:
-            self._flush_held(local)
-        if local.step is not None:
-            if not local.implicit:
+        step = local.step
+        if step is not None:
+            if not local.implicit or machine.on_fetch(self, local, start_ns, end_ns):
                 self._data_load_span(start_ns, end_ns)
                 return
-            self.close_step(local.step, None, end_ns=start_ns)  # an inferred step ends at the next fetch
-        if local.pending_fetch is not None:  # never adopted (no trace_step): keep it where it ran
-            self._data_load_span(*local.pending_fetch)
-        local.pending_fetch = (start_ns, end_ns)
+        elif local.held:
+            machine.flush_held(self, local)
+        if local.pending_fetch is not None:  # never adopted (no phase after it): keep it where it ran
+            self._data_load_span(*local.pending_fetch[:2])
+        local.pending_fetch = (start_ns, end_ns, source)
 
     def end_inferred_step(self, end_ns: int | None = None) -> None:
         """Closes an inferred step open on this thread: when its loader is exhausted (not at the
         next epoch's fetch) and at epoch boundaries (it must not enclose, then close, an epoch)."""
-        local = self.threads.me
-        if local.step is not None and local.implicit:
-            self.close_step(local.step, None, end_ns=end_ns)
-        if local.holding:
-            self._flush_held(local)
+        machine.close_inferred(self, self.threads.me, end_ns)
 
     # -- automatic epochs (passes over the training DataLoader) ------------------------------
 
     def start_pass(self, source: tuple[Any, int]) -> None:
-        """A DataLoader ``__iter__`` (``source``: the loader, the pass's start): a new pass over
-        the training loader starts the next epoch."""
+        """A DataLoader ``__iter__`` (``source``: the loader, the pass's start). A fetch still
+        waiting from another pass was a peek (``next(iter(loader))``): it stays out of every step.
+        A pass over the training loader ends the epoch open; the next opens at this pass's first
+        training step, so a pass abandoned after a fetch or two is no epoch."""
+        local = self.threads.me
+        fetch = local.pending_fetch
+        if fetch is not None and fetch[2] is not source:
+            local.pending_fetch = None
+            self._data_load_span(fetch[0], fetch[1])
         train = self.train_loader
         if train is None or not self.auto_epochs or self.owners or train() is not source[0]:
             return
         self.end_inferred_step()
-        self.threads.me.last_opt_end = 0
+        local.last_opt_end = 0
         self._close_auto_epoch(source[1])
-        self.epoch = self.recorder.open("epoch", index=next(self.auto_epoch_index),
-                                        parent_id=self._session_id, start_ns=source[1])
-        self.epoch_is_auto = True
 
     def end_pass(self, source: tuple[Any, int], end_ns: int) -> None:
         """A DataLoader pass is exhausted: the inferred step closes, and the epoch if this pass is one."""
@@ -331,20 +324,23 @@ class TrainingState:
             if not epoch.closed:
                 self.recorder.close(epoch, end_ns)
 
-    def _first_epoch(self, step: OpenSpan, local: _ThreadState) -> None:
-        """The first training step of a pass over a DataLoader, with no epoch open: that loader
-        is the training loader, and this pass (from its ``__iter__``) epoch 0."""
+    def _open_auto_epoch(self, step: OpenSpan, local: _ThreadState) -> None:
+        """A training step of a pass over a DataLoader, with no epoch open: that loader is the
+        training loader, and this pass (from its ``__iter__``) the next epoch."""
         source = local.source
         times = step.phase_ns
-        if (self.owners or step.parent_id != self._session_id or self.epoch is not None or not self.auto_epochs
+        if (self.owners or step.parent_id != self._session_id or not self.auto_epochs or source is None
                 or times is None or not (times["backward"] or times["optimizer_step"])):
             return
-        self.seek_epoch = False
         loader, pass_start = source
-        try:
-            self.train_loader = weakref.ref(loader)
-        except TypeError:  # a loader class without weakref support: hold it
-            self.train_loader = lambda: loader
+        train = self.train_loader
+        if train is None:
+            try:
+                self.train_loader = weakref.ref(loader)
+            except TypeError:  # a loader class without weakref support: hold it
+                self.train_loader = lambda: loader
+        elif train() is not loader:
+            return
         stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         epoch = OpenSpan(self._new_id(), "epoch", self._session_id, next(self.auto_epoch_index), pass_start,
                          None, local.ident)
@@ -363,10 +359,14 @@ class TrainingState:
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
         else:
-            self._push(OpenSpan(self._new_id(), "data_load", stack[-1].id if stack else self._session_id, None,
-                                start_ns, None, local.ident, closed=True, end_ns=end_ns))
-            self._tally()
-        step = local.step
+            span = OpenSpan(self._new_id(), "data_load", stack[-1].id if stack else self._session_id, None,
+                            start_ns, None, local.ident, closed=True, end_ns=end_ns)
+            if local.holding:
+                local.held.append(span)
+            else:
+                self._push(span)
+                self._tally()
+        step = local.live
         if step is not None and step.phase_ns is not None:
             step.phase_ns["data_load"] += end_ns - start_ns
 
@@ -378,9 +378,11 @@ class TrainingState:
         if not implicit:
             self.auto_steps = False  # the program marks its own steps from now on
             if local.step is not None and local.implicit:
-                self.close_step(local.step, None)
-            if local.holding:
-                self._flush_held(local)
+                machine.close_inferred(self, local)
+            if local.held:
+                machine.flush_held(self, local)
+            local.watch = False
+            local.step_opts = {}
         fetch = local.pending_fetch
         local.pending_fetch = None
         index = None if implicit else next(self.steps)
@@ -396,7 +398,7 @@ class TrainingState:
         local.model = model
         local.implicit = implicit
         if fetch is not None:  # the adopted fetch: the step's data_load child (what _data_load_span does)
-            start_ns, end_ns = fetch
+            start_ns, end_ns = fetch[0], fetch[1]
             if len(stack) >= self._max_depth:
                 self.recorder.depth_dropped += 1
             else:
@@ -424,8 +426,11 @@ class TrainingState:
             trained = times["backward"] or times["optimizer_step"]
             span.name = "step" if trained else "eval_step"
             span.index = next(self.steps) if trained else next(self.eval_steps)
-        if self.seek_epoch and local.source is not None:  # until the training DataLoader is known
-            self._first_epoch(span, local)
+        if len(local.step_opts) > 1:  # several optimizers in one iteration: each named, with its time
+            span.attrs = {**(span.attrs or {}), "optimizers": local.step_opts}
+        local.step_opts = {}
+        if self.epoch is None and local.source is not None and self.auto_epochs:
+            self._open_auto_epoch(span, local)
         if error is not None:  # rare: built here, so that "error" follows the breakdown as it always has
             span.attrs = {**step_attrs(span, end_ns), "error": type(error).__name__}
             span.phase_ns = None
@@ -438,7 +443,7 @@ class TrainingState:
             self._tally()
         else:
             self.recorder.close(span, end_ns)
-        if self.on_step is not None and span.index is not None:
+        if self.on_step is not None and span.index is not None and span.name == "step":
             self.on_step(span.index + 1)
 
     def finish(self) -> None:
@@ -447,12 +452,14 @@ class TrainingState:
         An automatic epoch ends here (a loop that stopped before its loader was exhausted)."""
         local = self.threads.me
         step = local.step
-        if step is not None:
-            if not local.implicit:
-                step.attrs = {**(step.attrs or {}), "unclosed": True}
+        if step is not None and not local.implicit:
+            step.attrs = {**(step.attrs or {}), "unclosed": True}
             self.close_step(step, None)
-        if local.holding:
-            self._flush_held(local)
+        machine.close_inferred(self, local)
+        fetch = local.pending_fetch
+        if fetch is not None:
+            local.pending_fetch = None
+            self._data_load_span(fetch[0], fetch[1])
         self._close_auto_epoch()
 
     def close_epoch(self, span: OpenSpan) -> None:
@@ -463,7 +470,7 @@ class TrainingState:
         """An epoch of ``stepwatch.epochs()`` or a framework: automatic epochs stop here."""
         self.end_inferred_step()
         self.threads.me.last_opt_end = 0
-        self.auto_epochs = self.seek_epoch = False
+        self.auto_epochs = False
         self._close_auto_epoch()
         if self.epoch is not None and not self.epoch.closed:
             self.recorder.close(self.epoch)
