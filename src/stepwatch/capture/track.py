@@ -112,8 +112,25 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
             signal.signal(s, handler)
     status = _close_child_session(run_dir, session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, _exit_code(returncode), time.time_ns()
+    _fold_outcome(run_dir, manifest, returncode, forwarded, command)
     write_run_manifest(run_dir, manifest)
     return _exit_code(returncode), run_dir, status
+
+
+def _fold_outcome(run_dir: Path, manifest: RunManifest, returncode: int, forwarded: list[int],
+                  command: list[str]) -> None:
+    """The run's ``outcome``/``error``/``errors`` (docs/run-outcome.md): the child is rank 0
+    itself unless it is a launcher of ranks (torchrun & co.)."""
+    from ..artifacts.run_outcome import decide_outcome, read_rank_ends
+
+    try:
+        ends, _problems = read_rank_ends(run_dir, manifest.session_id)
+    except OSError:
+        ends = {}
+    launcher = bool({os.path.basename(word) for word in command[:3]} & set(_LAUNCHERS))
+    manifest.outcome, manifest.error, manifest.errors = decide_outcome(
+        returncode=returncode, rank_ends=ends, world_size=manifest.world_size, forwarded=forwarded,
+        ended_at_ns=manifest.ended_at_ns, single_process=not launcher)
 
 
 def _close_child_session(run_dir: Path, session_id: str) -> SessionStatus:
@@ -215,6 +232,7 @@ def sample_process(
     beat("stop", status=status)
     heartbeat.close()
     if manifest is not None:
-        manifest.status, manifest.ended_at_ns = status, time.time_ns()
+        # a process that is not our child: its exit status cannot be seen (docs/run-outcome.md)
+        manifest.status, manifest.ended_at_ns, manifest.outcome = status, time.time_ns(), "exited"
         write_run_manifest(run_dir, manifest)
     return status
