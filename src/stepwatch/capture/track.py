@@ -20,7 +20,7 @@ from .collectors import CollectorHealth, CpuCollector, discover_nvml
 from .events import EventFactory
 from .identity import DistributedIdentity
 
-__all__ = ["default_run_dir", "sample_process", "track_command"]
+__all__ = ["check_command", "default_run_dir", "python_script_of", "sample_process", "track_command"]
 
 AUTOSTART_DIR = Path(__file__).parent / "_autostart"
 _RUNTIME_GRACE_S = 3.0  # how long a Python child has to start capture before it is sampled from outside
@@ -54,12 +54,46 @@ def _capture_grace_s(command: list[str]) -> float:
     return _LAUNCHER_GRACE_S if words & set(_LAUNCHERS) else _RUNTIME_GRACE_S
 
 
+# Interpreter options that take a value (``-W error``, ``-X dev``): the script comes after it.
+_PYTHON_VALUE_OPTIONS = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+
+
+def python_script_of(command: list[str]) -> str | None:
+    """The script a ``python [OPTIONS] SCRIPT [ARGS]`` command runs, or None when it runs none
+    (``-m MODULE``, ``-c CODE``, ``-`` or stdin, a REPL) or is not a Python interpreter."""
+    if not command or not os.path.basename(command[0]).startswith("python"):
+        return None
+    words = iter(command[1:])
+    for word in words:
+        if word in ("-m", "-c", "-") or word.startswith(("-m", "-c")) and not word.startswith("--"):
+            return None
+        if word in _PYTHON_VALUE_OPTIONS:
+            next(words, None)
+            continue
+        if word.startswith("-"):
+            continue
+        return word
+    return None
+
+
+def check_command(command: list[str]) -> None:
+    """Raises FileNotFoundError, before anything is started or created, for a program that is
+    not there or a Python script that does not exist."""
+    program = command[0]
+    if shutil.which(program) is None and not (os.sep in program and os.path.exists(program)):
+        raise FileNotFoundError(f"cannot start {program!r}: no such program (nothing was started)")
+    script = python_script_of(command)
+    if script is not None and not os.path.exists(script):
+        raise FileNotFoundError(f"{script}: no such script (nothing was started)")
+
+
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
 def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> tuple[int, Path, str]:
     """Runs ``command`` with capture on; returns (exit code, run dir, session status)."""
+    check_command(command)
     session_id = new_session_id()
     run_dir = out or default_run_dir(session_id)
     run_dir.mkdir(parents=True, exist_ok=True)
