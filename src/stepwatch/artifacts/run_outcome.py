@@ -16,7 +16,6 @@ must stay cheap.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 import traceback
@@ -33,6 +32,8 @@ __all__ = [
     "OUTCOMES",
     "RANK_END_SCHEMA_VERSION",
     "decide_outcome",
+    "fold_run_outcome",
+    "last_heartbeats",
     "error_from_exception",
     "error_from_signal",
     "parse_torchrun_failures",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 RANK_END_SCHEMA_VERSION = 1
+TORCHRUN_FAILURES = "torchrun_failures.json"  # written in torchrun's process as it ends (_autostart)
 # Every value ``outcome`` takes, with what it means (docs/run-outcome.md says the same).
 OUTCOMES: dict[str, str] = {
     "running": "not ended yet, or its launcher died before it could say how it ended",
@@ -58,8 +60,6 @@ OUTCOMES: dict[str, str] = {
 }
 _MESSAGE_CHARS = 2000
 _TRACEBACK_CHARS = 16_000
-_TORCHRUN_FAILURE = re.compile(
-    r"time\s*:\s*(?P<time>[^\n]+)\n.*?rank\s*:\s*(?P<rank>\d+)[^\n]*\n\s*exitcode\s*:\s*(?P<code>-?\d+)", re.S)
 
 
 def signal_name(signum: int) -> str:
@@ -171,25 +171,21 @@ def read_rank_ends(run_dir: Path, session_id: str) -> tuple[dict[int, dict[str, 
 # -- torchrun's error file --------------------------------------------------------------------------
 
 
-def parse_torchrun_failures(data: Any) -> list[dict[str, Any]]:
-    """The failed workers torchrun reports in its error file (``TORCHELASTIC_ERROR_FILE`` of the
-    agent): rank, exit code (negative: the signal) and time, from the failure table of its
-    ``ChildFailedError`` message. Anything else (a worker's own error file copied there, a format
-    this does not know) gives no failures: the end files and exit code still tell the outcome."""
-    message = data.get("message") if isinstance(data, dict) else None
-    text = message.get("message") if isinstance(message, dict) else message
-    if not isinstance(text, str):
+def parse_torchrun_failures(data: Any, session_id: str) -> list[dict[str, Any]]:
+    """The failed workers torchrun named as it ended (``torchrun_failures.json``, written by
+    the autostart hook in torchrun's process): rank, exit code (negative: the signal), time.
+    Entries that are not well formed are left out; another session's file gives none."""
+    if not isinstance(data, dict) or data.get("session_id") != session_id or not isinstance(data.get("failures"), list):
         return []
     failures = []
-    for match in _TORCHRUN_FAILURE.finditer(text):
-        at_ns = None
-        try:
-            from datetime import datetime
-
-            at_ns = int(datetime.fromisoformat(match.group("time").strip().replace("_", " ")).timestamp() * 1e9)
-        except ValueError:
-            pass
-        failures.append({"rank": int(match.group("rank")), "exitcode": int(match.group("code")), "at_ns": at_ns})
+    for row in data["failures"]:
+        if not isinstance(row, dict):
+            continue
+        rank, code, at_ns = row.get("rank"), row.get("exitcode"), row.get("at_ns")
+        if type(rank) is not int or rank < 0 or type(code) is not int:
+            continue
+        failures.append({"rank": rank, "exitcode": code, "at_ns": at_ns if type(at_ns) is int and at_ns > 0 else None,
+                         "pid": row.get("pid") if type(row.get("pid")) is int else None})
     return failures
 
 
@@ -223,7 +219,8 @@ def decide_outcome(*, returncode: int, rank_ends: dict[int, dict[str, Any]], wor
             failure = reported.get(rank)
             at_ns = (last_seen or {}).get(rank) or (failure or {}).get("at_ns") or ended_at_ns
             if failure is not None:
-                errors.append(error_from_signal(-failure["exitcode"], rank=rank, at_ns=at_ns, seen_by="torchrun"))
+                errors.append(error_from_signal(-failure["exitcode"], rank=rank, at_ns=at_ns, seen_by="torchrun",
+                                                pid=failure.get("pid")))
             else:
                 errors.append(_mute_rank(rank, at_ns))
     errors.sort(key=lambda e: (e.get("at_ns") or 0, e.get("rank") if isinstance(e.get("rank"), int) else -1))
@@ -254,3 +251,46 @@ def _mute_rank(rank: int, at_ns: int) -> dict[str, Any]:
 def _rank_raised(rank_ends: dict[int, dict[str, Any]], rank: int) -> bool:
     end = rank_ends.get(rank)
     return end is not None and any(e.get("fatal") for e in end.get("errors", []) if isinstance(e, dict))
+
+
+# -- folding it all into run.json ------------------------------------------------------------------
+
+
+def last_heartbeats(run_dir: Path, world_size: int, skip: set[int]) -> dict[int, int]:
+    """Per rank not in ``skip``, the time (ns) of its last heartbeat record: a rank that died
+    without a word was last alive then."""
+    from .heartbeat import heartbeat_filename, read_heartbeat
+
+    seen: dict[int, int] = {}
+    for rank in range(world_size):
+        path = run_dir / heartbeat_filename(rank)
+        if rank in skip or not path.is_file():
+            continue
+        try:
+            records = read_heartbeat(path)
+        except (ArtifactError, RecursionError):
+            continue
+        if records:
+            seen[rank] = int(records[-1]["ts"] * 1e9)
+    return seen
+
+
+def fold_run_outcome(run_dir: Path, manifest: Any, returncode: int, forwarded: list[int], *,
+                     single_process: bool) -> list[str]:
+    """Sets ``manifest.outcome``, ``.error`` and ``.errors`` from the ranks' end files, the
+    training's exit status and torchrun's report; returns a line per input it had to leave out.
+    ``single_process``: the launcher's child is rank 0 itself (not torchrun & co.)."""
+    ends, unreadable = read_rank_ends(run_dir, manifest.session_id)
+    problems = [f"a rank's end record is unreadable, the outcome is decided without it: {p}" for p in unreadable]
+    failures: list[dict[str, Any]] = []
+    report = run_dir / TORCHRUN_FAILURES
+    if not single_process and report.is_file():
+        try:
+            failures = parse_torchrun_failures(msgspec.json.decode(report.read_bytes()), manifest.session_id)
+        except (OSError, msgspec.DecodeError, RecursionError) as exc:
+            problems.append(f"{report}: unreadable, the outcome is decided without it: {exc}")
+    manifest.outcome, manifest.error, manifest.errors = decide_outcome(
+        returncode=returncode, rank_ends=ends, world_size=manifest.world_size, forwarded=forwarded,
+        torchrun_failures=failures, ended_at_ns=manifest.ended_at_ns, single_process=single_process,
+        last_seen=None if single_process else last_heartbeats(run_dir, manifest.world_size, set(ends)))
+    return problems

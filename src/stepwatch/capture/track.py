@@ -155,16 +155,13 @@ def _fold_outcome(run_dir: Path, manifest: RunManifest, returncode: int, forward
                   command: list[str]) -> None:
     """The run's ``outcome``/``error``/``errors`` (docs/run-outcome.md): the child is rank 0
     itself unless it is a launcher of ranks (torchrun & co.)."""
-    from ..artifacts.run_outcome import decide_outcome, read_rank_ends
+    from ..artifacts.run_outcome import fold_run_outcome
 
-    try:
-        ends, _problems = read_rank_ends(run_dir, manifest.session_id)
-    except OSError:
-        ends = {}
     launcher = bool({os.path.basename(word) for word in command[:3]} & set(_LAUNCHERS))
-    manifest.outcome, manifest.error, manifest.errors = decide_outcome(
-        returncode=returncode, rank_ends=ends, world_size=manifest.world_size, forwarded=forwarded,
-        ended_at_ns=manifest.ended_at_ns, single_process=not launcher)
+    try:
+        fold_run_outcome(run_dir, manifest, returncode, forwarded, single_process=not launcher)
+    except OSError:  # the run directory went away: run.json says what the exit code says
+        pass
 
 
 def _close_child_session(run_dir: Path, session_id: str) -> SessionStatus:

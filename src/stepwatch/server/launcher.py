@@ -20,7 +20,6 @@ from ..schema import SessionStatus, new_session_id
 __all__ = ["LaunchOptions", "launch"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
-TORCHRUN_ERROR_FILE = "torchrun_error.json"  # torchrun's report of its failed workers (TORCHELASTIC_ERROR_FILE)
 REMOTE_DRAIN_S = 60.0  # how long node 0 waits for other nodes' ranks after its own are done
 _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
 
@@ -121,8 +120,6 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         env["STEPWATCH_AGGREGATOR"] = address
     if not options.use_torchrun:
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
-    else:
-        env.setdefault("TORCHELASTIC_ERROR_FILE", str((run_dir / TORCHRUN_ERROR_FILE).resolve()))
     training = subprocess.Popen(_training_command(options), env=env)
     forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome
 
@@ -156,9 +153,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             _rebuild_history(run_dir, echo)
     status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
-    fold_outcome(run_dir, manifest, returncode, forwarded, torchrun=options.use_torchrun,
-                 torchrun_error_file=Path(env["TORCHELASTIC_ERROR_FILE"]) if options.use_torchrun else None,
-                 echo=echo)
+    fold_outcome(run_dir, manifest, returncode, forwarded, torchrun=options.use_torchrun, echo=echo)
     write_run_manifest(run_dir, manifest)
     summary = None
     if local_history:
@@ -168,44 +163,12 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
 
 
 def fold_outcome(run_dir: Path, manifest: RunManifest, returncode: int, forwarded: list[int], *, torchrun: bool,
-                 torchrun_error_file: Path | None = None, echo: Any = print) -> None:
-    """Sets the manifest's ``outcome``, ``error`` and ``errors`` from the ranks' end files, the
-    training's exit status and (through torchrun) its report of the workers that failed
-    (docs/run-outcome.md)."""
-    from ..artifacts.run_outcome import decide_outcome, parse_torchrun_failures, read_rank_ends
+                 echo: Any = print) -> None:
+    """Sets the manifest's ``outcome``, ``error`` and ``errors`` (docs/run-outcome.md)."""
+    from ..artifacts.run_outcome import fold_run_outcome
 
-    ends, problems = read_rank_ends(run_dir, manifest.session_id)
-    for problem in problems:
-        echo(f"[stepwatch] a rank's end record is unreadable, the outcome is decided without it: {problem}")
-    failures: list[dict[str, Any]] = []
-    if torchrun_error_file is not None and torchrun_error_file.is_file():
-        try:
-            failures = parse_torchrun_failures(json.loads(torchrun_error_file.read_text()))
-        except (OSError, ValueError, RecursionError) as exc:
-            echo(f"[stepwatch] torchrun's error file {torchrun_error_file} is unreadable: {exc}")
-    manifest.outcome, manifest.error, manifest.errors = decide_outcome(
-        returncode=returncode, rank_ends=ends, world_size=manifest.world_size, forwarded=forwarded,
-        torchrun_failures=failures, ended_at_ns=manifest.ended_at_ns, single_process=not torchrun,
-        last_seen=_last_seen(run_dir, manifest.world_size, set(ends)) if torchrun else None)
-
-
-def _last_seen(run_dir: Path, world_size: int, skip: set[int]) -> dict[int, int]:
-    """Per rank without an end record, the time of its last heartbeat record."""
-    from ..artifacts.heartbeat import heartbeat_filename, read_heartbeat
-    from ..errors import ArtifactError
-
-    seen: dict[int, int] = {}
-    for rank in range(world_size):
-        path = run_dir / heartbeat_filename(rank)
-        if rank in skip or not path.is_file():
-            continue
-        try:
-            records = read_heartbeat(path)
-        except ArtifactError:
-            continue
-        if records:
-            seen[rank] = int(records[-1]["ts"] * 1e9)
-    return seen
+    for problem in fold_run_outcome(run_dir, manifest, returncode, forwarded, single_process=not torchrun):
+        echo(f"[stepwatch] {problem}")
 
 
 def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,
