@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from stepwatch.analysis.markers import derive_outcome_markers, derive_session_timeline_markers
+from stepwatch.analysis.markers import derive_session_timeline_markers
 from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
 
@@ -159,6 +159,8 @@ def test_a_rank_killed_by_sigkill_is_recorded_with_its_signal(tmp_path: Path) ->
     summary = json.loads((out / "final_summary.json").read_text())
     assert summary["outcome"] == "killed" and summary["error"]["signal"] == "SIGKILL"
     assert "rank 0 was ended by SIGKILL" in (out / "final_summary.txt").read_text()
+    from stepwatch.analysis.markers import derive_outcome_markers
+
     markers = derive_outcome_markers(run_json)
     assert [(m.kind, m.rank, m.label) for m in markers] == [("failure", 0, "rank 0 ended by SIGKILL")]
 

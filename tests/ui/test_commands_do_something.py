@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-UI = ROOT / "src" / "stepwatch" / "ui"
+import stepwatch.ui
+
+UI = Path(stepwatch.ui.__file__).resolve().parent  # the package under test, wherever it is imported from
 _script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
 STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 TINY = "import sys\nprint('ran', sys.argv[1:])\n"
