@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +204,24 @@ def test_init_in_a_script_records_the_exception_of_each_thread(tmp_path: Path) -
     thread_error = next(e for e in run_json["errors"] if e["thread"] == "loader-thread")
     assert thread_error["type"] == "ZeroDivisionError" and thread_error["fatal"] is False
     assert "lambda" in thread_error["traceback"]
+
+
+def test_a_run_stopped_through_its_launcher_reads_halted(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(TRAIN.replace('time.sleep(60)', 'open("ready", "w").close(); time.sleep(60)'))
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([*STEPWATCH, "run", "--quiet", "--out", str(out), "train.py", "none", "-1"],
+                                cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)  # a scheduler's preemption
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + 15, err[-3000:]
+    run_json = manifest(out)
+    assert run_json["outcome"] == "halted" and run_json["exit_code"] == 143
+    error = run_json["error"]
+    assert (error["rank"], error["signal"], error["seen_by"]) == (0, "SIGTERM", "rank")
