@@ -195,13 +195,14 @@ def parse_torchrun_failures(data: Any, session_id: str) -> list[dict[str, Any]]:
 def decide_outcome(*, returncode: int, rank_ends: dict[int, dict[str, Any]], world_size: int | None,
                    forwarded: list[int], torchrun_failures: list[dict[str, Any]] | None = None,
                    ended_at_ns: int | None = None, single_process: bool = True,
-                   last_seen: dict[int, int] | None = None) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
+                   last_seen: dict[int, int] | None = None, local_ranks: range | None = None) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
     """(outcome, the error that decided it or None, every rank's errors by time).
 
     ``returncode``: the training process's, as ``subprocess`` gives it (negative: a signal).
     ``forwarded``: the signals the launcher was sent and passed on. ``single_process``: the
     child is rank 0 itself (no torchrun), so its signal is that rank's. ``last_seen``: per rank,
     the time of its last heartbeat record (dates a rank that died without a word).
+    ``local_ranks``: the ranks this node started (default: all of ``world_size``).
     """
     ended_at_ns = ended_at_ns if ended_at_ns is not None else time.time_ns()
     errors: list[dict[str, Any]] = [e for end in rank_ends.values() for e in end.get("errors", [])
@@ -212,8 +213,9 @@ def decide_outcome(*, returncode: int, rank_ends: dict[int, dict[str, Any]], wor
     reported = {f["rank"]: f for f in torchrun_failures or [] if f.get("exitcode", 0) < 0}
     if not single_process and returncode != 0 and world_size:
         # a rank that left no end record died without a word: a signal it cannot catch (SIGKILL,
-        # the kernel's OOM killer) or a crash. Its last sign of life dates it.
-        for rank in range(world_size):
+        # the kernel's OOM killer) or a crash. Its last sign of life dates it. Only this node's
+        # ranks: the others leave their end files on their own nodes.
+        for rank in (local_ranks if local_ranks is not None else range(world_size)):
             if rank in rank_ends:
                 continue
             failure = reported.get(rank)
@@ -289,8 +291,14 @@ def fold_run_outcome(run_dir: Path, manifest: Any, returncode: int, forwarded: l
             failures = parse_torchrun_failures(msgspec.json.decode(report.read_bytes()), manifest.session_id)
         except (OSError, msgspec.DecodeError, RecursionError) as exc:
             problems.append(f"{report}: unreadable, the outcome is decided without it: {exc}")
+    nnodes, node_rank = manifest.extra.get("nnodes"), manifest.extra.get("node_rank")
+    local_ranks = None
+    if type(nnodes) is int and type(node_rank) is int and nnodes > 1:
+        per_node = manifest.world_size // nnodes
+        local_ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     manifest.outcome, manifest.error, manifest.errors = decide_outcome(
         returncode=returncode, rank_ends=ends, world_size=manifest.world_size, forwarded=forwarded,
         torchrun_failures=failures, ended_at_ns=manifest.ended_at_ns, single_process=single_process,
-        last_seen=None if single_process else last_heartbeats(run_dir, manifest.world_size, set(ends)))
+        last_seen=None if single_process else last_heartbeats(run_dir, manifest.world_size, set(ends)),
+        local_ranks=local_ranks)
     return problems
