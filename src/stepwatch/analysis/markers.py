@@ -130,7 +130,9 @@ def derive_outcome_markers(run: dict[str, Any]) -> list[TimelineMarker]:
     session_id = str(run.get("session_id") or "")
     world_size = run.get("world_size") if isinstance(run.get("world_size"), int) else 1
     for error in run.get("errors") or []:
-        if not isinstance(error, dict) or error.get("seen_by", "rank") == "rank" or not isinstance(error.get("at_ns"), int):
+        if not isinstance(error, dict) or not isinstance(error.get("at_ns"), int):
+            continue
+        if error.get("seen_by", "rank") == "rank":  # in the rank's telemetry already
             continue
         rank = error["rank"] if isinstance(error.get("rank"), int) else -1
         markers.append(TimelineMarker(

@@ -173,10 +173,11 @@ def outcome_lines(summary: dict[str, Any]) -> list[str]:
     if error and error.get("traceback"):
         tail = [line for line in str(error["traceback"]).rstrip().splitlines()][-4:]
         lines += [f"    {line}" for line in tail]
+    first_ns = (error or {}).get("at_ns") or 0
     for other in summary.get("errors") or []:
         if other != error:
-            lines.append(f"  then {_describe_error(other)}" if error and (other.get("at_ns") or 0) >= (error.get("at_ns") or 0)
-                         else f"  also {_describe_error(other)}")
+            after = error is not None and (other.get("at_ns") or 0) >= first_ns
+            lines.append(f"  {'then' if after else 'also'} {_describe_error(other)}")
     return lines
 
 

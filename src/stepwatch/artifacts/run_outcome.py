@@ -195,7 +195,8 @@ def parse_torchrun_failures(data: Any, session_id: str) -> list[dict[str, Any]]:
 def decide_outcome(*, returncode: int, rank_ends: dict[int, dict[str, Any]], world_size: int | None,
                    forwarded: list[int], torchrun_failures: list[dict[str, Any]] | None = None,
                    ended_at_ns: int | None = None, single_process: bool = True,
-                   last_seen: dict[int, int] | None = None, local_ranks: range | None = None) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
+                   last_seen: dict[int, int] | None = None, local_ranks: range | None = None
+                   ) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
     """(outcome, the error that decided it or None, every rank's errors by time).
 
     ``returncode``: the training process's, as ``subprocess`` gives it (negative: a signal).

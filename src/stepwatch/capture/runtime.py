@@ -681,7 +681,8 @@ class Runtime:
         with guarded:
             self._write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
-                metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()), "outcome": self.outcome(),
+                metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
+                          "outcome": self.outcome(),
                           "collector_failures": {h.collector.name: h.failures_total for h in self.collectors}},
             ))
         first_error = next((e for e in self.failures if e.get("fatal")), None)

@@ -89,8 +89,9 @@ def _watch_launcher() -> None:
             if isinstance(failures, dict):
                 import json
 
-                rows = [{"rank": int(rank), "local_rank": getattr(f, "local_rank", None), "pid": getattr(f, "pid", None),
-                         "exitcode": int(getattr(f, "exitcode", 0)), "at_ns": int(getattr(f, "timestamp", 0)) * 10**9 or None}
+                rows = [{"rank": int(rank), "local_rank": getattr(f, "local_rank", None),
+                         "pid": getattr(f, "pid", None), "exitcode": int(getattr(f, "exitcode", 0)),
+                         "at_ns": int(getattr(f, "timestamp", 0)) * 10**9 or None}
                         for rank, f in failures.items()]
                 path = os.path.join(run_dir, "torchrun_failures.json")
                 with open(path + ".tmp", "w") as handle:
