@@ -12,6 +12,7 @@ _EXPORTS = {
     "TimelineMarker": "markers",
     "derive_timeline_markers": "markers",
     "derive_session_timeline_markers": "markers",
+    "derive_outcome_markers": "markers",
     "timeline_marker_to_dict": "markers",
     "PhaseAttribution": "phase_replay",
     "PhaseInterval": "phase_replay",

@@ -2,7 +2,10 @@
 
 Not a new record type (spec: "Timeline markers"): lifecycle, collector-health, alert and OOM
 point markers are promoted from existing events; phases become interval markers by replaying
-``phase_enter``/``phase_exit`` pairs through ``PhaseReplayIndex``.
+``phase_enter``/``phase_exit`` pairs through ``PhaseReplayIndex``. How a rank ended (an uncaught
+exception, a signal: the ``error`` events whose metadata holds a ``failure``) becomes a
+``failure`` marker; what only the launcher saw (a rank killed without a word) comes from
+run.json through ``derive_outcome_markers`` (docs/run-outcome.md).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from .phase_replay import PhaseReplayIndex
 
 __all__ = [
     "TimelineMarker",
+    "derive_outcome_markers",
     "derive_session_timeline_markers",
     "derive_timeline_markers",
+    "failure_label",
     "timeline_marker_to_dict",
 ]
 
-MarkerKind = Literal["lifecycle", "collector", "alert", "oom", "phase"]
+MarkerKind = Literal["lifecycle", "collector", "alert", "oom", "phase", "failure"]
 Severity = Literal["info", "warning", "critical"]
 
 # event_type -> (kind, severity) for promoted point markers
@@ -42,7 +47,7 @@ class TimelineMarker(msgspec.Struct, kw_only=True, frozen=True):
     start_ns: int
     end_ns: int | None
     kind: MarkerKind
-    source: Literal["telemetry_event", "phase_replay", "annotation"]
+    source: Literal["telemetry_event", "phase_replay", "annotation", "run_manifest"]
     severity: Severity
     label: str
     rank: int
@@ -71,8 +76,13 @@ def derive_timeline_markers(events: Iterable[TelemetryEventV3]) -> list[Timeline
         if promoted is None:
             continue
         kind, severity = ("oom", "critical") if _is_oom(e) else promoted
+        failure = e.metadata.get("failure") if e.event_type == "error" else None
+        if isinstance(failure, dict) and kind != "oom":
+            kind = "failure"
         label = e.event_type.replace("_", " ")
-        if kind == "oom":
+        if kind == "failure":
+            label = failure_label(failure)  # type: ignore[arg-type]
+        elif kind == "oom":
             label = f"OOM: {str(e.metadata.get('oom_reason', e.context or ''))[:120]}"
         elif e.context:
             label = f"{label}: {e.context[:120]}"
@@ -100,6 +110,37 @@ def derive_timeline_markers(events: Iterable[TelemetryEventV3]) -> list[Timeline
             )
         )
     markers.sort(key=lambda m: (m.start_ns, m.end_ns is not None))
+    return markers
+
+
+def failure_label(error: dict[str, Any]) -> str:
+    """One line for an ``error`` object of run.json (docs/run-outcome.md)."""
+    who = "training process" if not isinstance(error.get("rank"), int) else f"rank {error['rank']}"
+    if error.get("kind") == "signal":
+        return f"{who} ended by {error.get('signal') or 'an uncatchable signal or a crash'}"
+    first = str(error.get("message") or "").splitlines()
+    return f"{who} raised {error.get('type')}: {first[0][:120] if first else ''}"
+
+
+def derive_outcome_markers(run: dict[str, Any]) -> list[TimelineMarker]:
+    """``failure`` markers for what run.json's ``errors`` hold beyond the ranks' own records: a
+    rank killed without a word, a signal only the launcher saw (the ranks' own exceptions and
+    signals are ``error`` events in their telemetry, and ``derive_timeline_markers`` has them)."""
+    markers = []
+    session_id = str(run.get("session_id") or "")
+    world_size = run.get("world_size") if isinstance(run.get("world_size"), int) else 1
+    for error in run.get("errors") or []:
+        if not isinstance(error, dict) or not isinstance(error.get("at_ns"), int):
+            continue
+        if error.get("seen_by", "rank") == "rank":  # in the rank's telemetry already
+            continue
+        rank = error["rank"] if isinstance(error.get("rank"), int) else -1
+        markers.append(TimelineMarker(
+            session_id=session_id, start_ns=error["at_ns"], end_ns=None, kind="failure", source="run_manifest",
+            severity="critical", label=failure_label(error), rank=rank, local_rank=rank, world_size=world_size,
+            event_type="error", metadata={"failure": dict(error)},
+        ))
+    markers.sort(key=lambda m: m.start_ns)
     return markers
 
 

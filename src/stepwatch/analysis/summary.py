@@ -14,7 +14,8 @@ from typing import Any
 
 from ..store.base import HistoryStore
 
-__all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "percentile", "render_summary_text"]
+__all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
+           "render_summary_text", "run_outcome"]
 
 SUMMARY_SCHEMA_VERSION = "1.0"
 PHASES = ("data_load", "h2d", "forward", "backward", "optimizer", "wait")
@@ -85,6 +86,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
     if run_dir is not None and (run_dir / "aggregator_stats.json").is_file():
         aggregator_stats = json.loads((run_dir / "aggregator_stats.json").read_text())
     exit_code = None
+    outcome = run_outcome(run_dir, session_id)
     if run_dir is not None and (run_dir / "run.json").is_file():
         run = json.loads((run_dir / "run.json").read_text())
         if run.get("session_id") == session_id:
@@ -102,6 +104,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "session_id": session_id,
         "status": session.get("status"),
         "exit_code": exit_code,
+        **outcome,
         "started_at_ns": session.get("started_at_ns"),
         "ended_at_ns": session.get("ended_at_ns"),
         "world_size": session.get("world_size") or (len(ranks_seen) or None),
@@ -122,16 +125,75 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
     }
 
 
+def run_outcome(run_dir: Path | None, session_id: str) -> dict[str, Any]:
+    """``outcome``, ``error`` and ``errors`` of the run (docs/run-outcome.md), from its run.json
+    when that describes this session; all None (unknown) otherwise."""
+    unknown: dict[str, Any] = {"outcome": None, "error": None, "errors": []}
+    if run_dir is None or not (run_dir / "run.json").is_file():
+        return unknown
+    try:
+        run = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return unknown
+    if not isinstance(run, dict) or run.get("session_id") != session_id:
+        return unknown
+    errors = run.get("errors")
+    return {"outcome": run.get("outcome"), "error": run.get("error") if isinstance(run.get("error"), dict) else None,
+            "errors": [e for e in errors if isinstance(e, dict)] if isinstance(errors, list) else []}
+
+
+def _fmt_time_ns(value: Any) -> str:
+    if not isinstance(value, int):
+        return "?"
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(value / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _describe_error(error: dict[str, Any]) -> str:
+    who = "the training process" if error.get("rank") is None else f"rank {error['rank']}"
+    when = _fmt_time_ns(error.get("at_ns"))
+    if error.get("kind") == "signal":
+        if not error.get("signal"):
+            return f"{who} ended without a word (no end record; SIGKILL or a crash), last seen at {when}"
+        return f"{who} was ended by {error.get('signal')} at {when}"
+    thread = f" in thread {error['thread']}" if error.get("thread") not in (None, "MainThread") else ""
+    message = str(error.get("message") or "").splitlines()
+    return f"{who} raised {error.get('type')}{thread} at {when}: {message[0][:200] if message else ''}"
+
+
+def outcome_lines(summary: dict[str, Any]) -> list[str]:
+    """The text summary's lines on how the run ended: which rank failed first, with what, the
+    last lines of its traceback, and what the other ranks saw."""
+    outcome = summary.get("outcome")
+    if outcome is None:
+        return []
+    error = summary.get("error")
+    lines = [f"outcome {outcome}" + (f": {_describe_error(error)}" if error else "")]
+    if error and error.get("traceback"):
+        tail = [line for line in str(error["traceback"]).rstrip().splitlines()][-4:]
+        lines += [f"    {line}" for line in tail]
+    first_ns = (error or {}).get("at_ns") or 0
+    for other in summary.get("errors") or []:
+        if other != error:
+            after = error is not None and (other.get("at_ns") or 0) >= first_ns
+            lines.append(f"  {'then' if after else 'also'} {_describe_error(other)}")
+    return lines
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} ms"
 
 
 def render_summary_text(summary: dict[str, Any]) -> str:
     lines = [
-        f"stepwatch summary  session {summary['session_id']}  status {summary.get('status')}"
+        f"stepwatch summary  session {summary['session_id']}"
+        + (f"  outcome {summary['outcome']}" if summary.get("outcome") else "")
+        + f"  {'capture' if summary.get('outcome') else 'status'} {summary.get('status')}"
         + (f"  exit code {summary['exit_code']}" if summary.get("exit_code") is not None else ""),
         f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}",
     ]
+    lines[1:1] = outcome_lines(summary)
     overall = summary["overall"]
     lines.append(
         f"steps {overall['steps']}  step time median {_ms(overall['step_ms']['median'])}  "

@@ -1,4 +1,5 @@
-"""``run.json``: what a run directory is — session, command line, hosts, ranks, versions, status."""
+"""``run.json``: what a run directory is — session, command line, hosts, ranks, versions, status,
+and how the training ended (``outcome``, ``error``, ``errors``: docs/run-outcome.md)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ class RunManifest(msgspec.Struct, kw_only=True):
     world_size: int = 1
     pid: int | None = None
     exit_code: int | None = None
+    # how the training ended (docs/run-outcome.md): ``status`` stays the capture's session status
+    outcome: str = "running"
+    error: dict[str, Any] | None = None  # the error that decided the outcome (first fatal one)
+    errors: list[dict[str, Any]] = msgspec.field(default_factory=list)  # every rank's, by time
     versions: dict[str, str] = msgspec.field(default_factory=dict)
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 

@@ -157,7 +157,9 @@ def _install_hooks(config: RuntimeConfig) -> None:
         atexit.register(_at_exit)
         os.register_at_fork(after_in_child=_after_fork)
         _atexit_registered = True
-    if config.capture_oom and _previous_excepthook is None:
+    # Installed whether or not OOMs are captured: every uncaught exception is the run's outcome
+    # (docs/run-outcome.md). Chained: the previous hook still prints the user's traceback.
+    if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
         _previous_thread_hook = threading.excepthook
@@ -171,20 +173,37 @@ def _install_hooks(config: RuntimeConfig) -> None:
 
 
 def _excepthook(typ: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    if is_oom(exc):
+    if isinstance(_runtime, Runtime) and _runtime.config.capture_oom and is_oom(exc):
         _record_oom_once(exc)
+    _record_failure(exc, tb, threading.current_thread().name, fatal=True)
     (_previous_excepthook or sys.__excepthook__)(typ, exc, tb)
 
 
 def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
-    if args.exc_value is not None and is_oom(args.exc_value):
-        _record_oom_once(args.exc_value)
+    if args.exc_value is not None:
+        if isinstance(_runtime, Runtime) and _runtime.config.capture_oom and is_oom(args.exc_value):
+            _record_oom_once(args.exc_value)
+        thread = args.thread.name if args.thread is not None else "unknown thread"
+        _record_failure(args.exc_value, args.exc_traceback, thread, fatal=False)
     (_previous_thread_hook or threading.__excepthook__)(args)
+
+
+def _record_failure(exc: BaseException, tb: TracebackType | None, thread: str, *, fatal: bool) -> None:
+    """The run's outcome hangs on this; it must neither raise nor print anything of its own
+    (the user's hook prints the traceback, unchanged)."""
+    runtime = _runtime
+    if not isinstance(runtime, Runtime):
+        return
+    with guarded:
+        runtime.record_failure(exc, tb, thread=thread, fatal=fatal)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     """Close the session cleanly, then end the process exactly as it would have ended."""
     previous = _previous_sigterm  # read first: shutdown gives the handler back
+    if previous != signal.SIG_IGN and isinstance(_runtime, Runtime):
+        with guarded:  # the default action ends the rank; a handler of the user's decides itself
+            _runtime.record_signal(signum, fatal=not callable(previous))
     shutdown("completed")
     if callable(previous):
         previous(signum, frame)

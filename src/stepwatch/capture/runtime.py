@@ -28,6 +28,7 @@ from typing import Any
 from ..artifacts.bundles import new_oom_bundle_dir, write_oom_bundle
 from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
+from ..artifacts.run_outcome import error_from_exception, error_from_signal, rank_outcome, write_rank_end
 from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..artifacts.spool import SpoolWriter
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
@@ -247,6 +248,8 @@ class Runtime:
         # first and every 64th progress call and step): the sampler thread's is always 0.
         self._cuda_device: int | None = _program_cuda_device()
         self._progress_calls = 0
+        # What ended this rank (uncaught exceptions, a caught signal): see record_failure.
+        self.failures: list[dict[str, Any]] = []
         if rank == 0 and not launched:
             write_run_manifest(
                 self.run_dir,
@@ -303,6 +306,41 @@ class Runtime:
             return None
         finally:
             self.error_events.append(event)
+
+    # -- how the rank ended (docs/run-outcome.md) --------------------------------------------------
+
+    def record_failure(self, exc: BaseException, tb: Any, *, thread: str, fatal: bool) -> None:
+        """An uncaught exception (from the excepthooks): kept for the stop record, written to
+        the rank's end file now (whatever happens to the process next, it survives), and queued
+        as an ``error`` event so the timeline shows it."""
+        error = error_from_exception(exc, tb, rank=self.identity.rank, thread=thread, fatal=fatal)
+        self._note_failure(error, context=f"uncaught {error['type']}: {error['message']}")
+
+    def record_signal(self, signum: int, *, fatal: bool = True) -> None:
+        """A signal received (from the SIGTERM handler); ``fatal``: its default action ends the rank."""
+        error = error_from_signal(signum, rank=self.identity.rank, pid=self.pid)
+        error["fatal"] = fatal
+        self._note_failure(error, context=error["message"])
+
+    def _note_failure(self, error: dict[str, Any], *, context: str) -> None:
+        error.update(pid=self.pid, host=self.host)
+        self.failures.append(error)
+        self._write_rank_end()
+        self.error_events.append(self.factory.point(
+            "error", context=context.splitlines()[0][:500] if context else None, timestamp_ns=error["at_ns"],
+            metadata={"failure": {k: v for k, v in error.items() if k not in ("pid", "host")}, "step": self.step}))
+
+    def outcome(self) -> str:
+        return rank_outcome(self.failures)
+
+    def _write_rank_end(self) -> None:
+        with guarded:
+            write_rank_end(self.run_dir, {
+                "schema_version": 1, "session_id": self.session_id, "rank": self.identity.rank,
+                "local_rank": self.identity.local_rank, "world_size": self.identity.world_size, "pid": self.pid,
+                "host": self.host, "outcome": self.outcome(), "errors": list(self.failures),
+                "ended_at_ns": time.time_ns(),
+            })
 
     # -- background thread ---------------------------------------------------------------------
 
@@ -644,11 +682,14 @@ class Runtime:
             self._write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
+                          "outcome": self.outcome(),
                           "collector_failures": {h.collector.name: h.failures_total for h in self.collectors}},
             ))
+        first_error = next((e for e in self.failures if e.get("fatal")), None)
         with guarded:
-            self._heartbeat_write(self._heartbeat("stop", status=status))
+            self._heartbeat_write(self._heartbeat("stop", status=status, outcome=self.outcome(), error=first_error))
             self.heartbeat.close()
+        self._write_rank_end()
         if self.sender is not None:
             with guarded:
                 self._ship()
@@ -661,4 +702,7 @@ class Runtime:
                 manifest.status = status
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
+                manifest.outcome = self.outcome()
+                manifest.error = next((e for e in self.failures if e.get("fatal")), None)
+                manifest.errors = list(self.failures)
                 write_run_manifest(self.run_dir, manifest)

@@ -20,7 +20,7 @@ from .collectors import CollectorHealth, CpuCollector, discover_nvml
 from .events import EventFactory
 from .identity import DistributedIdentity
 
-__all__ = ["default_run_dir", "sample_process", "track_command"]
+__all__ = ["check_command", "default_run_dir", "python_script_of", "sample_process", "track_command"]
 
 AUTOSTART_DIR = Path(__file__).parent / "_autostart"
 _RUNTIME_GRACE_S = 3.0  # how long a Python child has to start capture before it is sampled from outside
@@ -54,12 +54,46 @@ def _capture_grace_s(command: list[str]) -> float:
     return _LAUNCHER_GRACE_S if words & set(_LAUNCHERS) else _RUNTIME_GRACE_S
 
 
+# Interpreter options that take a value (``-W error``, ``-X dev``): the script comes after it.
+_PYTHON_VALUE_OPTIONS = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+
+
+def python_script_of(command: list[str]) -> str | None:
+    """The script a ``python [OPTIONS] SCRIPT [ARGS]`` command runs, or None when it runs none
+    (``-m MODULE``, ``-c CODE``, ``-`` or stdin, a REPL) or is not a Python interpreter."""
+    if not command or not os.path.basename(command[0]).startswith("python"):
+        return None
+    words = iter(command[1:])
+    for word in words:
+        if word in ("-m", "-c", "-") or word.startswith(("-m", "-c")) and not word.startswith("--"):
+            return None
+        if word in _PYTHON_VALUE_OPTIONS:
+            next(words, None)
+            continue
+        if word.startswith("-"):
+            continue
+        return word
+    return None
+
+
+def check_command(command: list[str]) -> None:
+    """Raises FileNotFoundError, before anything is started or created, for a program that is
+    not there or a Python script that does not exist."""
+    program = command[0]
+    if shutil.which(program) is None and not (os.sep in program and os.path.exists(program)):
+        raise FileNotFoundError(f"cannot start {program!r}: no such program (nothing was started)")
+    script = python_script_of(command)
+    if script is not None and not os.path.exists(script):
+        raise FileNotFoundError(f"{script}: no such script (nothing was started)")
+
+
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
 def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> tuple[int, Path, str]:
     """Runs ``command`` with capture on; returns (exit code, run dir, session status)."""
+    check_command(command)
     session_id = new_session_id()
     run_dir = out or default_run_dir(session_id)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,8 +146,22 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
             signal.signal(s, handler)
     status = _close_child_session(run_dir, session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, _exit_code(returncode), time.time_ns()
+    _fold_outcome(run_dir, manifest, returncode, forwarded, command)
     write_run_manifest(run_dir, manifest)
     return _exit_code(returncode), run_dir, status
+
+
+def _fold_outcome(run_dir: Path, manifest: RunManifest, returncode: int, forwarded: list[int],
+                  command: list[str]) -> None:
+    """The run's ``outcome``/``error``/``errors`` (docs/run-outcome.md): the child is rank 0
+    itself unless it is a launcher of ranks (torchrun & co.)."""
+    from ..artifacts.run_outcome import fold_run_outcome
+
+    launcher = bool({os.path.basename(word) for word in command[:3]} & set(_LAUNCHERS))
+    try:
+        fold_run_outcome(run_dir, manifest, returncode, forwarded, single_process=not launcher)
+    except OSError:  # the run directory went away: run.json says what the exit code says
+        pass
 
 
 def _close_child_session(run_dir: Path, session_id: str) -> SessionStatus:
@@ -215,6 +263,7 @@ def sample_process(
     beat("stop", status=status)
     heartbeat.close()
     if manifest is not None:
-        manifest.status, manifest.ended_at_ns = status, time.time_ns()
+        # a process that is not our child: its exit status cannot be seen (docs/run-outcome.md)
+        manifest.status, manifest.ended_at_ns, manifest.outcome = status, time.time_ns(), "exited"
         write_run_manifest(run_dir, manifest)
     return status

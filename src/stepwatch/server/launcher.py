@@ -121,8 +121,10 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     if not options.use_torchrun:
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
     training = subprocess.Popen(_training_command(options), env=env)
+    forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome
 
     def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
         if training.poll() is None:
             training.send_signal(signum)
 
@@ -151,12 +153,22 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             _rebuild_history(run_dir, echo)
     status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
+    fold_outcome(run_dir, manifest, returncode, forwarded, torchrun=options.use_torchrun, echo=echo)
     write_run_manifest(run_dir, manifest)
     summary = None
     if local_history:
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
                                       options.nproc_per_node * options.nnodes, options.script)
     return code, run_dir, summary
+
+
+def fold_outcome(run_dir: Path, manifest: RunManifest, returncode: int, forwarded: list[int], *, torchrun: bool,
+                 echo: Any = print) -> None:
+    """Sets the manifest's ``outcome``, ``error`` and ``errors`` (docs/run-outcome.md)."""
+    from ..artifacts.run_outcome import fold_run_outcome
+
+    for problem in fold_run_outcome(run_dir, manifest, returncode, forwarded, single_process=not torchrun):
+        echo(f"[stepwatch] {problem}")
 
 
 def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,

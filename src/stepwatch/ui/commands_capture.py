@@ -10,12 +10,12 @@ from pathlib import Path
 
 import click
 
-from .cli import _console, _print_json, _reports_errors, cli
+from .base import _console, _print_json, _reports_errors
 
-__all__: list[str] = []
+__all__ = ["diagnose", "track"]
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--interval", "interval_ms", type=click.IntRange(10, 3_600_000), default=1000, show_default=True,
               help="Sampling interval in milliseconds.")
 @click.option("--out", type=click.Path(path_type=Path), help="Run directory (default ./stepwatch_runs/<time>-<id>).")
@@ -50,14 +50,15 @@ def track(interval_ms: int, out: Path | None, pid: int | None, command: tuple[st
     try:
         code, run_dir, status = track_command(list(command), out=out, interval_ms=interval_ms)
     except FileNotFoundError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        sys.exit(127)
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        # a missing script is a usage error (as python says it: 2); a missing program, 127
+        sys.exit(2 if "no such script" in str(exc) else 127)
     console.print(f"[stepwatch] exit code {code}, session {status}; run directory: {run_dir}", markup=False)
     console.print(f"[stepwatch] next: stepwatch inspect {run_dir}", markup=False)
     sys.exit(code)
 
 
-@cli.command()
+@click.command()
 @click.argument("path", type=click.Path(path_type=Path), required=False)
 @click.option("--output", type=click.Path(path_type=Path), help="Bundle directory (default ./stepwatch_diagnose_<time>).")
 @click.option("--duration", type=click.FloatRange(0.1, 600), default=1.0, show_default=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -10,12 +11,12 @@ from typing import Any
 
 import click
 
-from .cli import _console, _print_json, _reports_errors, cli
+from .base import _console, _print_json, _reports_errors
 
-__all__: list[str] = []
+__all__ = ["compare", "import_command", "run", "serve", "summary"]
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=1, show_default=True,
               help="Ranks on this node (through torchrun when > 1).")
 @click.option("--nnodes", type=click.IntRange(1, 100_000), default=1, show_default=True)
@@ -44,6 +45,7 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
     from ..server.launcher import LaunchOptions, launch
     from ..server.serve import RETENTION_ENV, parse_duration
 
+    _check_script(click.get_current_context(), script)  # before anything is started or created
     if retention:
         try:
             parse_duration(retention)
@@ -61,7 +63,32 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
     sys.exit(code)
 
 
-@cli.command()
+# What may come before the script: python's ``-m MODULE`` (torchrun takes it too).
+_SCRIPT_FLAGS = ("-m",)
+
+
+def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
+    """An option ``run`` does not know, before the script, is a typo, not the script: a usage
+    error naming the nearest option. A script that does not exist is one clear line. Both exit
+    2 before any process or run directory exists."""
+    first = script[0]
+    if first.startswith("-") and first not in _SCRIPT_FLAGS:
+        name = first.split("=", 1)[0]
+        known = sorted({opt for param in ctx.command.params for opt in (*param.opts, *param.secondary_opts)
+                        if opt.startswith("--")})
+        raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, known, n=3, cutoff=0.6),
+                                 ctx=ctx)
+    if first in _SCRIPT_FLAGS:
+        if len(script) < 2:
+            raise click.UsageError(f"{first} needs a module name", ctx=ctx)
+        return
+    if not Path(first).exists():
+        from ..errors import ArtifactError
+
+        raise ArtifactError(first, "no such script (nothing was started)")
+
+
+@click.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("stepwatch_server"), show_default=True,
               help="Directory of the history store (history.sqlite) and uploaded blobs.")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -103,12 +130,16 @@ def _summary_of(target: Path, session_id: str | None) -> dict[str, Any]:
     from ..store.sqlite import SqliteStore
 
     if target.is_file() and target.suffix == ".json":
-        return json.loads(target.read_text())
+        data = json.loads(target.read_text())
+        if session_id is not None and isinstance(data, dict) and data.get("session_id") != session_id:
+            _no_such_session(target, session_id, [{"session_id": data.get("session_id"), "status": data.get("status")}])
+        return data
     if target.is_dir() and (target / "final_summary.json").is_file() and session_id is None:
         return json.loads((target / "final_summary.json").read_text())
     store_path = target / "history.sqlite" if target.is_dir() else target
     if store_path.is_file():
         with SqliteStore(store_path, read_only=True) as store:
+            _require_session(store, target, session_id)
             return build_summary(store, session_id, target if target.is_dir() else None)
     # no store: import the run directory's artifacts into a temporary one
     import tempfile
@@ -117,10 +148,36 @@ def _summary_of(target: Path, session_id: str | None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp, SqliteStore(Path(tmp) / "history.sqlite") as store:
         import_path(target, store)
+        _require_session(store, target, session_id)
         return build_summary(store, session_id, target if target.is_dir() else None)
 
 
-@cli.command()
+def _require_session(store: Any, target: Path, session_id: str | None) -> None:
+    """A session the store does not hold is an error naming the ones it does, never an empty
+    summary."""
+    if session_id is None:
+        return
+    sessions = store.sessions()
+    if not any(s["session_id"] == session_id for s in sessions):
+        _no_such_session(target, session_id, sessions)
+
+
+def _no_such_session(target: Path, session_id: str, sessions: list[dict[str, Any]]) -> None:
+    from ..errors import ArtifactError
+
+    listed = ", ".join(f"{s['session_id']} ({s.get('status')})" for s in sessions) or "none"
+    raise ArtifactError(target, f"no session {session_id!r} here; its sessions: {listed}")
+
+
+def _write_summary_files(run_dir: Path, data: dict[str, Any]) -> None:
+    """final_summary.json/.txt of a run directory without a history store (``track``)."""
+    from ..analysis.summary import render_summary_text
+
+    (run_dir / "final_summary.json").write_text(json.dumps(data, indent=2) + "\n")
+    (run_dir / "final_summary.txt").write_text(render_summary_text(data))
+
+
+@click.command()
 @click.argument("target", type=click.Path(path_type=Path, exists=True))
 @click.option("--session", "session_id", help="Session id (default: the newest).")
 @click.option("--write", is_flag=True, help="(Re)write final_summary.json/.txt into the run directory.")
@@ -130,10 +187,18 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool) ->
     """Final summary of a run directory, a history store, or a final_summary.json."""
     from ..analysis.summary import render_summary_text
 
-    if write and target.is_dir() and (target / "history.sqlite").is_file():
+    if write and not target.is_dir():
+        raise click.UsageError("--write needs a run directory (it writes final_summary.* into it)")
+    if write and (target / "history.sqlite").is_file():
         from ..server.launcher import write_final_summary
+        from ..store.sqlite import SqliteStore
 
+        with SqliteStore(target / "history.sqlite", read_only=True) as store:
+            _require_session(store, target, session_id)
         data = write_final_summary(target, session_id, None, None, None, None)
+    elif write:  # a run captured by ``track``: no history, the summary comes from its artifacts
+        data = _summary_of(target, session_id if session_id is not None else _newest_session(target))
+        _write_summary_files(target, data)
     else:
         data = _summary_of(target, session_id)
     if as_json:
@@ -142,7 +207,16 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool) ->
         sys.stdout.write(render_summary_text(data))
 
 
-@cli.command()
+def _newest_session(run_dir: Path) -> str | None:
+    """The run's own session (run.json), so a stale final_summary.json is not read back."""
+    try:
+        data = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data.get("session_id") if isinstance(data, dict) and isinstance(data.get("session_id"), str) else None
+
+
+@click.command()
 @click.argument("a", type=click.Path(path_type=Path, exists=True))
 @click.argument("b", type=click.Path(path_type=Path, exists=True))
 @click.option("--json", "as_json", is_flag=True)
@@ -170,7 +244,7 @@ def compare(a: Path, b: Path, as_json: bool) -> None:
     _console().print(table)
 
 
-@cli.command("import")
+@click.command("import")
 @click.argument("path", type=click.Path(path_type=Path, exists=True))
 @click.option("--into", "into", type=click.Path(path_type=Path), required=True,
               help="History store: a .sqlite file or a run directory (its history.sqlite).")

@@ -72,6 +72,38 @@ def _autostart() -> None:
         sys.stderr.write(f"[stepwatch] autostart failed, the program runs without capture: {exc}\n")
 
 
+def _watch_launcher() -> None:
+    """In torchrun's own process under ``stepwatch run``/``track``: when it ends on the
+    ``ChildFailedError`` that names its failed workers, write them (rank, exit code or signal,
+    pid, time) to ``<run>/torchrun_failures.json`` for the launcher, then let torchrun's own
+    hook print what it prints. A rank killed by SIGKILL leaves no record of its own; this is
+    the only place its signal is known (docs/run-outcome.md)."""
+    run_dir = os.environ.get("STEPWATCH_RUN_DIR")
+    if os.environ.get("STEPWATCH_AUTOSTART") != "1" or not run_dir or not _is_launcher():
+        return
+    previous = sys.excepthook
+
+    def hook(typ, exc, tb):  # type: ignore[no-untyped-def]
+        try:
+            failures = getattr(exc, "failures", None)
+            if isinstance(failures, dict):
+                import json
+
+                rows = [{"rank": int(rank), "local_rank": getattr(f, "local_rank", None),
+                         "pid": getattr(f, "pid", None), "exitcode": int(getattr(f, "exitcode", 0)),
+                         "at_ns": int(getattr(f, "timestamp", 0)) * 10**9 or None}
+                        for rank, f in failures.items()]
+                path = os.path.join(run_dir, "torchrun_failures.json")
+                with open(path + ".tmp", "w") as handle:
+                    json.dump({"session_id": os.environ.get("STEPWATCH_SESSION_ID"), "failures": rows}, handle)
+                os.replace(path + ".tmp", path)
+        except Exception:  # noqa: BLE001 - torchrun's own report must come out whatever happens here
+            pass
+        previous(typ, exc, tb)
+
+    sys.excepthook = hook
+
+
 def _chain() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
@@ -83,4 +115,5 @@ def _chain() -> None:
 
 
 _autostart()
+_watch_launcher()
 _chain()
