@@ -269,7 +269,6 @@ def _iteration_phase(state: TrainingState, local: _ThreadState, name: str) -> No
     """What a top-level phase tells about the iteration in progress."""
     if name == "backward":
         local.it_bwd = True
-        return
     elif name == "forward" and local.it_fwd != _FWD_GRAD:
         local.it_fwd = _FWD_GRAD if state.grad_enabled() else _FWD_EVAL
 
