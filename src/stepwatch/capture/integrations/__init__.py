@@ -9,8 +9,12 @@ What the callbacks share lives here: ``FrameworkLink`` claims epoch/step ownersh
 framework (spool-format-v1.md, "Canonical scope shape": transformers > lightning > torch, the
 others yield), starts stepwatch when nobody did, and opens and closes the ``epoch`` and ``step``
 spans through the ``TrainingState``, so phase times from the torch patches are summed onto the
-steps exactly as under ``trace_step``. Every method is fail-open: errors are reported through
-``report_internal`` and swallowed, never raised into the trainer.
+steps exactly as under ``trace_step``; evaluation batches are ``eval_step``s. Every method is
+fail-open: errors are reported through ``report_internal`` and swallowed, never raised into the
+trainer.
+
+``autoattach`` (installed by ``stepwatch.init``, removed at shutdown) attaches a callback to every
+Trainer built while stepwatch runs, so that a script needs no change (docs/frameworks.md).
 """
 
 from __future__ import annotations

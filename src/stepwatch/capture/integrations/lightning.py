@@ -265,8 +265,9 @@ class StepwatchCallback(Callback):
     # -- evaluation steps (validation, test, prediction) ----------------------------------------
 
     def _open_eval(self, trainer: Any) -> None:
-        if self._inert or self._link.eval_step is not None:
-            return
+        span = self._link.eval_step
+        if self._inert or (span is not None and not span.closed):
+            return  # opened already, before the batch's transfer to the device
         try:
             sanity = bool(trainer.sanity_checking)
         except Exception:  # noqa: BLE001 - a Trainer without the flag: not a sanity check
