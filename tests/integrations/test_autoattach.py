@@ -25,6 +25,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never reach the hub
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -166,7 +168,8 @@ def assert_hf_run(spool: LoadedSpool, *, epochs: int, steps_per_epoch: int, eval
 @pytest.mark.parametrize("user", [None, "instance", "class", "add_callback"])
 def test_trainer_run_recorded_whole_with_or_without_the_users_callback(run_dir: Path, tmp_path: Path,
                                                                        user: str | None) -> None:
-    callbacks = {"instance": [huggingface.StepwatchCallback()], "class": [huggingface.StepwatchCallback]}.get(user or "")
+    given = {"instance": [huggingface.StepwatchCallback()], "class": [huggingface.StepwatchCallback]}
+    callbacks = given.get(user or "")
     trainer = hf_trainer(tmp_path, callbacks)
     if user == "add_callback":
         trainer.add_callback(huggingface.StepwatchCallback())
@@ -386,7 +389,7 @@ def test_stepwatch_run_records_an_unmodified_trainer_script(tmp_path: Path) -> N
     script.write_text(textwrap.dedent(HF_SCRIPT))
     out = tmp_path / "run"
     proc = subprocess.run([*STEPWATCH, "run", "--interval", "200", "--out", str(out), str(script),
-                           str(tmp_path / "trainer")], cwd=tmp_path, env=clean_env(), capture_output=True,
+                           str(tmp_path / "trainer")], check=False, cwd=tmp_path, env=clean_env(), capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_hf_run(read_spool(out), epochs=2, steps_per_epoch=3, eval_batches=2, train_batches=6)
@@ -411,6 +414,59 @@ print(json.dumps([count(first), count(second), count(after)]))
 
 def test_lightning_imported_after_init_gets_the_callback(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(LIGHTNING_IMPORTED_AFTER_INIT), str(tmp_path / "r")],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+                          check=False, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[True], [False], []]
+
+
+# -- once, never twice: any order of the program's own additions ------------------------------
+
+_SHARED: dict[str, Any] = {}
+
+
+def _shared_model() -> Any:
+    if "model" not in _SHARED:
+        _SHARED["model"] = tiny_gpt2()
+    return _SHARED["model"]
+
+
+def _shared_args(tmp_path: Path) -> Any:
+    if "args" not in _SHARED:
+        _SHARED["args"] = transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), report_to=[],
+                                                         use_cpu=True, save_strategy="no", disable_tqdm=True)
+    return _SHARED["args"]
+
+
+_OPERATIONS = st.sampled_from(["instance", "class", "other", "remove_class", "pop_ours"])
+
+
+@needs_trainer
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(given_callbacks=st.lists(st.sampled_from(["instance", "class", "other"]), max_size=3),
+       operations=st.lists(_OPERATIONS, max_size=6))
+def test_a_trainer_never_holds_the_attached_callback_next_to_another(
+        run_dir: Path, tmp_path: Path, given_callbacks: list[str], operations: list[str]) -> None:
+    """Built with any ``callbacks=`` list, then any sequence of ``add_callback`` /
+    ``remove_callback`` / ``pop_callback``: at most one attached callback, and none at all next to
+    a ``StepwatchCallback`` of the program's."""
+    make = {"instance": huggingface.StepwatchCallback, "class": lambda: huggingface.StepwatchCallback,
+            "other": transformers.PrinterCallback}
+    trainer = transformers.Trainer(model=_shared_model(), args=_shared_args(tmp_path),
+                                   callbacks=[make[kind]() for kind in given_callbacks])
+
+    def check() -> None:
+        ours = stepwatch_callbacks(trainer)
+        attached = [c for c in ours if c.auto_attached]
+        assert len(attached) <= 1
+        assert not attached or len(ours) == 1
+
+    check()
+    assert stepwatch_callbacks(trainer)  # one at least, right after construction
+    for operation in operations:
+        if operation in make:
+            trainer.add_callback(make[operation]())
+        elif operation == "remove_class":
+            trainer.remove_callback(huggingface.StepwatchCallback)
+        else:
+            trainer.pop_callback(huggingface.StepwatchCallback)
+        check()
