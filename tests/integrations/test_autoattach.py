@@ -126,7 +126,7 @@ def stepwatch_callbacks(trainer: Any) -> list[Any]:
 
 
 def assert_hf_run(spool: LoadedSpool, *, epochs: int, steps_per_epoch: int, eval_batches: int,
-                  train_batches: int) -> None:
+                  train_batches: int, before_printer: bool = True) -> None:
     """Every training step inside its epoch (the last one too), every evaluation batch an
     eval_step inside the epoch it evaluated, each logged value marked once on its step."""
     (session,) = named(spool, "stepwatch.session")
@@ -162,6 +162,11 @@ def assert_hf_run(spool: LoadedSpool, *, epochs: int, steps_per_epoch: int, eval
         per_span = marks_per_span(spool, name)
         assert {k: v for k, v in per_span.items() if k in step_ids} == dict.fromkeys(step_ids, 1), name
         assert sum(per_span.values()) == len(steps), name  # once each, never twice
+    # the summary log at the end, whole: the attached callback sees the logs before the
+    # Trainer's printer takes total_flos out, as one given in callbacks= does (one added with
+    # add_callback comes after the printer)
+    summary = {m["name"] for m in spool.marks if m["span_id"] == session["id"]}
+    assert "train_loss" in summary and ("total_flos" in summary) is before_printer
 
 
 @needs_trainer
@@ -178,7 +183,8 @@ def test_trainer_run_recorded_whole_with_or_without_the_users_callback(run_dir: 
     result = trainer.train()
     assert result.global_step == 6
     stepwatch.shutdown()
-    assert_hf_run(read_spool(run_dir), epochs=2, steps_per_epoch=3, eval_batches=2, train_batches=6)
+    assert_hf_run(read_spool(run_dir), epochs=2, steps_per_epoch=3, eval_batches=2, train_batches=6,
+                  before_printer=user != "add_callback")
 
 
 @needs_trainer

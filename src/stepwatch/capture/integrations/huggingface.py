@@ -177,14 +177,21 @@ def _callback_of(trainer: Any) -> StepwatchCallback | None:
     return None
 
 
+# The Trainer's printers pop ``total_flos`` from the logs they are handed: the callback goes
+# before them, where a callback given in ``callbacks=`` sits, and so sees what it would see.
+_PRINTERS = frozenset({"PrinterCallback", "ProgressCallback", "NotebookProgressCallback"})
+
+
 def _attach(trainer: Any) -> None:
     """Adds the auto-attached callback, unless the Trainer has a ``StepwatchCallback`` already.
-    Appended to the handler's list directly: ``add_callback`` would warn about a duplicate
-    class where a user's own callback of another class is fine."""
+    Put in the handler's list directly: ``add_callback`` would warn about a duplicate class
+    where a user's own callback of another class is fine."""
     handler = getattr(trainer, "callback_handler", None)
     if handler is None or _callback_of(trainer) is not None:
         return
-    handler.callbacks.append(auto_callback())
+    callbacks = handler.callbacks
+    at = next((i for i, c in enumerate(callbacks) if type(c).__name__ in _PRINTERS), len(callbacks))
+    callbacks.insert(at, auto_callback())
 
 
 def instrument_trainer(module: ModuleType) -> Callable[[], None]:
