@@ -354,6 +354,29 @@ def test_lightning_callback_from_configure_callbacks_replaces_the_attached_one(r
         assert dict(marks_per_span(spool, name)) == {s["id"]: per_step for s in steps}, name
 
 
+def test_lightning_validate_alone_gives_eval_steps_and_survives_a_failing_batch(run_dir: Path) -> None:
+    class Failing(ValidatedRegressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1:
+                raise KeyError("user code failed")
+            super().validation_step(batch, batch_idx)
+
+    def trainer() -> Any:
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+
+    with pytest.raises(KeyError):
+        trainer().validate(Failing(), loader(12, 4))
+    trainer().validate(ValidatedRegressor(), loader(12, 4))
+    stepwatch.shutdown()
+
+    spool = read_spool(run_dir)
+    evals = named(spool, "eval_step")
+    assert [e["index"] for e in evals] == list(range(5)) and not named(spool, "step")
+    assert [e["attrs"].get("error") for e in evals] == [None, "KeyError", None, None, None]
+    assert set(parent_names(spool, "forward")) == {"eval_step"}
+
+
 # -- fresh interpreters: the import hook -----------------------------------------------------
 
 _script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))

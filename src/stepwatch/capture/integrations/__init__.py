@@ -129,9 +129,9 @@ class FrameworkLink:
         """Closes what this link has open, gives up the claim, and shuts stepwatch down if this
         link started it (and only then, and only on a clean end)."""
         try:
+            self.close_eval_step(error)  # also one opened outside a fit (trainer.validate())
             state = self.current()
             if state is not None:
-                self.close_eval_step(error)
                 self.close_step(error)
                 self.close_epoch(error)
                 # Ownership lasts while the framework's loop runs; a plain torch loop after it
