@@ -88,6 +88,11 @@ def init(
         phases.activate(runtime.scopes)
         training.activate(runtime.training)
         _install_hooks(config)
+        if config.auto_instrument:  # framework Trainers get their callback (integrations/autoattach.py)
+            from .integrations import autoattach
+
+            with guarded:
+                autoattach.install()
         return runtime
 
 
@@ -102,6 +107,10 @@ def shutdown(status: SessionStatus = "completed", timeout: float = 2.0) -> None:
         runtime.stop(status, timeout)
     with guarded:
         _uninstall_hooks()
+    autoattach = sys.modules.get("stepwatch.capture.integrations.autoattach")
+    if autoattach is not None:
+        with guarded:
+            autoattach.uninstall()
 
 
 def _uninstall_hooks() -> None:

@@ -9,8 +9,12 @@ What the callbacks share lives here: ``FrameworkLink`` claims epoch/step ownersh
 framework (spool-format-v1.md, "Canonical scope shape": transformers > lightning > torch, the
 others yield), starts stepwatch when nobody did, and opens and closes the ``epoch`` and ``step``
 spans through the ``TrainingState``, so phase times from the torch patches are summed onto the
-steps exactly as under ``trace_step``. Every method is fail-open: errors are reported through
-``report_internal`` and swallowed, never raised into the trainer.
+steps exactly as under ``trace_step``; evaluation batches are ``eval_step``s. Every method is
+fail-open: errors are reported through ``report_internal`` and swallowed, never raised into the
+trainer.
+
+``autoattach`` (installed by ``stepwatch.init``, removed at shutdown) attaches a callback to every
+Trainer built while stepwatch runs, so that a script needs no change (docs/frameworks.md).
 """
 
 from __future__ import annotations
@@ -72,16 +76,22 @@ class FrameworkLink:
         link.stop()                  # train ends: close leftovers, release, shut down if ours
     """
 
-    __slots__ = ("framework", "init_kwargs", "state", "started", "epoch", "step", "step_end_ns")
+    __slots__ = ("framework", "init_kwargs", "start_runtime", "state", "started", "epoch", "step", "step_end_ns",
+                 "eval_step")
 
-    def __init__(self, framework: str, init_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, framework: str, init_kwargs: Mapping[str, Any] | None = None, *,
+                 start_runtime: bool = True) -> None:
         self.framework = framework
         self.init_kwargs = validate_init_kwargs(init_kwargs)
+        # False for the callback stepwatch attached itself: it works while stepwatch runs and
+        # never starts it (a program that stopped stepwatch wants it stopped).
+        self.start_runtime = start_runtime
         self.state: TrainingState | None = None  # the state the open spans belong to
         self.started: Any = None  # the runtime this link started, to stop only that one
         self.epoch: OpenSpan | None = None
         self.step: OpenSpan | None = None
         self.step_end_ns: int | None = None  # a step that ended but waits for its logs
+        self.eval_step: OpenSpan | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -99,6 +109,8 @@ class FrameworkLink:
             from ..api import current_runtime, init
 
             if not current_runtime().active:
+                if not self.start_runtime:
+                    return None
                 runtime = init(**self.init_kwargs)
                 self.started = runtime if runtime.active else None
             state = training._state
@@ -117,6 +129,7 @@ class FrameworkLink:
         """Closes what this link has open, gives up the claim, and shuts stepwatch down if this
         link started it (and only then, and only on a clean end)."""
         try:
+            self.close_eval_step(error)  # also one opened outside a fit (trainer.validate())
             state = self.current()
             if state is not None:
                 self.close_step(error)
@@ -235,6 +248,38 @@ class FrameworkLink:
         """Closes a step that ended earlier and was kept open for its logs."""
         if self.step_end_ns is not None:
             self.close_step()
+
+    # -- evaluation steps -----------------------------------------------------------------------
+
+    def open_eval_step(self, **attrs: Any) -> OpenSpan | None:
+        """Opens an ``eval_step`` for one evaluation batch (validation, test, prediction), also
+        outside a fit (``trainer.evaluate()`` on its own), unless a step is open already.
+
+        Opened as an inferred step: forward only, it closes as an ``eval_step`` with its own
+        index, kept out of the step statistics, its batch's fetch and phases inside it.
+        """
+        try:
+            state = self.current() or training._state
+            if state is None or state.yields(self.framework):
+                return None
+            if state is self.state:
+                self.settle()
+            if state.local.step is not None:
+                return None  # inside a step (an evaluation the user runs inside a training step)
+            self.eval_step = state.open_step(None, {"framework": self.framework, **attrs}, implicit=True)
+            return self.eval_step
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.open_eval_step")
+            return None
+
+    def close_eval_step(self, error: BaseException | None = None) -> None:
+        try:
+            span, self.eval_step = self.eval_step, None
+            state = training._state
+            if state is not None and span is not None and not span.closed:
+                state.close_step(span, error)  # a no-op when something else closed it already
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, f"{self.framework}.close_eval_step")
 
     # -- marks --------------------------------------------------------------------------------
 

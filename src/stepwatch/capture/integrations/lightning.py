@@ -23,18 +23,28 @@ A ``stepwatch.mark`` made inside ``training_step`` so lands on that ``forward`` 
 innermost open scope. With manual optimization the torch patches time each phase on their own
 (the outermost module call is the forward).
 
-Marks, on the step, at ``on_train_batch_end``: ``loss`` (training_step's output),
-``learning_rate`` (each optimizer's param groups), ``grad_norm`` (total L2 norm of the gradients
-before clipping, taken at ``on_before_optimizer_step``) and every numeric value in
+Validation, test and prediction batches are ``eval_step``s (``on_<stage>_batch_start`` ..
+``on_<stage>_batch_end``, from the batch's transfer to the device during a fit), under the epoch
+they ran in; those of the sanity check carry ``sanity_check: true``.
+
+Marks, on the step, at ``on_train_batch_end``: ``loss`` (training_step's output, one per
+micro-batch), once per optimizer step ``learning_rate`` (each optimizer's param groups) and
+``grad_norm`` (total L2 norm of the gradients before clipping, taken at
+``on_before_optimizer_step``), and every numeric value in
 ``trainer.callback_metrics`` that changed since it was last marked; values still changing at
 ``on_train_epoch_end`` (epoch aggregates) are marked on the epoch. Reading a CUDA tensor's value
 waits for the device, so these marks cost one synchronisation at the end of each step.
+
+While stepwatch runs, ``instrument_trainer`` (applied by ``autoattach``) gives every Trainer
+built without a ``StepwatchCallback`` one of its own (``auto_callback``); it stands aside when
+the program adds its own later (``trainer.callbacks.append``, ``configure_callbacks``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 from ...errors import IntegrationUnavailable
@@ -50,7 +60,7 @@ except ImportError as exc:  # pragma: no cover - exercised by shadowing the modu
 
 require_version("lightning", getattr(lightning, "__version__", "0"), (2, 0))
 
-__all__ = ["StepwatchCallback"]
+__all__ = ["StepwatchCallback", "auto_callback", "instrument_trainer"]
 
 FRAMEWORK = "lightning"
 _OWN_MARKS = frozenset({"loss", "learning_rate", "grad_norm"})
@@ -114,9 +124,12 @@ class StepwatchCallback(Callback):
         ConfigError: ``init_kwargs`` holds an invalid option (raised here, not during training).
     """
 
+    auto_attached = False  # True on the one stepwatch attached by itself (``auto_callback``)
+
     def __init__(self, init_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._link = FrameworkLink(FRAMEWORK, init_kwargs)
+        self._inert = False  # an auto-attached callback next to the program's own: it stands aside
         self._patched: list[tuple[Any, str, bool, Any]] = []  # (owner, name, had own attr, previous)
         self._stepped = False  # an optimizer step happened in this batch
         self._optimizer_moved = False  # the pre-hook's span became forward: reopen optimizer_step
@@ -127,8 +140,9 @@ class StepwatchCallback(Callback):
     # -- fit ----------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        # Claimed before the sanity check, so its forwards stay plain spans under the session.
-        if self._link.start() is None:
+        self._inert = self.auto_attached and _has_own_callback(trainer)
+        # Claimed before the sanity check, so its batches are eval steps of the framework.
+        if self._inert or self._link.start() is None:
             return
         try:
             self._metrics_seen.clear()
@@ -144,7 +158,8 @@ class StepwatchCallback(Callback):
             report_internal(exc, "lightning.on_fit_start")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._link.start()  # idempotent: the same claim as on_fit_start
+        if not self._inert:
+            self._link.start()  # idempotent: the same claim as on_fit_start
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._restore()
@@ -225,7 +240,9 @@ class StepwatchCallback(Callback):
                 extra = {"optimizer": index} if len(norms) > 1 and index is not None else {}
                 link.mark("grad_norm", norm, step=global_step, **extra)
                 marked.add("grad_norm")
-            optimizers = list(trainer.optimizers)
+            manual = not getattr(pl_module, "automatic_optimization", True)
+            # one learning rate per optimizer step, not one per accumulated micro-batch
+            optimizers = list(trainer.optimizers) if manual or self._stepped else []
             for i, optimizer in enumerate(optimizers):
                 groups = optimizer.param_groups
                 for j, group in enumerate(groups):
@@ -242,9 +259,47 @@ class StepwatchCallback(Callback):
             self._mark_metrics(trainer, marked, step=global_step)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, "lightning.on_train_batch_end")
-        manual = not getattr(pl_module, "automatic_optimization", True)
-        if manual or self._stepped:
+        if not getattr(pl_module, "automatic_optimization", True) or self._stepped:
             link.close_step()  # else gradients accumulate: the step goes on with the next batch
+
+    # -- evaluation steps (validation, test, prediction) ----------------------------------------
+
+    def _open_eval(self, trainer: Any) -> None:
+        span = self._link.eval_step
+        if self._inert or (span is not None and not span.closed):
+            return  # opened already, before the batch's transfer to the device
+        try:
+            sanity = bool(trainer.sanity_checking)
+        except Exception:  # noqa: BLE001 - a Trainer without the flag: not a sanity check
+            sanity = False
+        self._link.open_eval_step(**({"sanity_check": True} if sanity else {}))
+
+    def _close_eval(self) -> None:
+        self._link.close_eval_step()
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._open_eval(trainer)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._close_eval()
+
+    def on_test_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._open_eval(trainer)
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        self._close_eval()
+
+    def on_predict_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None:
+        self._open_eval(trainer)
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        self._close_eval()
 
     def _mark_metrics(self, trainer: Any, marked: set[str], **attrs: Any) -> None:
         """Marks each numeric ``callback_metrics`` value that is new since the last call.
@@ -300,6 +355,8 @@ class StepwatchCallback(Callback):
             try:
                 if trainer.training and not trainer.sanity_checking:
                     link.open_step()
+                elif trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting:
+                    self._open_eval(trainer)  # the eval step opens before its batch's transfer too
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "lightning.batch_to_device")
             return original(*args, **kwargs)
@@ -360,3 +417,39 @@ class StepwatchCallback(Callback):
             span = state.begin_phase("forward")
         local.in_forward = True
         return state, span
+
+
+def auto_callback() -> StepwatchCallback:
+    """The callback stepwatch attaches to a Trainer built without one: it drives the fits while
+    stepwatch runs, and never starts stepwatch itself."""
+    callback = StepwatchCallback()
+    callback.auto_attached = True
+    callback._link.start_runtime = False
+    return callback
+
+
+def _has_own_callback(trainer: Any) -> bool:
+    """The program put a ``StepwatchCallback`` of its own on ``trainer``."""
+    return any(isinstance(c, StepwatchCallback) and not c.auto_attached for c in trainer.callbacks)
+
+
+def instrument_trainer(module: ModuleType) -> Callable[[], None]:
+    """Wraps ``module.Trainer`` (``lightning.pytorch``) so that every Trainer built gets a
+    ``StepwatchCallback`` unless it was given one; returns the undo. A model's
+    ``configure_callbacks`` returning one replaces it at fit (Lightning's rule for callbacks of
+    the same type)."""
+    from .autoattach import wrap_method
+
+    def wrap_init(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            try:
+                callbacks = self.callbacks
+                if not any(isinstance(c, StepwatchCallback) for c in callbacks):
+                    callbacks.append(auto_callback())
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "lightning.attach")
+
+        return __init__
+
+    return wrap_method(module.Trainer, "__init__", wrap_init)
