@@ -15,7 +15,7 @@ written (see ``Runtime.open_child``), so the rows are never re-keyed, and a chil
 steps nor joins a process group (a pool worker doing I/O) leaves no trace.
 
 Keys are claimed with the files ``sitecustomize`` uses (``.autostart-<session>-rank<N>``). A
-rank whose claim is held by another live process (the process that started the ranks holds
+rank whose claim is held by another process (the process that started the ranks holds
 rank 0 under ``stepwatch run``) shares the rank in the history; its local files get a
 ``-p<pid>`` suffix so that no two processes write one file.
 """
@@ -54,8 +54,11 @@ class ChildProcess:
 
     def record(self) -> dict[str, Any]:
         """The ``process`` object of the start record: how this process got its identity."""
-        return {"role": self.role, "identity_source": self.identity.source if self.identity else None,
-                "parent_pid": self.parent_pid, "start_method": self.start_method, "name": self.name}
+        record: dict[str, Any] = {"role": self.role, "identity_source": self.identity.source if self.identity else None,
+                                  "parent_pid": self.parent_pid, "start_method": self.start_method, "name": self.name}
+        if self.identity is not None and self.role == "rank":
+            record["rank"], record["world_size"] = self.identity.rank, self.identity.world_size
+        return record
 
 
 class _Hook:
@@ -218,31 +221,16 @@ def settle_identity(child: ChildProcess, identity: DistributedIdentity | None, r
 
 
 def _claim(run_dir: Path, session_id: str, key: int, pid: int) -> bool:
-    """Takes key ``key`` of the session (the claim files of ``sitecustomize``); a claim left by a
-    dead process is taken over. False when a live process holds it."""
+    """Takes key ``key`` of the session (the claim files of ``sitecustomize``). False when any
+    process, live or not, holds it: a child never takes a claim over (a liveness test by
+    ``kill(pid, 0)`` was seen to answer "no such process" for a live sibling under forkserver,
+    and two workers then shared a key); a key left by a dead process only costs a higher key."""
     path = run_dir / f".autostart-{session_id}-rank{key}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            if _holder_alive(path):
-                return False
-            try:
-                path.unlink()
-            except OSError:
-                pass
-            continue
-        os.write(fd, str(pid).encode())
-        os.close(fd)
-        return True
-    return False
-
-
-def _holder_alive(path: Path) -> bool:
     try:
-        holder = int(path.read_text() or 0)
-        os.kill(holder, 0)
-    except (OSError, ValueError) as exc:
-        return isinstance(exc, PermissionError)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    os.write(fd, str(pid).encode())
+    os.close(fd)
     return True
