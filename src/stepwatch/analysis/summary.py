@@ -141,7 +141,7 @@ def session_processes(store: HistoryStore, session_id: str) -> tuple[int, list[i
             continue
         if process.get("role") == "worker":
             workers.add(row["rank"])
-        elif isinstance(process.get("world_size"), int):
+        elif type(process.get("world_size")) is int:  # not a bool
             world = max(world, process["world_size"])
     return world, sorted(workers)
 
