@@ -231,6 +231,8 @@ class Runtime:
         self._progress_calls = 0
         # False while a child's identity is pending: nothing is written, ticks only install patches.
         self.opened = False
+        if child is not None and child.identity is None:
+            self.training.on_step = self._on_child_step
         if child is None or child.identity is not None:
             self._open(self.identity, suffix=child.suffix if child is not None else "",
                        process=child.record() if child is not None else None)
@@ -292,6 +294,7 @@ class Runtime:
         self._heartbeat_write(self._heartbeat("boot", phase="start"))
         self.heartbeat.flush()
         self.opened = True
+        self.training.on_step = self._on_step
         with guarded:
             from .children import note_captured
 
@@ -553,11 +556,17 @@ class Runtime:
             make_event, record = cuda_event_source(torch)
             self.training.gpu_timer = GpuTimer(make_event, record=record)
 
-    def _on_step(self, step: int) -> None:
-        self.step = step
-        if not self.opened:  # a child's first step: it is a worker (init_process_group came not first)
+    def _on_child_step(self, step: int) -> None:
+        """A pending child's first step: it is a worker (no ``init_process_group`` came first).
+        Only a pending child's state calls this; opening puts ``_on_step`` back, so no step of
+        any other process pays for the check."""
+        if not self.opened:
             with guarded:
                 self.open_child(None)
+        self._on_step(step)
+
+    def _on_step(self, step: int) -> None:
+        self.step = step
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
             self._note_program_device()
 
