@@ -96,6 +96,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
     # A training step is done when every rank has done it: the run's rate is its slowest rank's.
     rates = [r["throughput_steps_per_s"] for r in per_rank.values() if r["throughput_steps_per_s"] is not None]
     overall["throughput_steps_per_s"] = min(rates) if rates else None
+    world_seen, workers = session_processes(store, session_id)
     ranks_seen = sorted({r["rank"] for r in store.query(
         "SELECT DISTINCT rank FROM telemetry WHERE session_id = ? UNION SELECT DISTINCT rank FROM steps WHERE session_id = ?",
         (session_id, session_id))})
@@ -107,8 +108,9 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         **outcome,
         "started_at_ns": session.get("started_at_ns"),
         "ended_at_ns": session.get("ended_at_ns"),
-        "world_size": session.get("world_size") or (len(ranks_seen) or None),
-        "ranks": ranks_seen,
+        "world_size": max(session.get("world_size") or 0, world_seen) or (len(ranks_seen) - len(workers) or None),
+        "ranks": [rank for rank in ranks_seen if rank not in workers],
+        "workers": workers,
         "overall": overall,
         "per_rank": per_rank,
         "memory_peaks": [
@@ -181,6 +183,28 @@ def outcome_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def session_processes(store: HistoryStore, session_id: str) -> tuple[int, list[int]]:
+    """(the largest world size a rank that a training process started reported, the keys of its
+    workers), from the ``process`` object of the start records (capture/children.py): a process
+    that ``torch.multiprocessing.spawn`` started and ``init_process_group`` named is a rank of
+    that world; one that trained without either is a worker, keyed from the world size up."""
+    world, workers = 0, set()
+    for row in store.query(
+        "SELECT rank, metadata FROM telemetry WHERE session_id = ? AND event_type = 'start'", (session_id,)
+    ):
+        try:
+            process = json.loads(row["metadata"] or "{}").get("process")
+        except (ValueError, AttributeError):
+            continue
+        if not isinstance(process, dict):
+            continue
+        if process.get("role") == "worker":
+            workers.add(row["rank"])
+        elif type(process.get("world_size")) is int:  # not a bool
+            world = max(world, process["world_size"])
+    return world, sorted(workers)
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} ms"
 
@@ -191,7 +215,8 @@ def render_summary_text(summary: dict[str, Any]) -> str:
         + (f"  outcome {summary['outcome']}" if summary.get("outcome") else "")
         + f"  {'capture' if summary.get('outcome') else 'status'} {summary.get('status')}"
         + (f"  exit code {summary['exit_code']}" if summary.get("exit_code") is not None else ""),
-        f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}",
+        f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}"
+        + (f", workers {summary['workers']}" if summary.get("workers") else ""),
     ]
     lines[1:1] = outcome_lines(summary)
     overall = summary["overall"]
@@ -203,15 +228,17 @@ def render_summary_text(summary: dict[str, Any]) -> str:
     shares = overall["phase_share"]
     if any(v is not None for v in shares.values()):
         lines.append("phase share  " + "  ".join(f"{k} {v * 100:.1f}%" for k, v in shares.items() if v is not None))
+    workers = {str(w) for w in summary.get("workers") or ()}
     for rank, stats in summary["per_rank"].items():
         lines.append(
-            f"  rank {rank}: {stats['steps']} steps, median {_ms(stats['step_ms']['median'])}, "
+            f"  {'worker' if rank in workers else 'rank'} {rank}: {stats['steps']} steps, median {_ms(stats['step_ms']['median'])}, "
             f"p90 {_ms(stats['step_ms']['p90'])}, p99 {_ms(stats['step_ms']['p99'])}, "
             f"{stats['throughput_steps_per_s'] or '-'} steps/s"
         )
     for peak in summary["memory_peaks"]:
         device = "cpu" if peak["device_id"] < 0 else f"device {peak['device_id']}"
-        lines.append(f"  memory peak rank {peak['rank']} {device} ({peak['collector']}): "
+        who = "worker" if str(peak["rank"]) in workers else "rank"
+        lines.append(f"  memory peak {who} {peak['rank']} {device} ({peak['collector']}): "
                      f"{(peak['peak_allocated_bytes'] or 0) / 2**20:.1f} MiB allocated, "
                      f"{(peak['peak_reserved_bytes'] or 0) / 2**20:.1f} MiB reserved")
     dropped = {rank: d for rank, d in summary["drops"].items() if d}

@@ -120,9 +120,11 @@ class HeartbeatWriter:
     """Appends heartbeat records to one rank's file; not thread-safe (one background writer)."""
 
     def __init__(
-        self, run_dir: str | os.PathLike[str], rank: int, *, max_bytes: int = 16 * 1024 * 1024, keep: int = 3
+        self, run_dir: str | os.PathLike[str], rank: int, *, max_bytes: int = 16 * 1024 * 1024, keep: int = 3,
+        name: str | None = None,
     ) -> None:
-        self.path = Path(run_dir) / heartbeat_filename(rank)
+        # ``name`` (``rank<N>-p<pid>``): a second process recording the same rank keeps its own file
+        self.path = Path(run_dir) / (f"heartbeat_{name}.jsonl" if name else heartbeat_filename(rank))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.keep = keep

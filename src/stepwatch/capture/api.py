@@ -19,7 +19,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..schema import SessionStatus
-from . import phases, training
+from . import children, phases, training
+from .children import ChildProcess
 from .config import RuntimeConfig
 from .guard import guarded, report_internal
 from .runtime import NullRuntime, Runtime, is_oom
@@ -96,6 +97,30 @@ def init(
         return runtime
 
 
+def start_child(config: RuntimeConfig, child: ChildProcess) -> Runtime | NullRuntime:
+    """Starts capture in a process the training process started (see ``children.py``)."""
+    global _runtime
+    with _lock:
+        if _runtime.active:
+            return _runtime
+        try:
+            runtime = Runtime(config, launched=True, child=child)
+        except Exception as exc:  # noqa: BLE001 - the child runs on without capture
+            report_internal(exc, "init.child")
+            return _runtime
+        _runtime = runtime
+        phases.activate(runtime.scopes)
+        training.activate(runtime.training)
+        _install_hooks(config)
+        with guarded:
+            # fork and forkserver children leave by os._exit after the target: no atexit there,
+            # but multiprocessing runs its finalizers first (spawned children get both)
+            import multiprocessing.util
+
+            multiprocessing.util.Finalize(None, _at_exit, exitpriority=-100)
+        return runtime
+
+
 def shutdown(status: SessionStatus = "completed", timeout: float = 2.0) -> None:
     """Stops capture and closes the session (idempotent)."""
     global _runtime
@@ -165,6 +190,8 @@ def _install_hooks(config: RuntimeConfig) -> None:
     if not _atexit_registered:
         atexit.register(_at_exit)
         os.register_at_fork(after_in_child=_after_fork)
+        with guarded:
+            children.install_bootstrap_hook()  # training processes it starts join the session
         _atexit_registered = True
     # Installed whether or not OOMs are captured: every uncaught exception is the run's outcome
     # (docs/run-outcome.md). Chained: the previous hook still prints the user's traceback.
@@ -228,11 +255,19 @@ def _at_exit() -> None:
 
 
 def _after_fork() -> None:
-    """A forked child (DataLoader worker) must not write into its parent's session."""
-    global _runtime
-    _runtime = NullRuntime()
+    """A forked child must not write into its parent's files: it drops the runtime it inherited
+    and its patches (which record into the inherited state). A multiprocessing child then starts
+    its own capture if it trains (``children.py``); a DataLoader worker stays out."""
+    global _runtime, _lock
+    inherited, _runtime = _runtime, NullRuntime()
+    _lock = threading.RLock()  # another thread of the parent may have held it at the fork
     phases.activate(None)
     training.activate(None)
+    children.forked_from(inherited)
+    patches = getattr(inherited, "patches", None)
+    if patches is not None:
+        with guarded:
+            patches._restore()  # not uninstall(): its lock may have been held at the fork
 
 
 def run_dir() -> Path | None:

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..artifacts.bundles import new_oom_bundle_dir, write_oom_bundle
 from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
@@ -41,6 +41,9 @@ from .phases import PhaseScopes
 from .spans import SpanRecorder
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
+
+if TYPE_CHECKING:
+    from .children import ChildProcess
 
 __all__ = ["NullRuntime", "Runtime", "is_oom"]
 
@@ -150,11 +153,21 @@ class Runtime:
 
     active = True
 
-    def __init__(self, config: RuntimeConfig, *, launched: bool = False) -> None:
+    def __init__(self, config: RuntimeConfig, *, launched: bool = False, child: ChildProcess | None = None) -> None:
+        """``child``: this is a process the training process started (see ``children.py``). Its
+        identity may not be known yet (``child.identity`` None): then nothing is written until
+        ``open_child`` is called (``init_process_group`` or the first step), and a child that
+        never gets there leaves no trace."""
         self.config = config
-        self.identity = resolve_distributed_identity(
-            job_id=config.job_id, rank=config.rank, local_rank=config.local_rank, world_size=config.world_size
-        )
+        self.child = child
+        if child is not None and child.identity is not None:
+            self.identity = child.identity
+        elif child is not None:
+            self.identity = child.parent_identity  # provisional: never written anywhere
+        else:
+            self.identity = resolve_distributed_identity(
+                job_id=config.job_id, rank=config.rank, local_rank=config.local_rank, world_size=config.world_size
+            )
         self.started_ns = time.time_ns()
         shared = None if config.session_id else _shared_origin(self.identity)
         self.session_id = config.session_id or (shared[0] if shared else None) or new_session_id()
@@ -164,22 +177,9 @@ class Runtime:
             self.run_dir = config.run_dir(self.session_id, shared[1] if shared else None)
         else:
             self.run_dir = config.run_dir(self.session_id, self.started_ns)
-        self.launched = launched
+        self.launched = launched or child is not None  # children never write the run manifest
         self.host = socket.gethostname()
         self.pid = os.getpid()
-        rank = self.identity.rank
-        self.sink = TelemetrySink(self.run_dir / "telemetry" / f"rank{rank}", config.sink)
-        self.session = self.sink.start_session(
-            SessionSummary(
-                session_id=self.session_id, status="running", started_at_ns=self.started_ns, host=self.host,
-                pid=self.pid, job_id=self.identity.job_id, rank=rank, local_rank=self.identity.local_rank,
-                world_size=self.identity.world_size, source="stepwatch.runtime",
-            )
-        )
-        self.factory = EventFactory(
-            session_id=self.session_id, identity=self.identity, host=self.host, pid=self.pid,
-            interval_ms=int(round(config.interval * 1000)),
-        )
         rows = config.table_rows
         self.phase_rows: BoundedTable[tuple[Any, ...]] = BoundedTable("phases", rows)
         self.progress_rows: BoundedTable[tuple[float, int, dict[str, Any]]] = BoundedTable("progress", rows)
@@ -190,36 +190,18 @@ class Runtime:
             nvml = discover_nvml()
             if nvml is not None:
                 self.collectors.append(CollectorHealth(nvml))
-        self.heartbeat = HeartbeatWriter(self.run_dir, rank)
-        self.spans = SpanRecorder(rank=rank, rows=rows)
+        self.spans = SpanRecorder(rank=self.identity.rank, rows=rows)
         for row in pre_init_marks():
             self.spans.marks.append(row)
         self.snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]] = BoundedTable("snapshots", 1024)
         self.training = TrainingState(self.spans, snapshot_sink=self._snapshot_sink, blob_uri=self._blob_uri,
                                       on_step=self._on_step)
-        from .. import __version__
-
-        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes,
-                                 adopt_existing=(config.world_size or 1) <= 1)  # ranks share <run>/spool
         self.exporter: Any = None
-        if config.endpoint and config.api_key:
-            from ..transport.http_exporter import HttpExporter
-
-            self.exporter = HttpExporter(config.endpoint, config.api_key, sdk_version=__version__,
-                                         spool_root=self.run_dir)
         self.patches: Any = None
         self.sender: Any = None
         self._wire: dict[str, list[Any]] = {"telemetry": [], "spans": [], "marks": [], "snapshots": [], "heartbeat": []}
         self._shipped_spans: list[Any] = []  # sent to the aggregator ahead of the next spool seal
         self._shipped_marks: list[Any] = []
-        if config.aggregator:
-            from ..transport.sender import FrameSender, parse_address
-
-            self.sender = FrameSender(parse_address(config.aggregator), {
-                "session_id": self.session_id, "rank": rank, "local_rank": self.identity.local_rank,
-                "world_size": self.identity.world_size, "job_id": self.identity.job_id, "host": self.host,
-                "pid": self.pid, "started_ns": self.started_ns,
-            })
         self.spool_write_lost = 0
         self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
@@ -250,23 +232,91 @@ class Runtime:
         self._progress_calls = 0
         # What ended this rank (uncaught exceptions, a caught signal): see record_failure.
         self.failures: list[dict[str, Any]] = []
-        if rank == 0 and not launched:
-            write_run_manifest(
-                self.run_dir,
-                RunManifest(session_id=self.session_id, started_at_ns=self.started_ns, command_line=list(sys.argv),
-                            world_size=self.identity.world_size, pid=self.pid, versions=current_versions()),
-            )
-        # First sample now, so every later record carries real counters.
-        self._sample(time.time())
-        self._write(self.factory.point("start", context="stepwatch capture started",
-                                       metadata={"run_dir": str(self.run_dir)}))
-        self._heartbeat_write(self._heartbeat("boot", phase="start"))
-        self.heartbeat.flush()
+        # False while a child's identity is pending: nothing is written, ticks only install patches.
+        self.opened = False
+        if child is not None and child.identity is None:
+            self.training.on_step = self._on_child_step
+        if child is None or child.identity is not None:
+            self._open(self.identity, suffix=child.suffix if child is not None else "",
+                       process=child.record() if child is not None else None)
         if config.auto_instrument:
             with guarded:
                 self.install_patches()
         self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
         self._thread.start()
+
+    def _open(self, identity: DistributedIdentity, *, suffix: str = "", process: dict[str, Any] | None = None) -> None:
+        """Opens this process's artifacts under ``identity``'s rank (``suffix`` keeps the files of a
+        second process with the same rank apart) and writes the first records."""
+        config = self.config
+        self.identity = identity
+        rank = identity.rank
+        self.spans.rank = rank  # span records are built at seal time, on the sampler: all carry it
+        self.sink = TelemetrySink(self.run_dir / "telemetry" / f"rank{rank}{suffix}", config.sink)
+        self.session = self.sink.start_session(
+            SessionSummary(
+                session_id=self.session_id, status="running", started_at_ns=self.started_ns, host=self.host,
+                pid=self.pid, job_id=identity.job_id, rank=rank, local_rank=identity.local_rank,
+                world_size=identity.world_size, source="stepwatch.runtime",
+            )
+        )
+        self.factory = EventFactory(
+            session_id=self.session_id, identity=identity, host=self.host, pid=self.pid,
+            interval_ms=int(round(config.interval * 1000)),
+        )
+        self.heartbeat = HeartbeatWriter(self.run_dir, rank, name=f"rank{rank}{suffix}" if suffix else None)
+        from .. import __version__
+
+        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes,
+                                 adopt_existing=(config.world_size or 1) <= 1 and self.child is None)  # ranks share <run>/spool
+        if config.endpoint and config.api_key:
+            from ..transport.http_exporter import HttpExporter
+
+            self.exporter = HttpExporter(config.endpoint, config.api_key, sdk_version=__version__,
+                                         spool_root=self.run_dir)
+        if config.aggregator:
+            from ..transport.sender import FrameSender, parse_address
+
+            self.sender = FrameSender(parse_address(config.aggregator), {
+                "session_id": self.session_id, "rank": rank, "local_rank": identity.local_rank,
+                "world_size": identity.world_size, "job_id": identity.job_id, "host": self.host,
+                "pid": self.pid, "started_ns": self.started_ns,
+            })
+        if rank == 0 and not self.launched:
+            write_run_manifest(
+                self.run_dir,
+                RunManifest(session_id=self.session_id, started_at_ns=self.started_ns, command_line=list(sys.argv),
+                            world_size=identity.world_size, pid=self.pid, versions=current_versions()),
+            )
+        # First sample now, so every later record carries real counters.
+        self._sample(time.time())
+        metadata: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        if process is not None:
+            metadata["process"] = process
+        self._write(self.factory.point("start", context="stepwatch capture started", metadata=metadata))
+        self._heartbeat_write(self._heartbeat("boot", phase="start"))
+        self.heartbeat.flush()
+        self.opened = True
+        self.training.on_step = self._on_step
+        with guarded:
+            from .children import note_captured
+
+            note_captured(self.session_id, identity)
+
+    def open_child(self, identity: DistributedIdentity | None) -> None:
+        """Opens a pending child's artifacts: under ``identity`` (from ``init_process_group``), or
+        as a worker when None (its first step came first). Once only; later calls do nothing."""
+        child = self.child
+        if child is None or self.opened or self._stopped:
+            return
+        with self._tick_lock:
+            if self.opened or self._stopped:
+                return
+            from .children import settle_identity
+
+            settle_identity(child, identity, self.run_dir, self.session_id)
+            assert child.identity is not None
+            self._open(child.identity, suffix=child.suffix, process=child.record())
 
     # -- calling-thread API (append only) ----------------------------------------------------
 
@@ -282,6 +332,10 @@ class Runtime:
     def record_oom(self, exc: BaseException) -> Path | None:
         """Records an OOM as an ``error`` event and writes a flight-recorder bundle; the event
         names the bundle (``oom_dump_path``), and is recorded even if the bundle cannot be."""
+        if not self.opened:
+            self.open_child(None)  # an OOM in a child before its first step: recorded as a worker's
+            if not self.opened:
+                return None
         backend = _oom_backend(exc, {h.collector.backend for h in self.collectors})
         reason = f"{type(exc).__name__}: {exc}"[:4000]
         directory = new_oom_bundle_dir(self.run_dir / "bundles", backend)
@@ -364,6 +418,10 @@ class Runtime:
                 self._stop_locked(status, timeout, exit_code, time.monotonic() + timeout)
 
     def tick(self) -> None:
+        if not self.opened:  # a child whose identity is pending: nothing to write yet
+            if self.patches is None and self.config.auto_instrument:
+                self.install_patches()
+            return
         now = time.time()
         mono = time.monotonic()
         quarter = self.phase_rows.maxlen // 4
@@ -536,6 +594,15 @@ class Runtime:
             make_event, record = cuda_event_source(torch)
             self.training.gpu_timer = GpuTimer(make_event, record=record)
 
+    def _on_child_step(self, step: int) -> None:
+        """A pending child's first step: it is a worker (no ``init_process_group`` came first).
+        Only a pending child's state calls this; opening puts ``_on_step`` back, so no step of
+        any other process pays for the check."""
+        if not self.opened:
+            with guarded:
+                self.open_child(None)
+        self._on_step(step)
+
     def _on_step(self, step: int) -> None:
         self.step = step
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
@@ -660,6 +727,11 @@ class Runtime:
             self._tick_lock.release()
 
     def _stop_locked(self, status: SessionStatus, timeout: float, exit_code: int | None, deadline: float) -> None:
+        if not self.opened:  # a child that never stepped nor joined a process group: no trace
+            if self.patches is not None:
+                with guarded:
+                    self.patches.uninstall()
+            return
         with guarded:  # first: the deadline bounds this, not the exporter's wait below
             self._drain(deadline)
         if self.patches is not None:

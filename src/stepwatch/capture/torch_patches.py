@@ -51,6 +51,9 @@ class TorchPatches:
                 if _accelerator_present(torch):
                     self._patch(torch.Tensor, "to", self._wrap_to)
                     self._patch(torch.Tensor, "cuda", self._wrap_cuda)
+                c10d = _c10d(torch)
+                if c10d is not None:  # once per init_process_group, never per step (children.py)
+                    self._patch(c10d, "_update_default_pg", _wrap_default_group)
                 self._hooks.append(optimizer.register_optimizer_step_pre_hook(self._optimizer_pre))
                 self._hooks.append(optimizer.register_optimizer_step_post_hook(self._optimizer_post))
             except BaseException:
@@ -317,3 +320,32 @@ class _TimedIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)
+
+
+def _c10d(torch: Any) -> Any:
+    """torch's c10d module when it has the function ``init_process_group`` sets the default group
+    with: looked up at call time there, so patching it works however the user imported
+    ``init_process_group``."""
+    dist = getattr(torch, "distributed", None)
+    try:
+        if dist is None or not dist.is_available():
+            return None
+        c10d = dist.distributed_c10d
+    except Exception:  # noqa: BLE001 - a torch without it: no process group identity
+        return None
+    return c10d if callable(getattr(c10d, "_update_default_pg", None)) else None
+
+
+def _wrap_default_group(original: Any) -> Any:
+    def _update_default_pg(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(pg, *args, **kwargs)
+        if pg is not None:  # None: destroy_process_group
+            try:
+                from .children import note_process_group
+
+                note_process_group(pg)
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, "patch.process_group")
+        return result
+
+    return _update_default_pg

@@ -159,6 +159,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     if local_history:
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
                                       options.nproc_per_node * options.nnodes, options.script)
+        _note_processes(run_dir, manifest, summary)
     return code, run_dir, summary
 
 
@@ -169,6 +170,16 @@ def fold_outcome(run_dir: Path, manifest: RunManifest, returncode: int, forwarde
 
     for problem in fold_run_outcome(run_dir, manifest, returncode, forwarded, single_process=not torchrun):
         echo(f"[stepwatch] {problem}")
+
+
+def _note_processes(run_dir: Path, manifest: RunManifest, summary: dict[str, Any]) -> None:
+    """run.json names the world the ranks reported (a script that starts its own ranks with
+    ``torch.multiprocessing.spawn`` is one process to the launcher) and the workers, if any."""
+    world, workers = summary.get("world_size"), summary.get("workers") or []
+    if (isinstance(world, int) and world != manifest.world_size) or workers:
+        manifest.world_size = world if isinstance(world, int) else manifest.world_size
+        manifest.extra = {**(manifest.extra or {}), "ranks": summary.get("ranks"), "workers": workers}
+        write_run_manifest(run_dir, manifest)
 
 
 def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,

@@ -18,6 +18,13 @@ def _is_launcher() -> bool:
     return any(w in _LAUNCHERS for w in words)
 
 
+def _is_multiprocessing_child() -> bool:
+    """A process multiprocessing started (spawn child, forkserver, resource tracker): it is not
+    the rank's first process; it decides at its bootstrap whether it trains (children.py)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return "--multiprocessing-fork" in argv or any(a.startswith("from multiprocessing.") for a in argv)
+
+
 def _holder_alive(path: str) -> bool:
     try:
         with open(path) as handle:
@@ -65,6 +72,11 @@ def _autostart() -> None:
     try:
         import stepwatch  # first: an interpreter without stepwatch claims nothing, so track samples it from outside
 
+        if _is_multiprocessing_child():
+            from stepwatch.capture.children import install_bootstrap_hook
+
+            install_bootstrap_hook(spawned="--multiprocessing-fork" in getattr(sys, "orig_argv", sys.argv))
+            return
         claim = _claim(run_dir, os.environ.get("STEPWATCH_SESSION_ID", "none"))
         if claim is not None and not stepwatch.init().active:
             os.unlink(claim)
