@@ -101,7 +101,7 @@ def _convert(record: Mapping[str, Any], struct: type[TelemetryEvent]) -> Any:
         event = msgspec.convert(record, struct, strict=True)
     except msgspec.ValidationError as exc:
         raise translate_validation_error(exc) from None
-    if struct is TelemetryEventV3:  # v3's cross-field rule is not in the Struct (see _telemetry.py)
+    if struct is not TelemetryEventV4:  # v2/v3's cross-field rule is not in the Struct (see _telemetry.py)
         problem = identity_problem(event.rank, event.local_rank, event.world_size)
         if problem is not None:
             raise ValidationError(f"$.{problem[0]}", problem[1])
