@@ -146,3 +146,19 @@ def test_inspect_and_diagnose_read_a_session_with_unknown_counters(stormlog_oom_
     timeline = timeline_from_events(loaded.events)
     assert None not in timeline["allocated"] and timeline["allocated"]
     assert isinstance(assess_risks(loaded.events, timeline), list)
+
+
+def test_import_stores_every_record_of_the_oom_run_with_its_unknowns_null(
+        stormlog_oom_run: dict[str, Path], tmp_path: Path) -> None:
+    import sqlite3
+
+    from stepwatch.store.importers import import_path
+    from stepwatch.store.sqlite import SqliteStore
+
+    [loaded] = load_telemetry_sessions(stormlog_oom_run["sink"])
+    store = SqliteStore(tmp_path / "h.sqlite")
+    assert import_path(stormlog_oom_run["sink"], store)["telemetry"] == len(loaded.events)
+    store.close()
+    with sqlite3.connect(tmp_path / "h.sqlite") as db:
+        nulls = db.execute("SELECT COUNT(*) FROM telemetry WHERE allocated IS NULL").fetchone()[0]
+    assert nulls == sum(e.allocator_allocated_bytes is None for e in loaded.events) > 0
