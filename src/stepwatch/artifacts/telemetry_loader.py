@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError, ValidationError
 from ..schema import (
     LoadedEvent,
@@ -72,8 +73,9 @@ _drain = partial(deque, maxlen=0)  # runs an iterator to its end in C
 _EVENT_KEYS = ("events", "telemetry_events")
 # POSIX only (elsewhere segments are read): a mapped file there can still be pruned by a writer
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0) if hasattr(mmap, "MAP_SHARED") else None
-# msgspec raises UnicodeDecodeError (not a DecodeError) for bytes that are not UTF-8 in a string
-_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError)
+# msgspec raises UnicodeDecodeError (not a DecodeError) for bytes that are not UTF-8 in a string,
+# RecursionError for a document nested deeper than it follows (stepwatch._decode)
+_UNREADABLE = DECODE_FAILURES
 
 
 class LoadedTelemetrySession(msgspec.Struct, kw_only=True):
@@ -374,6 +376,8 @@ def _read_jsonl(path: Path, session_hint: str, permissive_legacy: bool, closed: 
         try:
             _any.decode(tail)
             data += tail + b"\n"  # complete record, only its newline missing
+        except RecursionError:
+            data += tail + b"\n"  # not a write cut short: the line-by-line reader names it
         except _UNREADABLE:
             torn = 1  # a write cut short by a crash: ignored, spec "truncated final JSONL line"
     segment = _decode_segment(data, torn)
@@ -407,7 +411,7 @@ def _decode_segment(data: bytes | mmap.mmap, torn: int) -> _Segment | None:
     """All of a segment in one msgspec call (all v3, or all v4); None: go line by line."""
     try:
         events = _v3_lines.decode_lines(data)
-    except (msgspec.MsgspecError, UnicodeDecodeError):
+    except (msgspec.MsgspecError, *_UNREADABLE):
         pass
     else:
         # The identity rule for the whole segment at once: every rank and local_rank below
@@ -422,7 +426,7 @@ def _decode_segment(data: bytes | mmap.mmap, torn: int) -> _Segment | None:
         return _Segment(events, 0, torn, ranks)
     try:
         v4_events = _v4_lines.decode_lines(data)
-    except (msgspec.MsgspecError, UnicodeDecodeError):
+    except (msgspec.MsgspecError, *_UNREADABLE):
         return None
     return _Segment(list(map(loaded_event, v4_events)), 0, torn)
 
@@ -443,7 +447,7 @@ def _read_jsonl_slow(
         try:
             record = _any.decode(line)
         except _UNREADABLE as exc:
-            raise ArtifactError(path, f"malformed JSON: {exc}", line=number) from None
+            raise ArtifactError(path, f"malformed JSON: {undecodable(exc)}", line=number) from None
         try:
             segment.events.append(
                 loaded_event_from_record(
@@ -470,7 +474,7 @@ def _load_json_export(
     try:
         payload = _any.decode(data)
     except _UNREADABLE as exc:
-        raise ArtifactError(path, f"not valid JSON: {exc}") from None
+        raise ArtifactError(path, f"not valid JSON: {undecodable(exc)}") from None
     records, key = _event_list(path, payload, events_key)
     ledger: dict[str, SessionSummary] = {}
     if isinstance(payload, dict) and isinstance(payload.get("session_summary"), dict):
