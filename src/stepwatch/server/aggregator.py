@@ -32,9 +32,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StoreError, TransportError
-from ..store.base import HistoryStore
+from ..store.base import COLUMNS, HistoryStore
 from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
 from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTables, decode_body, decode_typed
+from ..transport.limits import bounded_columns, rows_problem, sender_problem
 
 __all__ = ["Aggregator"]
 
@@ -43,6 +44,13 @@ _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "failed": 2, "incomplete": 3
 # the runtime's stop event says how it stopped: context "stepwatch capture stopped (<status>)"
 _STOP_STATUS = re.compile(r"\((completed|interrupted|failed|incomplete)\)\s*$")
 DEDUPE_WINDOW_NS = 24 * 3600 * 10**9
+# The columns of each table that a sender fills with what it claims (ids, names, hosts, ranks),
+# bounded by transport.limits before anything of a frame is kept. Spans, marks and snapshots
+# take their session and rank from the frame's meta (checked once per sender); steps are derived.
+_BOUNDED = {table: bounded_columns([c for c, _ in COLUMNS[table]],
+                                   () if table == "telemetry" else ("session_id",) if table == "heartbeats"
+                                   else ("session_id", "rank"))
+            for table in ("telemetry", "spans", "marks", "snapshots", "heartbeats")}
 
 
 class Aggregator:
@@ -164,7 +172,21 @@ class Aggregator:
 
     def _queue(self, meta: Mapping[str, Any], session_id: str, rank: int, rows: dict[str, list[tuple[Any, ...]]],
                source: str) -> int:
-        if (session_id, rank) not in self.ranks:  # each rank's start counts: the session keeps the earliest
+        """Queues the rows of one frame; raises TransportError ("bad_meta", "bad_rows") for a
+        sender field or a row value out of its bounds (transport/limits.py), before anything of
+        the frame is kept: no session, no rank, no row."""
+        new_sender = (session_id, rank) not in self.ranks
+        if new_sender:  # a known sender's fields were checked with its first frame
+            problem = sender_problem(session_id, rank, meta.get("world_size"), meta.get("host"))
+            if problem is not None:
+                raise TransportError("bad_meta", f"meta.{problem[0]}: {problem[1]}")
+        for table, table_rows in rows.items():
+            bounded = _BOUNDED.get(table)
+            if bounded:
+                why = rows_problem(table, table_rows, bounded)
+                if why is not None:
+                    raise TransportError("bad_rows", why)
+        if new_sender:  # each rank's start counts: the session keeps the earliest
             session = {
                 "session_id": session_id, "status": "running", "started_at_ns": meta.get("started_ns") or time.time_ns(),
                 "host": meta.get("host"), "world_size": meta.get("world_size"), "source": f"stepwatch.{source}",

@@ -1,0 +1,166 @@
+"""Bounds on what arrives from the wire: ids, names, hosts, ranks and world sizes.
+
+A frame or HTTP batch is stored for good, and its sender fields create a session, so whatever a
+sender claims must have a bounded length and a sane shape before anything of it is kept: a
+100,000-character session id, one holding a NUL byte, or a rank of 10^12 is refused with a
+counted reason, creating nothing. Every legitimate producer stays well inside the bounds
+(docs/ingestion-limits.md): stepwatch's, cirron-sdk's and Stormlog's ids are UUIDs or 32 hex
+characters, both capture libraries cut names to 256 UTF-8 bytes.
+
+The checks run once per frame and column, over the column's distinct values, with C-level
+passes only (``set``, ``map``, ``str.join``, ``isascii``/``isprintable``): a few percent of
+the aggregator's per-row cost at most (bench/bench_ingest.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from operator import itemgetter
+from typing import Any
+
+__all__ = [
+    "MAX_HOST_BYTES",
+    "MAX_ID_CHARS",
+    "MAX_NAME_BYTES",
+    "MAX_RANK",
+    "MAX_WORLD_SIZE",
+    "bounded_columns",
+    "column_problem",
+    "id_problem",
+    "rows_problem",
+    "sender_problem",
+]
+
+MAX_ID_CHARS = 128
+"""Session, batch, span, mark and snapshot ids: 1 to 128 printable ASCII characters (space to ``~``)."""
+MAX_NAME_BYTES = 256
+"""Span, mark and tensor names, event types, collectors: at most 256 UTF-8 bytes."""
+MAX_HOST_BYTES = 256
+"""Host names: at most 256 UTF-8 bytes, no control characters."""
+MAX_RANK = (1 << 20) - 1
+"""Ranks (and local ranks): 0 to 2**20 - 1."""
+MAX_WORLD_SIZE = 1 << 20
+"""World sizes: 1 to 2**20."""
+
+# store column name -> what it holds (the columns the wire fills from what a sender claims)
+_KIND_OF_COLUMN = {
+    "session_id": "id", "span_id": "id", "parent_id": "id", "mark_id": "id", "snapshot_id": "id",
+    "name": "name", "event_type": "name", "collector": "name", "tensor_name": "name",
+    "host": "host", "rank": "rank", "world_size": "world_size",
+}
+
+
+def _texts(values: Iterable[Any]) -> list[str]:
+    """The values as text (numbers, which the text columns also take, by their digits)."""
+    return list(map(str, values))
+
+
+def _id_texts_problem(texts: list[str]) -> str | None:
+    if not texts:
+        return None
+    longest = max(map(len, texts))
+    if longest > MAX_ID_CHARS:
+        return f"an id of {longest} characters (at most {MAX_ID_CHARS})"
+    joined = "".join(texts)
+    if not (joined.isascii() and joined.isprintable()):
+        bad = next(ch for ch in joined if not (ch.isascii() and ch.isprintable()))
+        return f"an id holding {bad!r} (ids are printable ASCII)"
+    return None
+
+
+def _name_texts_problem(texts: list[str], limit: int, what: str, printable: bool) -> str | None:
+    if not texts:
+        return None
+    longest = max(map(len, texts))
+    if longest * 4 > limit:  # only then can a name be over the limit in UTF-8 bytes
+        joined = "".join(texts)
+        size = longest if joined.isascii() else max(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > limit:
+            return f"a {what} of {size} UTF-8 bytes (at most {limit})"
+    if printable:
+        joined = "".join(texts)
+        if not joined.isprintable():
+            bad = next(ch for ch in joined if not ch.isprintable())
+            return f"a {what} holding {bad!r} (no control characters)"
+    return None
+
+
+def _range_problem(values: set[Any], low: int, high: int, what: str) -> str | None:
+    odd = next((v for v in values if type(v) is not int), None)  # distinct values: a few at most
+    if odd is not None:
+        return f"a {what} of {_short(odd)} (an integer expected)"
+    smallest, largest = min(values), max(values)
+    if smallest < low or largest > high:
+        return f"a {what} of {smallest if smallest < low else largest} (from {low} to {high})"
+    return None
+
+
+def column_problem(kind: str, values: set[Any]) -> str | None:
+    """Why the distinct ``values`` of a column of ``kind`` break its bound, or None. ``None``
+    values (an absent parent, host or rank) are not checked here; the store's checks type them."""
+    values.discard(None)
+    if not values:
+        return None
+    if kind == "id":
+        return _id_texts_problem(_texts(values))
+    if kind == "name":
+        return _name_texts_problem(_texts(values), MAX_NAME_BYTES, "name", printable=False)
+    if kind == "host":
+        return _name_texts_problem(_texts(values), MAX_HOST_BYTES, "host", printable=True)
+    if kind == "rank":
+        return _range_problem(values, 0, MAX_RANK, "rank")
+    if kind == "world_size":
+        return _range_problem(values, 1, MAX_WORLD_SIZE, "world size")
+    raise KeyError(kind)
+
+
+def id_problem(value: Any) -> str | None:
+    """Why ``value`` is not an id stepwatch accepts (a non-empty string of at most 128 printable
+    ASCII characters), or None."""
+    if type(value) is not str or not value:
+        return f"must be a non-empty string, got {_short(value)}"
+    return _id_texts_problem([value])
+
+
+def sender_problem(session_id: Any, rank: Any, world_size: Any = None, host: Any = None) -> tuple[str, str] | None:
+    """``(field, why)`` of the first sender field (of a frame's meta, or an HTTP batch's
+    session) that breaks its bound, or None when all hold; ``world_size`` and ``host`` may be
+    absent (None)."""
+    problem = id_problem(session_id)
+    if problem is not None:
+        return "session_id", problem
+    if type(rank) is not int or not 0 <= rank <= MAX_RANK:
+        return "rank", f"must be an integer from 0 to {MAX_RANK}, got {_short(rank)}"
+    if world_size is not None and (type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE):
+        return "world_size", f"must be an integer from 1 to {MAX_WORLD_SIZE}, got {_short(world_size)}"
+    if host is not None:
+        problem = (f"must be a string, got {type(host).__name__}" if type(host) is not str
+                   else _name_texts_problem([host], MAX_HOST_BYTES, "host", printable=True))
+        if problem is not None:
+            return "host", problem
+    return None
+
+
+def bounded_columns(columns: Sequence[str], skip: Iterable[str] = ()) -> tuple[tuple[str, int, str], ...]:
+    """(column, index, kind) of the bounded columns among a table's ``columns``, less ``skip``."""
+    left_out = set(skip)
+    return tuple((name, index, _KIND_OF_COLUMN[name]) for index, name in enumerate(columns)
+                 if name in _KIND_OF_COLUMN and name not in left_out)
+
+
+def rows_problem(table: str, rows: list[tuple[Any, ...]], bounded: tuple[tuple[str, int, str], ...]) -> str | None:
+    """Why the row tuples of ``table`` break a bound (``table.column: why``), or None. One pass
+    per bounded column, over its distinct values (a frame's thousands of rows name a few
+    sessions, hosts and event types)."""
+    if not rows:
+        return None
+    for name, index, kind in bounded:
+        problem = column_problem(kind, set(map(itemgetter(index), rows)))
+        if problem is not None:
+            return f"{table}.{name}: {problem}"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
