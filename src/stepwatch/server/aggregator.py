@@ -175,18 +175,16 @@ class Aggregator:
         """Queues the rows of one frame; raises TransportError ("bad_meta", "bad_rows") for a
         sender field or a row value out of its bounds (transport/limits.py), before anything of
         the frame is kept: no session, no rank, no row."""
-        new_sender = (session_id, rank) not in self.ranks
-        if new_sender:  # a known sender's fields were checked with its first frame
-            problem = sender_problem(session_id, rank, meta.get("world_size"), meta.get("host"))
-            if problem is not None:
-                raise TransportError("bad_meta", f"meta.{problem[0]}: {problem[1]}")
+        problem = sender_problem(session_id, rank, meta.get("world_size"), meta.get("host"))  # ~1 µs a frame
+        if problem is not None:
+            raise TransportError("bad_meta", f"meta.{problem[0]}: {problem[1]}")
         for table, table_rows in rows.items():
             bounded = _BOUNDED.get(table)
             if bounded:
                 why = rows_problem(table, table_rows, bounded)
                 if why is not None:
                     raise TransportError("bad_rows", why)
-        if new_sender:  # each rank's start counts: the session keeps the earliest
+        if (session_id, rank) not in self.ranks:  # each rank's start counts: the session keeps the earliest
             session = {
                 "session_id": session_id, "status": "running", "started_at_ns": meta.get("started_ns") or time.time_ns(),
                 "host": meta.get("host"), "world_size": meta.get("world_size"), "source": f"stepwatch.{source}",
