@@ -530,6 +530,8 @@ def v2_records(draw: st.DrawFn) -> dict[str, Any]:
     for name in V3_OPTIONAL:
         if draw(st.booleans()):  # optional in v2 too: real distributed v2 exports carry them
             record.pop(name, None)
+    if record.get("job_id") == "":  # v2 as published: job_id has minLength 1 (v3's has none)
+        record["job_id"] = None
     if record.get("rank", 0) >= record.get("world_size", 1) or record.get("local_rank", 0) >= record.get("world_size", 1):
         record.pop("rank", None)
         record.pop("local_rank", None)
