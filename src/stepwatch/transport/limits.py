@@ -7,9 +7,11 @@ counted reason, creating nothing. Every legitimate producer stays well inside th
 (docs/ingestion-limits.md): stepwatch's, cirron-sdk's and Stormlog's ids are UUIDs or 32 hex
 characters, both capture libraries cut names to 256 UTF-8 bytes.
 
-The checks run once per frame and column, over the column's distinct values, with C-level
-passes only (``set``, ``map``, ``str.join``, ``isascii``/``isprintable``): a few percent of
-the aggregator's per-row cost at most (bench/bench_ingest.py).
+Where they are checked (docs/ingestion-limits.md): sender fields once per sender; on the typed
+fast path msgspec checks lengths and ranges in C while it decodes (transport/frames.py) and
+``shape_problem`` the ids' shape, one column at a time; on the general path ``rows_problem``
+checks every bound, over a column's distinct values where it repeats them. Only C-level passes
+per column (``map``, ``str.join``, ``isascii``, ``bytes.translate``), no Python frame per row.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "column_problem",
     "id_problem",
     "rows_problem",
+    "shape_problem",
     "sender_problem",
 ]
 
@@ -174,6 +177,23 @@ def rows_problem(table: str, rows: list[tuple[Any, ...]], bounded: tuple[tuple[s
         problem = column_problem(kind, map(itemgetter(index), rows))
         if problem is not None:
             return f"{table}.{name}: {problem}"
+    return None
+
+
+def shape_problem(table: str, rows: list[tuple[Any, ...]], shaped: tuple[tuple[str, int, str], ...]) -> str | None:
+    """``rows_problem`` less what msgspec already checked while decoding typed wire rows
+    (transport/frames.py: lengths and ranges): the shape of the ids (printable ASCII) and of
+    the hosts (no control characters), ``shaped`` naming their (column, index, kind)."""
+    for name, index, kind in shaped:
+        try:  # one C pipeline per column: no list, no Python frame per row
+            joined = "".join(filter(None, map(itemgetter(index), rows)))
+        except TypeError:  # a number where text goes: only the general path lets those through
+            return rows_problem(table, rows, ((name, index, kind),))
+        if kind == "host":
+            if not joined.isprintable():
+                return f"{table}.{name}: {column_problem('host', map(itemgetter(index), rows))}"
+        elif not joined.isascii() or joined.encode("ascii").translate(None, _PRINTABLE_ASCII):
+            return f"{table}.{name}: {column_problem('id', map(itemgetter(index), rows))}"
     return None
 
 
