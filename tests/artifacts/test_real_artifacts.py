@@ -43,7 +43,11 @@ def _stormlog_oom_run(root: Path) -> dict[str, Path]:
     counters. The collector is Stormlog's own collector contract, answering with this process's
     RSS when it can."""
     psutil = pytest.importorskip("psutil")
-    from stormlog.device_collectors import DeviceMemoryCapabilities, DeviceMemoryCollector, DeviceMemorySample
+    from stormlog.device_collectors import (
+        DeviceMemoryCapabilities,
+        DeviceMemoryCollector,
+        DeviceMemorySample,
+    )
     from stormlog.telemetry_sink import TelemetrySinkConfig
     from stormlog.tracker import MemoryTracker
 

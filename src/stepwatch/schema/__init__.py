@@ -44,12 +44,12 @@ LoadedEvent = TelemetryEventV3 | TelemetryEventV4
 
 __all__ = [
     "DEFAULT_LEGACY_COLLECTOR",
-    "LoadedEvent",
     "SCHEMA_VERSION_V2",
     "SCHEMA_VERSION_V3",
     "SCHEMA_VERSION_V4",
     "SESSION_STATUSES",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "LoadedEvent",
     "MemoryCapabilities",
     "SessionStatus",
     "SessionSummary",

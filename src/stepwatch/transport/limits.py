@@ -30,8 +30,8 @@ __all__ = [
     "column_problem",
     "id_problem",
     "rows_problem",
-    "shape_problem",
     "sender_problem",
+    "shape_problem",
 ]
 
 MAX_ID_CHARS = 128
