@@ -185,15 +185,21 @@ def shape_problem(table: str, rows: list[tuple[Any, ...]], shaped: tuple[tuple[s
     (transport/frames.py: lengths and ranges): the shape of the ids (printable ASCII) and of
     the hosts (no control characters), ``shaped`` naming their (column, index, kind)."""
     for name, index, kind in shaped:
-        try:  # one C pipeline per column: no list, no Python frame per row
-            joined = "".join(filter(None, map(itemgetter(index), rows)))
-        except TypeError:  # a number where text goes: only the general path lets those through
-            return rows_problem(table, rows, ((name, index, kind),))
-        if kind == "host":
-            if not joined.isprintable():
-                return f"{table}.{name}: {column_problem('host', map(itemgetter(index), rows))}"
-        elif not joined.isascii() or joined.encode("ascii").translate(None, _PRINTABLE_ASCII):
-            return f"{table}.{name}: {column_problem('id', map(itemgetter(index), rows))}"
+        if kind == "id":  # a new id in almost every row: the column joined, in one C pipeline
+            try:
+                joined = "".join(filter(None, map(itemgetter(index), rows)))
+            except TypeError:  # a number where text goes: only the general path lets those through
+                return rows_problem(table, rows, ((name, index, kind),))
+            if not joined.isascii() or joined.encode("ascii").translate(None, _PRINTABLE_ASCII):
+                return f"{table}.{name}: {column_problem(kind, map(itemgetter(index), rows))}"
+            continue
+        # a session or a host: one value for the whole frame, as a rule (counted in C)
+        column = list(map(itemgetter(index), rows))
+        first = column[0]
+        problem = (column_problem(kind, [first]) if column.count(first) == len(column)
+                   else column_problem(kind, column))
+        if problem is not None:
+            return f"{table}.{name}: {problem}"
     return None
 
 
