@@ -238,7 +238,7 @@ def test_json_records_from_several_sessions_are_grouped(tmp_path: Path) -> None:
     assert overview(sessions)[0][0] == b[0].session_id  # newest of equal status first
 
 
-def test_v4_records_convert_and_null_counters_are_skipped_not_zero_filled(tmp_path: Path, session_id: str) -> None:
+def test_v4_records_convert_and_null_counters_stay_unknown_not_zero_filled(tmp_path: Path, session_id: str) -> None:
     caps = v4_record()["metadata"]["memory_capabilities"]
     unsupported = {**caps, "supports_allocator_allocated": False}
     records = [
@@ -253,9 +253,11 @@ def test_v4_records_convert_and_null_counters_are_skipped_not_zero_filled(tmp_pa
         if path.suffix == ".jsonl":
             path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in records))
         [loaded] = load_telemetry_sessions(path)
-        assert [e.timestamp_ns for e in loaded.events] == [1, 3]
-        assert all(e.schema_version == 3 for e in loaded.events)
-        assert loaded.skipped_records == 1
+        assert [e.timestamp_ns for e in loaded.events] == [1, 2, 3]
+        assert [e.schema_version for e in loaded.events] == [3, 4, 3]  # the unknown one keeps v4
+        assert loaded.events[1].allocator_allocated_bytes is None  # unknown, not 0
+        assert loaded.events[1].allocator_change_bytes is None
+        assert loaded.skipped_records == 0
 
 
 # -- run directories ---------------------------------------------------------------------------

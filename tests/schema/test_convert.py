@@ -298,8 +298,23 @@ def test_v2_record_becomes_v3_with_session_and_identity_defaults() -> None:
     assert event.session_id and event.session_id == convert(dict(record)).session_id
 
 
+def test_v2_record_with_the_published_identity_fields_keeps_them() -> None:
+    # the v2 JSON Schema its owners publish lists them as optional; real distributed exports carry them
+    identity = {"job_id": "job-7", "rank": 3, "local_rank": 1, "world_size": 4}
+    event = convert(make_v2_record(**identity))
+    assert event.schema_version == 3
+    assert {name: getattr(event, name) for name in V3_OPTIONAL} == identity
+    assert validate_telemetry_record(make_v2_record(rank=0, job_id=None)).rank == 0
+
+
 def test_invalid_v2_record_fails() -> None:
-    fails(make_v2_record(rank=0), "$.rank")
+    fails(make_v2_record(rank=-1), "$.rank")
+    fails(make_v2_record(local_rank=1.0), "$.local_rank")
+    fails(make_v2_record(world_size=0), "$.world_size")
+    fails(make_v2_record(job_id=""), "$.job_id")  # minLength 1, as published
+    fails(make_v2_record(rank=2, world_size=2), "$.rank")  # < world_size, as v3
+    fails(make_v2_record(local_rank=1), "$.local_rank")  # world_size defaults to 1
+    fails(make_v2_record(session_id="s"), "$.session_id")  # still no session in v2
     fails(make_v2_record(allocator_allocated_bytes=None), "$.allocator_allocated_bytes")
 
 
@@ -370,7 +385,7 @@ def test_any_valid_v3_record_round_trips(record: dict[str, Any]) -> None:
 @given(v2_records())
 def test_any_valid_v2_record_converts(record: dict[str, Any]) -> None:
     data = telemetry_event_to_dict(convert(record, default_session_id="s"))
-    assert data == {**record, **V3_DEFAULTS, "schema_version": 3, "session_id": "s"}
+    assert data == {**V3_DEFAULTS, **record, "schema_version": 3, "session_id": "s"}
 
 
 @given(v4_records())

@@ -115,7 +115,8 @@ def make_v2_record(**overrides: Any) -> dict[str, Any]:
 
 
 MAKERS = {2: make_v2_record, 3: make_record, 4: make_v4_record}
-V2_FIELDS = V2_REQUIRED
+# v2 as its owners publish it: v3's distributed identity, optional (telemetry-current-practice.md)
+V2_FIELDS = V2_REQUIRED + V3_OPTIONAL
 
 
 def per_version(fields: tuple[str, ...], versions: tuple[int, ...] = (2, 3, 4)) -> list[tuple[int, str]]:
@@ -186,9 +187,14 @@ def test_unknown_top_level_field_is_rejected_by_name(version: int, unknown: str)
     assert "unknown" in error.rule
 
 
-@pytest.mark.parametrize("field", ["session_id", *V3_OPTIONAL])
-def test_v2_rejects_v3_only_fields(field: str) -> None:
-    rejects(make_v2_record(**{field: make_record()[field]}), f"$.{field}")
+def test_v2_rejects_the_v3_only_session_id() -> None:
+    rejects(make_v2_record(session_id=make_record()["session_id"]), "$.session_id")
+
+
+@pytest.mark.parametrize("field", V3_OPTIONAL)
+def test_v2_accepts_the_published_optional_identity_fields(field: str) -> None:
+    record = make_v2_record(**{field: make_record()[field]})
+    assert getattr(validate_telemetry_record(record), field) == record[field]
 
 
 @pytest.mark.parametrize("record", [None, [], "record", 3, [make_record()]])
@@ -520,8 +526,15 @@ def v3_records(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def v2_records(draw: st.DrawFn) -> dict[str, Any]:
     record = draw(v3_records())
-    for name in ("session_id",) + V3_OPTIONAL:
-        record.pop(name, None)
+    record.pop("session_id")
+    for name in V3_OPTIONAL:
+        if draw(st.booleans()):  # optional in v2 too: real distributed v2 exports carry them
+            record.pop(name, None)
+    if record.get("job_id") == "":  # v2 as published: job_id has minLength 1 (v3's has none)
+        record["job_id"] = None
+    if record.get("rank", 0) >= record.get("world_size", 1) or record.get("local_rank", 0) >= record.get("world_size", 1):
+        record.pop("rank", None)
+        record.pop("local_rank", None)
     record["schema_version"] = 2
     return record
 

@@ -14,7 +14,9 @@ HIGH_MEMORY_FRACTION = 0.90
 
 def timeline_from_events(events: list[TelemetryEventV3]) -> dict[str, list[float]]:
     """Parallel arrays (seconds, allocated, reserved) of the samples of the busiest collector."""
-    samples = [e for e in events if e.event_type == "sample"]
+    # a sample whose counters are unknown (a v4 null) is no point on the timeline
+    samples = [e for e in events if e.event_type == "sample"
+               and e.allocator_allocated_bytes is not None and e.allocator_reserved_bytes is not None]
     if not samples:
         return {"timestamps": [], "allocated": [], "reserved": []}
     counts: dict[tuple[str, int, int], int] = {}
@@ -66,6 +68,8 @@ def assess_risks(events: list[TelemetryEventV3], timeline: dict[str, Any]) -> li
     for e in events:
         if e.event_type == "sample" and e.device_total_bytes:
             used = e.device_used_bytes if e.device_id >= 0 else e.device_total_bytes - (e.device_free_bytes or 0)
+            if used is None:
+                continue
             peak_fraction = max(peak_fraction, used / e.device_total_bytes)
     total = timeline.get("total")
     if total and timeline.get("allocated"):

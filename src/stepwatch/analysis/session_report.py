@@ -16,10 +16,11 @@ class DevicePeak(msgspec.Struct, kw_only=True):
     rank: int
     device_id: int
     collector: str
-    peak_allocated_bytes: int
-    peak_allocated_at_ns: int
-    peak_reserved_bytes: int
-    peak_reserved_at_ns: int
+    # None while every record of the device left the counter unknown (v4 nulls)
+    peak_allocated_bytes: int | None
+    peak_allocated_at_ns: int | None
+    peak_reserved_bytes: int | None
+    peak_reserved_at_ns: int | None
     device_total_bytes: int | None
 
 
@@ -52,17 +53,21 @@ def report_session(session: LoadedTelemetrySession) -> SessionReport:
         key = (e.rank, e.device_id, e.collector)
         peak = peaks.get(key)
         if peak is None:
+            allocated, reserved = e.allocator_allocated_bytes, e.allocator_reserved_bytes
             peaks[key] = DevicePeak(
                 rank=e.rank, device_id=e.device_id, collector=e.collector,
-                peak_allocated_bytes=e.allocator_allocated_bytes, peak_allocated_at_ns=e.timestamp_ns,
-                peak_reserved_bytes=e.allocator_reserved_bytes, peak_reserved_at_ns=e.timestamp_ns,
+                peak_allocated_bytes=allocated, peak_allocated_at_ns=None if allocated is None else e.timestamp_ns,
+                peak_reserved_bytes=reserved, peak_reserved_at_ns=None if reserved is None else e.timestamp_ns,
                 device_total_bytes=e.device_total_bytes,
             )
             continue
-        if e.allocator_allocated_bytes > peak.peak_allocated_bytes:
+        # an unknown (null) counter of a v4 record is no reading: it never lowers nor raises a peak
+        if e.allocator_allocated_bytes is not None and (
+                peak.peak_allocated_bytes is None or e.allocator_allocated_bytes > peak.peak_allocated_bytes):
             peak.peak_allocated_bytes = e.allocator_allocated_bytes
             peak.peak_allocated_at_ns = e.timestamp_ns
-        if e.allocator_reserved_bytes > peak.peak_reserved_bytes:
+        if e.allocator_reserved_bytes is not None and (
+                peak.peak_reserved_bytes is None or e.allocator_reserved_bytes > peak.peak_reserved_bytes):
             peak.peak_reserved_bytes = e.allocator_reserved_bytes
             peak.peak_reserved_at_ns = e.timestamp_ns
         if e.device_total_bytes is not None:

@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .._decode import read_json_file
 from ..store.base import HistoryStore
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
@@ -88,7 +89,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
     exit_code = None
     outcome = run_outcome(run_dir, session_id)
     if run_dir is not None and (run_dir / "run.json").is_file():
-        run = json.loads((run_dir / "run.json").read_text())
+        run = read_json_file(run_dir / "run.json")  # ArtifactError naming it, nesting included
         if run.get("session_id") == session_id:
             exit_code = run.get("exit_code")
     per_rank = {str(rank): _step_stats(rows) for rank, rows in sorted(by_rank.items())}

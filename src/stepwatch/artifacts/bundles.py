@@ -16,10 +16,13 @@ from typing import Any
 
 import msgspec
 
+from .._decode import read_json_file
+from ..errors import ArtifactError
 from ..schema import SessionSummary, TelemetryEventV3
 from ._files import atomic_write_bytes
 
-__all__ = ["environment_info", "new_oom_bundle_dir", "write_diagnose_bundle", "write_oom_bundle"]
+__all__ = ["environment_info", "new_oom_bundle_dir", "read_bundle", "read_bundle_manifest", "write_diagnose_bundle",
+           "write_oom_bundle"]
 
 BUNDLE_SCHEMA_VERSION = 2
 _encoder = msgspec.json.Encoder()
@@ -29,6 +32,35 @@ _seq = iter(range(1, 1 << 62))
 def _dump(path: Path, value: Any) -> str:
     atomic_write_bytes(path, msgspec.json.format(_encoder.encode(value), indent=2), fsync=False)
     return path.name
+
+
+def read_bundle_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``manifest.json`` of a bundle (ours or Stormlog's, schema 2).
+
+    Raises:
+        ArtifactError: naming the file that is missing, not JSON (nested too deeply included)
+            or not a bundle manifest.
+    """
+    path = Path(directory) / "manifest.json"
+    manifest = read_json_file(path, what="bundle manifest is not valid JSON")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise ArtifactError(path, "not a bundle manifest (an object with a list of files)", field="$.files")
+    return manifest
+
+
+def read_bundle(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every JSON file a bundle's manifest lists, decoded, by name (``manifest.json`` too).
+
+    Raises:
+        ArtifactError: naming the first file that cannot be read as JSON.
+    """
+    root = Path(directory)
+    manifest = read_bundle_manifest(root)
+    files: dict[str, Any] = {"manifest.json": manifest}
+    for name in manifest["files"]:
+        if isinstance(name, str) and name.endswith(".json") and name != "manifest.json" and "/" not in name:
+            files[name] = read_json_file(root / name)
+    return files
 
 
 def environment_info() -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import cut_torn_tail
 
@@ -187,10 +188,10 @@ def _iter_heartbeat(path: Path) -> Iterator[dict[str, Any]]:
             continue
         try:
             record = _decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            if number == len(lines):
-                return  # torn by a crash mid-write
-            raise ArtifactError(path, f"malformed JSON: {exc}", line=number) from None
+        except DECODE_FAILURES as exc:
+            if number == len(lines) and not isinstance(exc, RecursionError):
+                return  # torn by a crash mid-write (nesting is never a torn write)
+            raise ArtifactError(path, f"malformed JSON: {undecodable(exc)}", line=number) from None
         if not isinstance(record, dict):
             raise ArtifactError(path, "a heartbeat record must be a JSON object", line=number)
         for key in _REQUIRED:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ..schema import SessionSummary, translate_validation_error
 from ._files import atomic_write_bytes
@@ -78,8 +79,8 @@ def read_manifest(path: Path) -> SinkManifest:
     except msgspec.ValidationError as exc:
         error = translate_validation_error(exc)
         raise ArtifactError(path, f"invalid manifest: {error}", field=error.field) from exc
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec: the latter for non-UTF-8
-        raise ArtifactError(path, f"manifest is not valid JSON (half-written?): {exc}") from exc
+    except DECODE_FAILURES as exc:  # msgspec: UnicodeDecodeError for non-UTF-8, RecursionError for nesting
+        raise ArtifactError(path, f"manifest is not valid JSON (half-written?): {undecodable(exc)}") from None
     return manifest
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError, ValidationError
 from ..schema import telemetry_event_from_record, validate_telemetry_record
 from .manifest import MANIFEST_FILENAME, SEGMENT_PREFIX, SEGMENT_SUFFIX, read_manifest
@@ -145,17 +146,19 @@ def _records(file: Path) -> Iterator[tuple[int | None, int | None, Any, str | No
                 continue
             try:
                 yield number, None, _any.decode(raw), None
-            except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # not UTF-8: the latter
-                last = number == len(lines)  # no newline after it: a write torn by a crash
-                yield number, None, None, ("torn final line (ignored by loaders)" if last else f"malformed JSON: {exc}")
+            except DECODE_FAILURES as exc:  # not UTF-8, nested too deeply: not DecodeErrors
+                # no newline after it: a write torn by a crash (nesting is never a torn write)
+                last = number == len(lines) and not isinstance(exc, RecursionError)
+                yield number, None, None, ("torn final line (ignored by loaders)" if last
+                                           else f"malformed JSON: {undecodable(exc)}")
         return
     if not data.strip():
         yield None, None, None, "file is empty"
         return
     try:
         payload = _any.decode(data)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        yield None, None, None, f"not valid JSON: {exc}"
+    except DECODE_FAILURES as exc:
+        yield None, None, None, f"not valid JSON: {undecodable(exc)}"
         return
     if isinstance(payload, dict):
         for key in ("events", "telemetry_events"):

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
@@ -62,5 +63,5 @@ def read_run_manifest(run_dir: Path) -> RunManifest:
         raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
     except msgspec.ValidationError as exc:
         raise ArtifactError(path, f"invalid run manifest: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ArtifactError(path, f"not valid JSON: {exc}") from None
+    except DECODE_FAILURES as exc:
+        raise ArtifactError(path, f"not valid JSON: {undecodable(exc)}") from None

@@ -694,7 +694,7 @@ def _first_session_id(path: Path) -> str | None:
         line = handle.readline()
     try:
         value = _probe.decode(line).get("session_id")
-    except (msgspec.DecodeError, UnicodeDecodeError, AttributeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, AttributeError):
         return None
     return value if isinstance(value, str) else None
 
@@ -707,7 +707,7 @@ def _last_timestamp_ns(root: Path, manifest: SinkManifest, session_id: str) -> i
         lines = path.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)
         try:
             value = _probe.decode(lines[-1]).get("timestamp_ns")
-        except (msgspec.DecodeError, UnicodeDecodeError, AttributeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, AttributeError):
             continue
         if type(value) is int:
             return value

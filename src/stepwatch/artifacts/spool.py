@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
@@ -186,9 +187,9 @@ def _iter_batches(root: Path, strict: bool, files: list[Path] | None = None) -> 
     for path in files if files is not None else sorted(root.glob(_BATCH_GLOB)):
         try:
             batch = _decoder.decode(path.read_bytes())
-        except (msgspec.DecodeError, OSError) as exc:
+        except (*DECODE_FAILURES, OSError) as exc:
             if strict:
-                raise ArtifactError(path, f"not a readable spool batch: {exc}") from None
+                raise ArtifactError(path, f"not a readable spool batch: {undecodable(exc)}") from None
             yield path, None
             continue
         if not isinstance(batch, dict) or not isinstance(batch.get("schema_version"), int):

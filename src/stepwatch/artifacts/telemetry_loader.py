@@ -8,14 +8,15 @@ whose ``telemetry/rank<N>/`` sinks are merged into one session per session id.
 What is skipped rather than raised, and counted on the session (each with a warning, except
 the first two):
   * a torn final JSONL line (a write cut by a crash) - ``torn_lines``;
-  * a v4 record whose v3-required counter is null - ``skipped_records`` (never zero-filled);
   * a segment the manifest lists but that is gone - ``missing_segments``; its session is
     ``incomplete`` (what is left cannot prove a clean stop);
   * a segment the manifest says held data but that is empty - ``empty_segments`` (a segment
     empty because nothing was flushed to it yet is normal and not counted);
   * an unreadable (empty, half-written, mistyped) ``manifest.json`` inside a sink -
     ``unreadable_manifests``: the sink's segments load without it, their sessions ``incomplete``.
-Everything else that is wrong raises ``ArtifactError`` naming the file, the line and the field,
+A v4 record whose v3-required counter is null (unknown when it was written) is loaded as its
+``TelemetryEventV4``, the unknown counters left null (never zero-filled, never skipped), so a
+session keeps the records Stormlog's own loader returns. Everything else that is wrong raises ``ArtifactError`` naming the file, the line and the field,
 and so does an empty file, or an unreadable manifest, given directly ("file is empty").
 """
 
@@ -25,7 +26,7 @@ import gc
 import mmap
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from itertools import repeat
@@ -35,18 +36,20 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError, ValidationError
 from ..schema import (
+    LoadedEvent,
     SessionSummary,
     TelemetryEventV3,
     TelemetryEventV4,
     identity_problem,
+    loaded_event,
+    loaded_event_from_record,
     select_default_session,
     sort_sessions,
     synthetic_session_id,
-    telemetry_event_from_record,
     translate_validation_error,
-    v4_to_v3,
 )
 from ._files import process_alive
 from .manifest import MANIFEST_FILENAME, SEGMENT_PREFIX, SEGMENT_SUFFIX, SinkManifest, read_manifest
@@ -70,15 +73,19 @@ _drain = partial(deque, maxlen=0)  # runs an iterator to its end in C
 _EVENT_KEYS = ("events", "telemetry_events")
 # POSIX only (elsewhere segments are read): a mapped file there can still be pruned by a writer
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0) if hasattr(mmap, "MAP_SHARED") else None
-# msgspec raises UnicodeDecodeError (not a DecodeError) for bytes that are not UTF-8 in a string
-_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError)
+# msgspec raises UnicodeDecodeError (not a DecodeError) for bytes that are not UTF-8 in a string,
+# RecursionError for a document nested deeper than it follows (stepwatch._decode)
+_UNREADABLE = DECODE_FAILURES
 
 
 class LoadedTelemetrySession(msgspec.Struct, kw_only=True):
-    """One session as loaded: its summary, its events in time order, and what was skipped."""
+    """One session as loaded: its summary, its events in time order, and what was skipped.
+
+    ``events`` are v3, except v4 records with a counter v3 requires unknown (null), which stay
+    ``TelemetryEventV4``; ``skipped_records`` is kept for callers and no longer counts them."""
 
     summary: SessionSummary
-    events: list[TelemetryEventV3]
+    events: list[LoadedEvent]
     sources: list[str] = msgspec.field(default_factory=list)
     skipped_records: int = 0
     torn_lines: int = 0
@@ -89,7 +96,7 @@ class LoadedTelemetrySession(msgspec.Struct, kw_only=True):
 
 
 class _Segment(msgspec.Struct):
-    events: list[TelemetryEventV3]
+    events: list[LoadedEvent]
     skipped: int = 0
     torn: int = 0
     # the ranks of `events`, where the fast path collected them
@@ -101,7 +108,7 @@ def load_telemetry_events(
     permissive_legacy: bool = True,
     events_key: str | None = None,
     session_id: str | None = None,
-) -> list[TelemetryEventV3]:
+) -> list[LoadedEvent]:
     """Events of one session: ``session_id``, else the default selection.
 
     Raises:
@@ -369,6 +376,8 @@ def _read_jsonl(path: Path, session_hint: str, permissive_legacy: bool, closed: 
         try:
             _any.decode(tail)
             data += tail + b"\n"  # complete record, only its newline missing
+        except RecursionError:
+            data += tail + b"\n"  # not a write cut short: the line-by-line reader names it
         except _UNREADABLE:
             torn = 1  # a write cut short by a crash: ignored, spec "truncated final JSONL line"
     segment = _decode_segment(data, torn)
@@ -402,7 +411,7 @@ def _decode_segment(data: bytes | mmap.mmap, torn: int) -> _Segment | None:
     """All of a segment in one msgspec call (all v3, or all v4); None: go line by line."""
     try:
         events = _v3_lines.decode_lines(data)
-    except (msgspec.MsgspecError, UnicodeDecodeError):
+    except (msgspec.MsgspecError, *_UNREADABLE):
         pass
     else:
         # The identity rule for the whole segment at once: every rank and local_rank below
@@ -417,18 +426,12 @@ def _decode_segment(data: bytes | mmap.mmap, torn: int) -> _Segment | None:
         return _Segment(events, 0, torn, ranks)
     try:
         v4_events = _v4_lines.decode_lines(data)
-    except (msgspec.MsgspecError, UnicodeDecodeError):
+    except (msgspec.MsgspecError, *_UNREADABLE):
         return None
-    segment = _Segment([], 0, torn)
-    for event in v4_events:
-        try:
-            segment.events.append(v4_to_v3(event))
-        except ValidationError:
-            segment.skipped += 1
-    return segment
+    return _Segment(list(map(loaded_event, v4_events)), 0, torn)
 
 
-def _identity_broken(events: list[TelemetryEventV3]) -> bool:
+def _identity_broken(events: list[LoadedEvent]) -> bool:
     """Whether a record breaks `rank`/`local_rank` < `world_size` (mixed world sizes need this)."""
     return any(identity_problem(e.rank, e.local_rank, e.world_size) for e in events)
 
@@ -444,23 +447,16 @@ def _read_jsonl_slow(
         try:
             record = _any.decode(line)
         except _UNREADABLE as exc:
-            raise ArtifactError(path, f"malformed JSON: {exc}", line=number) from None
+            raise ArtifactError(path, f"malformed JSON: {undecodable(exc)}", line=number) from None
         try:
             segment.events.append(
-                telemetry_event_from_record(
+                loaded_event_from_record(
                     record, permissive_legacy=permissive_legacy, default_session_id=session_hint
                 )
             )
         except ValidationError as exc:
-            if _is_unconvertible_v4(record, exc):
-                segment.skipped += 1
-                continue
             raise ArtifactError(path, str(exc), line=number, field=exc.field) from None
     return segment
-
-
-def _is_unconvertible_v4(record: Any, exc: ValidationError) -> bool:
-    return isinstance(record, Mapping) and record.get("schema_version") == 4 and "v3 requires" in exc.rule
 
 
 # -- JSON exports ------------------------------------------------------------------------------
@@ -478,7 +474,7 @@ def _load_json_export(
     try:
         payload = _any.decode(data)
     except _UNREADABLE as exc:
-        raise ArtifactError(path, f"not valid JSON: {exc}") from None
+        raise ArtifactError(path, f"not valid JSON: {undecodable(exc)}") from None
     records, key = _event_list(path, payload, events_key)
     ledger: dict[str, SessionSummary] = {}
     if isinstance(payload, dict) and isinstance(payload.get("session_summary"), dict):
@@ -490,16 +486,12 @@ def _load_json_export(
         ledger[summary.session_id] = summary
     fallback = synthetic_session_id(str(path.resolve()), events_key or "json")
     groups: dict[str, LoadedTelemetrySession] = {}
-    skipped = 0
     for index, record in enumerate(records):
         try:
-            event = telemetry_event_from_record(
+            event = loaded_event_from_record(
                 record, permissive_legacy=permissive_legacy, default_session_id=fallback
             )
         except ValidationError as exc:
-            if _is_unconvertible_v4(record, exc):
-                skipped += 1
-                continue
             field = exc.field.replace("$", f"$.{key}[{index}]" if key else f"$[{index}]", 1)
             raise ArtifactError(path, f"{field}: {exc.rule}", field=field) from None
         group = groups.get(event.session_id) or groups.setdefault(event.session_id, _empty(event.session_id))
@@ -509,8 +501,6 @@ def _load_json_export(
         loaded.sources.append(str(path))
         loaded.summary = _summarise(ledger.get(session_id), session_id, loaded.events)
         sessions.append(loaded)
-    if sessions:
-        sessions[0].skipped_records += skipped
     return sort_sessions(sessions)
 
 
@@ -559,7 +549,7 @@ def _json_type(value: Any) -> str:
 def _summarise(
     ledger: SessionSummary | None,
     session_id: str,
-    events: list[TelemetryEventV3],
+    events: list[LoadedEvent],
     sorted_: bool = False,
     ranks: set[int] | None = None,
 ) -> SessionSummary:

@@ -9,6 +9,8 @@ from typing import Any
 
 from ._convert import (
     DEFAULT_LEGACY_COLLECTOR,
+    loaded_event,
+    loaded_event_from_record,
     synthetic_session_id,
     telemetry_event_from_record,
     telemetry_event_to_dict,
@@ -37,6 +39,9 @@ from ._telemetry import (
     identity_problem,
 )
 
+LoadedEvent = TelemetryEventV3 | TelemetryEventV4
+"""An event as the loaders return it: v3, or v4 where a counter v3 requires is unknown (null)."""
+
 __all__ = [
     "DEFAULT_LEGACY_COLLECTOR",
     "SCHEMA_VERSION_V2",
@@ -44,6 +49,7 @@ __all__ = [
     "SCHEMA_VERSION_V4",
     "SESSION_STATUSES",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "LoadedEvent",
     "MemoryCapabilities",
     "SessionStatus",
     "SessionSummary",
@@ -53,6 +59,8 @@ __all__ = [
     "TelemetryEventV4",
     "identity_problem",
     "json_schema",
+    "loaded_event",
+    "loaded_event_from_record",
     "new_session_id",
     "select_default_session",
     "sort_sessions",

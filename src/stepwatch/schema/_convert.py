@@ -29,6 +29,8 @@ from ._telemetry import (
 
 __all__ = [
     "DEFAULT_LEGACY_COLLECTOR",
+    "loaded_event",
+    "loaded_event_from_record",
     "synthetic_session_id",
     "telemetry_event_from_record",
     "telemetry_event_to_dict",
@@ -101,7 +103,7 @@ def _convert(record: Mapping[str, Any], struct: type[TelemetryEvent]) -> Any:
         event = msgspec.convert(record, struct, strict=True)
     except msgspec.ValidationError as exc:
         raise translate_validation_error(exc) from None
-    if struct is TelemetryEventV3:  # v3's cross-field rule is not in the Struct (see _telemetry.py)
+    if struct is not TelemetryEventV4:  # v2/v3's cross-field rule is not in the Struct (see _telemetry.py)
         problem = identity_problem(event.rank, event.local_rank, event.world_size)
         if problem is not None:
             raise ValidationError(f"$.{problem[0]}", problem[1])
@@ -174,6 +176,29 @@ def telemetry_event_from_record(
         fields.update(schema_version=SCHEMA_VERSION_V3, session_id=default_session_id or _session_of(record))
         return TelemetryEventV3(**fields)
     return v4_to_v3(_convert(record, TelemetryEventV4))
+
+
+def loaded_event(event: TelemetryEventV4) -> TelemetryEventV3 | TelemetryEventV4:
+    """What a loader returns for a v4 record: its v3 form, or the v4 record itself where a
+    counter v3 requires is null (unknown at that moment: Stormlog writes such `start`, `peak`,
+    `sample` records when its collector cannot read the device). Never zero-filled, never
+    dropped (telemetry-current-practice.md "v4 records with unknown counters")."""
+    if (event.allocator_allocated_bytes is None or event.allocator_reserved_bytes is None
+            or event.allocator_change_bytes is None or event.device_used_bytes is None):
+        return event
+    return v4_to_v3(event)
+
+
+def loaded_event_from_record(
+    record: Any, permissive_legacy: bool = True, default_session_id: str | None = None
+) -> TelemetryEventV3 | TelemetryEventV4:
+    """``telemetry_event_from_record``, except that a valid v4 record with a null v3-required
+    counter comes back as its v4 event (``loaded_event``) instead of being refused."""
+    if isinstance(record, Mapping) and record.get("schema_version") == SCHEMA_VERSION_V4:
+        return loaded_event(_convert(record, TelemetryEventV4))
+    return telemetry_event_from_record(
+        record, permissive_legacy=permissive_legacy, default_session_id=default_session_id
+    )
 
 
 def v4_to_v3(event: TelemetryEventV4) -> TelemetryEventV3:

@@ -66,7 +66,12 @@ def _check_identity(rank: int, local_rank: int, world_size: int) -> None:
 
 
 class TelemetryEventV2(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
-    """Legacy v2 record: v3 without session and distributed identity."""
+    """Legacy v2 record: v3 without a session.
+
+    The distributed identity (`job_id`, `rank`, `local_rank`, `world_size`) is optional, as in
+    the JSON Schema the format's owners publish (telemetry-current-practice.md "v2 as
+    published"), with v3's defaults and its `rank`/`local_rank` < `world_size` rule.
+    """
 
     schema_version: Literal[2]
     timestamp_ns: NonNegative
@@ -86,6 +91,10 @@ class TelemetryEventV2(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     device_total_bytes: NonNegative | None
     context: str | None
     metadata: dict[str, Any]
+    job_id: Name | None = None
+    rank: NonNegative = 0
+    local_rank: NonNegative = 0
+    world_size: WorldSize = 1
 
 
 class TelemetryEventV3(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):

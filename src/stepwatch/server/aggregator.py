@@ -32,9 +32,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StoreError, TransportError
-from ..store.base import HistoryStore
+from ..store.base import COLUMNS, HistoryStore
 from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
 from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTables, decode_body, decode_typed
+from ..transport.limits import bounded_columns, rows_problem, sender_problem, shape_problem
 
 __all__ = ["Aggregator"]
 
@@ -43,6 +44,17 @@ _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "failed": 2, "incomplete": 3
 # the runtime's stop event says how it stopped: context "stepwatch capture stopped (<status>)"
 _STOP_STATUS = re.compile(r"\((completed|interrupted|failed|incomplete)\)\s*$")
 DEDUPE_WINDOW_NS = 24 * 3600 * 10**9
+# The columns of each table that a sender fills with what it claims (ids, names, hosts, ranks),
+# bounded by transport.limits before anything of a frame is kept. Spans, marks and snapshots
+# take their session and rank from the frame's meta (checked once per sender); steps are derived.
+_BOUNDED = {table: bounded_columns([c for c, _ in COLUMNS[table]],
+                                   () if table == "telemetry" else ("session_id",) if table == "heartbeats"
+                                   else ("session_id", "rank"))
+            for table in ("telemetry", "spans", "marks", "snapshots", "heartbeats")}
+# What is left to check of typed wire rows (decode_typed checked lengths and ranges in C): the
+# ids' and hosts' shape. Snapshots and heartbeats come as maps: all of _BOUNDED.
+_SHAPED = {table: tuple(c for c in columns if c[2] in ("id", "session", "host"))
+           for table, columns in _BOUNDED.items() if table in ("telemetry", "spans", "marks")}
 
 
 class Aggregator:
@@ -77,6 +89,7 @@ class Aggregator:
         self._pending: dict[str, list[tuple[Any, ...]]] = {}
         self._pending_rows = 0
         self._sessions_seen: set[str] = set()
+        self._good_senders: set[tuple[Any, ...]] = set()  # (session, rank, world size, host) in bounds
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()  # flush_rows reached, or stopping: write now
         self._room = asyncio.Event()  # a tick took the pending rows: paused readers may go on
@@ -124,6 +137,7 @@ class Aggregator:
         the store cannot take, before anything of it is queued.
         """
         meta = message.meta
+        self._check_sender(meta, meta["session_id"], meta.get("rank", 0))
         session_id, rank = str(meta["session_id"]), int(meta.get("rank", 0))
         update = CarryUpdate()
         try:
@@ -134,6 +148,11 @@ class Aggregator:
                 rows[table] = row_tuples(table, table_rows)
         except _ROW_ERRORS as exc:
             raise TransportError("bad_rows", f"{type(exc).__name__}: {exc}") from None
+        for table, table_rows in rows.items():
+            bounded = _BOUNDED.get(table)
+            why = rows_problem(table, table_rows, bounded) if bounded else None
+            if why is not None:
+                raise TransportError("bad_rows", why)
         count = self._queue(meta, session_id, rank, rows, source)
         self.carry.apply(update)
         return count
@@ -153,17 +172,43 @@ class Aggregator:
                     source: str) -> int | None:
         """Queues typed wire rows (``decode_typed``); None, with nothing queued, when a value
         needs the general path (``accept``) to be stored or refused with its reason."""
+        self._check_sender(meta, session_id, rank)
         update = CarryUpdate()
         try:
             rows = wire_tuples(session_id, rank, tables, self.carry, update)
         except _ROW_ERRORS:
             return None
+        for table, table_rows in rows.items():
+            shaped = _SHAPED.get(table)
+            bounded = _BOUNDED.get(table) if shaped is None else None
+            why = (shape_problem(table, table_rows, shaped) if shaped is not None
+                   else rows_problem(table, table_rows, bounded) if bounded else None)
+            if why is not None:
+                raise TransportError("bad_rows", why)
         count = self._queue(meta, session_id, rank, rows, source)
         self.carry.apply(update)
         return count
 
+    def _check_sender(self, meta: Mapping[str, Any], session_id: Any, rank: Any) -> None:
+        """Raises TransportError("bad_meta") for a sender field out of its bounds
+        (transport/limits.py); first, so a frame of a bad sender is refused as such."""
+        sender = (session_id, rank, meta.get("world_size"), meta.get("host"))
+        try:
+            known = sender in self._good_senders  # a sender's fields are checked once
+        except TypeError:  # a list or map where a host goes: not hashable, refused below
+            known = False
+        if not known:
+            problem = sender_problem(*sender)
+            if problem is not None:
+                raise TransportError("bad_meta", f"meta.{problem[0]}: {problem[1]}")
+            if len(self._good_senders) >= 100_000:
+                self._good_senders.clear()
+            self._good_senders.add(sender)
+
     def _queue(self, meta: Mapping[str, Any], session_id: str, rank: int, rows: dict[str, list[tuple[Any, ...]]],
                source: str) -> int:
+        """Queues the rows of one frame, whose sender and rows ``accept``/``accept_wire`` have
+        checked against their bounds (transport/limits.py) before anything of it is kept."""
         if (session_id, rank) not in self.ranks:  # each rank's start counts: the session keeps the earliest
             session = {
                 "session_id": session_id, "status": "running", "started_at_ns": meta.get("started_ns") or time.time_ns(),

@@ -45,7 +45,7 @@ def parse_duration(text: str) -> int:
 def _own_session(run_dir: Path) -> str | None:
     try:
         value = json.loads((run_dir / "run.json").read_text()).get("session_id")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):  # RecursionError: nested too deeply
         return None
     return value if isinstance(value, str) and value else None
 

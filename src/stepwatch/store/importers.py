@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES
 from ..errors import ArtifactError
 from ..schema import synthetic_session_id
 from .base import HistoryStore
@@ -21,7 +22,7 @@ def _run_session(path: Path) -> str | None:
     if manifest.is_file():
         try:
             value = msgspec.json.decode(manifest.read_bytes()).get("session_id")
-        except (msgspec.DecodeError, AttributeError):
+        except (*DECODE_FAILURES, OSError, AttributeError):  # unreadable: the session comes from elsewhere
             return None
         return value if isinstance(value, str) else None
     return None

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ..errors import TransportError
+from .limits import MAX_HOST_BYTES, MAX_ID_CHARS, MAX_NAME_BYTES, MAX_RANK
 
 __all__ = ["COLUMNAR", "DEFAULT_MAX_FRAME", "FrameDecoder", "JSON_FIELD", "Message", "TABLE_NAMES", "WireMark",
            "WireSpan", "WireTables", "WireTelemetry", "columnar_table", "decode_body", "decode_typed",
@@ -182,17 +183,26 @@ def decode_body(body: bytes, default_session: str | None = None) -> Message:
 # without a default is one ``store.rows`` reads with ``[...]``.
 
 I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+# The bounds of transport/limits.py that msgspec checks in C while it decodes (lengths, ranges):
+# a value past them sends the frame to the general path, whose checks name it and refuse it.
+# Names and hosts go this way up to a quarter of their byte bound in characters, which no
+# encoding can take past it; a longer one takes the general path, which counts its bytes.
+# What is left to check on typed rows is the shape of the ids (limits.ids_shape_problem).
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_BYTES // 4)]
+Host = Annotated[str, msgspec.Meta(max_length=MAX_HOST_BYTES // 4)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
 
 
 class WireTelemetry(msgspec.Struct, gc=False):
-    session_id: str
+    session_id: Id
     timestamp_ns: I64 | None
-    event_type: str | None
-    collector: str | None
+    event_type: Name | None
+    collector: Name | None
     device_id: I64 | None
     allocator_allocated_bytes: I64 | None
     allocator_reserved_bytes: I64 | None
-    rank: I64 | None = 0
+    rank: Rank | None = 0
     allocator_active_bytes: I64 | None = None
     allocator_inactive_bytes: I64 | None = None
     allocator_change_bytes: I64 | None = None
@@ -200,17 +210,17 @@ class WireTelemetry(msgspec.Struct, gc=False):
     device_free_bytes: I64 | None = None
     device_total_bytes: I64 | None = None
     pid: I64 | None = None
-    host: str | None = None
+    host: Host | None = None
     context: str | None = None
     metadata: Any = None
 
 
 class WireSpan(msgspec.Struct, gc=False):
-    id: str | None
-    name: str | None
+    id: Id | None
+    name: Name | None
     start_ns: I64 | None
     end_ns: I64 | None
-    parent_id: str | None = None
+    parent_id: Id | None = None
     index: I64 | None = None
     gpu_ns: I64 | None = None
     thread_id: I64 | None = None
@@ -220,9 +230,9 @@ class WireSpan(msgspec.Struct, gc=False):
 
 
 class WireMark(msgspec.Struct, gc=False):
-    id: str | None
-    name: str | None
-    span_id: str | None = None
+    id: Id | None
+    name: Name | None
+    span_id: Id | None = None
     value_type: str | None = None
     value: Any = None
     value_nonfinite: str | None = None
@@ -233,22 +243,24 @@ class WireMark(msgspec.Struct, gc=False):
 
 _S = str | None
 _I = I64 | None
+_Id = Id | None
+_N = Name | None
 
 
 class ColumnarTelemetry(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """A columnar telemetry table whose rows are already the store's tuples (metadata as text)."""
     columns: tuple[str, ...]
-    rows: list[tuple[str, _I, _I, _S, _S, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _S, _S, str]]
+    rows: list[tuple[Id, Rank | None, _I, _N, _N, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, Host | None, _S, str]]
 
 
 class ColumnarSpans(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     columns: tuple[str, ...]
-    rows: list[tuple[_S, _S, _S, _I, _I, _I, _I, _I, _I, str]]
+    rows: list[tuple[_Id, _Id, _N, _I, _I, _I, _I, _I, _I, str]]
 
 
 class ColumnarMarks(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     columns: tuple[str, ...]
-    rows: list[tuple[_S, _S, _S, _S, Any, _S, _I, _S, str]]
+    rows: list[tuple[_Id, _Id, _N, _S, Any, _S, _I, _S, str]]
 
 
 class WireTables(msgspec.Struct, forbid_unknown_fields=True, gc=False):

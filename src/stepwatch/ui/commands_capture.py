@@ -99,7 +99,9 @@ def diagnose(path: Path | None, output: Path | None, duration: float, fail_on_ri
     bundle = write_diagnose_bundle(output, session=session, timeline=timeline, summary=summary,
                                    command_line=list(sys.argv), exit_code=exit_code)
     if as_json:
-        _print_json(__import__("json").loads((bundle / "manifest.json").read_text()))
+        from ..artifacts.bundles import read_bundle_manifest
+
+        _print_json(read_bundle_manifest(bundle))
     else:
         console = _console()
         console.print(f"diagnose bundle: {bundle}  (session {session.session_id}, {session.status})")
