@@ -169,9 +169,9 @@ def outcome_lines(summary: dict[str, Any]) -> list[str]:
     """The text summary's lines on how the run ended: which rank failed first, with what, the
     last lines of its traceback, and what the other ranks saw."""
     outcome = summary.get("outcome")
-    if outcome is None:
-        return []
     error = summary.get("error")
+    if outcome is None or (error is None and not summary.get("errors")):
+        return []  # the header line says the outcome; there is nothing more to tell
     lines = [f"outcome {outcome}" + (f": {_describe_error(error)}" if error else "")]
     if error and error.get("traceback"):
         tail = [line for line in str(error["traceback"]).rstrip().splitlines()][-4:]
