@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..schema import SessionStatus
 from . import phases, training
 from .config import RuntimeConfig
-from .guard import guarded, report_internal
+from ..guard import Site, guarded, report_internal
 from .runtime import NullRuntime, Runtime, is_oom
 
 __all__ = ["current_runtime", "init", "oom_guard", "progress", "shutdown"]
@@ -79,10 +79,10 @@ def init(
             if any(options.get(k) is not None for k in ("rank", "local_rank", "world_size")):
                 raise  # the caller's own arguments are wrong
             # a launcher's environment that contradicts itself: the program must still run
-            report_internal(exc, "init: distributed identity from the environment")
+            report_internal(exc, Site.INIT_IDENTITY)
             return _runtime
         except Exception as exc:  # noqa: BLE001 - start-up failed: run on without capture
-            report_internal(exc, "init")
+            report_internal(exc, Site.INIT)
             return _runtime
         _runtime = runtime
         phases.activate(runtime.scopes)

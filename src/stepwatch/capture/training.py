@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from .guard import report_internal
+from ..guard import report_internal
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
 
 __all__ = [

@@ -25,13 +25,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StoreError, TransportError
+from ..log import logger
 from ..store.base import HistoryStore
 from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
 from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTables, decode_body, decode_typed
@@ -222,8 +222,8 @@ class Aggregator:
         self.rejected[reason] += 1
         if reason not in self._logged_reasons:
             self._logged_reasons.add(reason)
-            print(f"[stepwatch] aggregator: refused a frame ({reason}): {detail} "
-                  f"(later ones of this reason are only counted)", file=sys.stderr, flush=True)
+            logger.warning("aggregator: refused a frame (%s): %s (later ones of this reason are only counted)",
+                           reason, detail)
 
     def accept_tables(self, meta: Mapping[str, Any], tables: Mapping[str, list[dict[str, Any]]], source: str) -> int:
         return self.accept(Message(meta=dict(meta), tables={k: list(v) for k, v in tables.items()}), source)
@@ -291,7 +291,7 @@ class Aggregator:
         except StoreError as exc:  # the single writer must outlive one failed write
             self.write_errors += 1
             self.rows_lost += sum(len(rows) for rows in batch.values())
-            print(f"[stepwatch] aggregator: a write failed, its rows are lost: {exc}", file=sys.stderr, flush=True)
+            logger.warning("aggregator: a write failed, its rows are lost: %s", exc)
             return 0
         if batch:
             self.write_batches.append((written, time.perf_counter() - started))
@@ -314,7 +314,7 @@ class Aggregator:
         try:
             await asyncio.to_thread(self._maintain)
         except StoreError as exc:
-            print(f"[stepwatch] aggregator: retention failed (tried again later): {exc}", file=sys.stderr, flush=True)
+            logger.warning("aggregator: retention failed (tried again later): %s", exc)
 
     async def write_loop(self) -> None:
         # Every waiting row is a tuple the cyclic GC tracks, and rows wait up to a tick, so the

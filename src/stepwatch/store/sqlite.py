@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
+from ..log import logger
 from .base import COLUMNS
 from .rows import row_tuples
 
@@ -474,5 +474,5 @@ class _Checkpointer:
     def warn(self, exc: sqlite3.Error) -> None:
         if not self._failed:
             self._failed = True
-            print(f"[stepwatch] store: {self._path}: WAL checkpoint failed (later failures are not shown; "
-                  f"the rows stay in the WAL): {exc}", file=sys.stderr, flush=True)
+            logger.warning("store: %s: WAL checkpoint failed (later failures are not shown; the rows stay in the WAL): %s",
+                           self._path, exc)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import IntegrationUnavailable
-from ..guard import report_internal
+from ...guard import Site, report_internal
 from . import FrameworkLink, require_version
 
 try:
@@ -73,7 +73,7 @@ class StepwatchCallback(TrainerCallback):
             # A resumed run starts at its checkpoint's epoch.
             self._next_epoch = int((state.epoch or 0) + 1e-6)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "transformers.on_train_begin")
+            report_internal(exc, Site.TRANSFORMERS_ON_TRAIN_BEGIN)
             self._next_epoch = 0
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -108,7 +108,7 @@ class StepwatchCallback(TrainerCallback):
                         continue
                     link.mark(name, value, **attrs)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "transformers.on_log")
+            report_internal(exc, Site.TRANSFORMERS_ON_LOG)
         link.settle()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
