@@ -1,16 +1,17 @@
 """What every history backend offers: typed row tables, batched appends, the queries the views
 and the summary need, retention. Rows are plain dicts whose keys are the columns below, so the
 same rows go to SQLite or ClickHouse unchanged.
+
+The interface knows no backend: ``store/open.py`` picks one from a path or URL, so a backend can
+import this module without this module importing it back.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["COLUMNS", "TABLES", "HistoryStore", "open_store"]
+__all__ = ["COLUMNS", "TABLES", "HistoryStore"]
 
 # table -> (column, SQL type); `json` columns hold encoded JSON text.
 COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -85,19 +86,3 @@ class HistoryStore(Protocol):
     def forget_batches(self, before_ns: int) -> int: ...
 
     def close(self) -> None: ...
-
-
-def open_store(target: str | os.PathLike[str], *, read_only: bool = False) -> HistoryStore:
-    """A store from a path or URL: ``*.sqlite`` / a run directory (its history.sqlite) or
-    ``clickhouse://host:port/db``."""
-    text = os.fspath(target)
-    if text.startswith("clickhouse://"):
-        from .clickhouse import ClickHouseStore  # type: ignore[import-not-found]
-
-        return ClickHouseStore(text)  # type: ignore[no-any-return]
-    from .sqlite import SqliteStore
-
-    path = Path(text)
-    if path.is_dir():
-        path = path / "history.sqlite"
-    return SqliteStore(path, read_only=read_only)
