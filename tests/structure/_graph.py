@@ -37,13 +37,14 @@ def _in_type_checking(tree: ast.Module) -> set[int]:
 
 
 @cache
-def import_graph() -> dict[str, frozenset[str]]:
-    """Module -> the package modules it imports (``typing.TYPE_CHECKING`` blocks left out: they
-    never run)."""
+def import_graph(*, typing_too: bool = False) -> dict[str, frozenset[str]]:
+    """Module -> the package modules it imports. ``typing.TYPE_CHECKING`` blocks are left out
+    (they never run, so they make no cycle) unless ``typing_too``: a layer that names another's
+    types depends on it all the same."""
     known = modules()
     graph: dict[str, frozenset[str]] = {}
     for name, (_, tree) in known.items():
-        skipped = _in_type_checking(tree)
+        skipped = set() if typing_too else _in_type_checking(tree)
         targets: set[str] = set()
         for node in ast.walk(tree):
             if id(node) in skipped:

@@ -6,14 +6,12 @@ means the same whichever way it arrived.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from ..schema.wire import WireTables
 from .base import COLUMNS
-
-if TYPE_CHECKING:
-    from ..transport.frames import WireTables
 
 __all__ = ["PhaseCarry", "check_rows", "derive_steps", "heartbeat_row", "json_texts", "mark_row", "row_tuples",
            "snapshot_row", "span_row", "step_row", "telemetry_row", "to_rows", "wire_tuples"]
