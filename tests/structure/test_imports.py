@@ -47,7 +47,7 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_the_store_interface_knows_no_backend() -> None:
-    assert import_graph()["stepwatch.store.base"] == frozenset()
+    assert not any(m.startswith("stepwatch.store") for m in import_graph()["stepwatch.store.base"])
     assert "stepwatch.store.sqlite" in import_graph()["stepwatch.store.open"]
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from ..phases import STEP_COLUMNS
+
 __all__ = ["COLUMNS", "TABLES", "HistoryStore"]
 
 # table -> (column, SQL type); `json` columns hold encoded JSON text.
@@ -45,8 +47,7 @@ COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "steps": (
         ("session_id", "text"), ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
-        ("step_ns", "int"), ("data_load_ns", "int"), ("h2d_ns", "int"), ("forward_ns", "int"),
-        ("backward_ns", "int"), ("optimizer_ns", "int"), ("wait_ns", "int"),
+        ("step_ns", "int"), *((column, "int") for column in STEP_COLUMNS),  # stepwatch.phases
     ),
 }
 TABLES = tuple(COLUMNS)

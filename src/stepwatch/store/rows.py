@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from ..phases import PHASES, STEP_ATTRS, STEP_COLUMNS
 from ..schema.wire import WireTables
 from .base import COLUMNS
 
@@ -48,9 +49,7 @@ def step_row(s: Mapping[str, Any], session_id: str, rank: int | None = None) -> 
         "session_id": session_id, "rank": s.get("rank", 0) if rank is None else rank,
         "step": s.get("index") if s.get("index") is not None else -1,
         "start_ns": s["start_ns"], "end_ns": s["end_ns"], "step_ns": attrs.get("step_ns"),
-        "data_load_ns": attrs.get("data_load_ns", 0), "h2d_ns": attrs.get("h2d_ns", 0),
-        "forward_ns": attrs.get("forward_ns", 0), "backward_ns": attrs.get("backward_ns", 0),
-        "optimizer_ns": attrs.get("optimizer_step_ns", 0), "wait_ns": attrs.get("wait_ns", 0),
+        **{column: attrs.get(attr, 0) for column, attr in zip(STEP_COLUMNS, STEP_ATTRS)},
     }
 
 
@@ -66,7 +65,9 @@ def step_row(s: Mapping[str, Any], session_id: str, rank: int | None = None) -> 
 # before their parent, so a step's children may come in an earlier batch: ``PhaseCarry`` keeps
 # their times until the step comes.
 
-_PHASES = {"data_load": 0, "h2d": 1, "forward": 2, "backward": 3, "optimizer_step": 4}
+_SLOT = {phase.span: slot for slot, phase in enumerate(PHASES)}  # a span name -> its phase's slot
+_DATA_LOAD = _SLOT["data_load"]
+_IN_RESIDUAL = [phase.in_residual for phase in PHASES]
 _I64_LO, _I64_HI = -(1 << 63), (1 << 63) - 1
 
 # (id, parent_id, name, index, start_ns, end_ns, attrs) of one span, from a dict or a WireSpan
@@ -133,11 +134,11 @@ def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: Phase
         return []
     phases: dict[Any, list[int]] = {}
     for span_id, parent, name, _index, start, end, attrs in spans:
-        slot = _PHASES.get(name) if type(name) is str else None
+        slot = _SLOT.get(name) if type(name) is str else None
         if slot is None or type(parent) is not str:
             continue
         took = _span_ns(start, end)
-        if slot == 0 and type(attrs) is dict:
+        if slot == _DATA_LOAD and type(attrs) is dict:
             hidden = attrs.get("data_load_ns")
             if type(hidden) is int and 0 <= hidden <= _I64_HI:
                 took = hidden
@@ -145,7 +146,7 @@ def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: Phase
             continue
         times = phases.get(parent)
         if times is None:
-            times = phases[parent] = [0, 0, 0, 0, 0]
+            times = phases[parent] = [0] * len(PHASES)
         times[slot] += took
     rows = []
     for span_id, _parent, _name, index, start, end, _attrs in bare:
@@ -159,12 +160,11 @@ def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: Phase
                 times = earlier if times is None else [a + b for a, b in zip(times, earlier)]
         if step_ns is None or not (index is None or type(index) is int):
             continue
-        d, h2d, fwd, bwd, opt = times or (0, 0, 0, 0, 0)
-        wait = max(0, step_ns - h2d - fwd - bwd - opt)
-        if not all(_I64_LO <= v <= _I64_HI for v in (d, h2d, fwd, bwd, opt, wait)):
+        times = times or [0] * len(PHASES)
+        wait = max(0, step_ns - sum(t for t, counted in zip(times, _IN_RESIDUAL) if counted))
+        if not all(_I64_LO <= v <= _I64_HI for v in (*times, wait)):
             continue
-        rows.append((session_id, rank, -1 if index is None else index, start, end, step_ns, d, h2d, fwd, bwd, opt,
-                     wait))
+        rows.append((session_id, rank, -1 if index is None else index, start, end, step_ns, *times, wait))
     if update is not None:
         steps_here = {s[0] for s in spans if s[2] == "step" and type(s[0]) is str}
         update.left = {(session_id, rank, parent): times for parent, times in phases.items()
@@ -268,7 +268,7 @@ def check_rows(table: str, rows: list[dict[str, Any]]) -> None:
 _EMPTY: dict[str, Any] = {}
 _JSON_COLUMNS = {table: frozenset(c for c, t in cols if t == "json") for table, cols in COLUMNS.items()}
 _NUMERIC = frozenset({int, float, bool})
-_STEP_FIELDS = ("data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns", "wait_ns")
+_STEP_FIELDS = STEP_ATTRS  # a step span's attrs, in the order of its row's phase columns
 
 
 def json_texts(values: list[Any]) -> list[str]:
