@@ -1,6 +1,7 @@
 """Every document the code cites by name ships with the repository: a bare ``name.md`` resolves
-to a page under ``docs/``, a path (``bench/README.md``) to that file, and a quoted section after
-it ("Canonical scope shape") to a heading of that page."""
+to a page under ``docs/`` (or a top-level file such as ``CHANGELOG.md``), a path
+(``bench/README.md``) to that file, and a quoted section after it ("Canonical scope shape") to a
+heading of that page."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def _resolve(name: str) -> Path | None:
     if "/" in name:
         return ROOT / name if (ROOT / name).is_file() else None
     pages = sorted((ROOT / "docs").rglob(name))
-    return pages[0] if pages else None
+    if pages:
+        return pages[0]
+    return ROOT / name if (ROOT / name).is_file() else None
 
 
 def _headings(page: Path) -> list[str]:

@@ -5,7 +5,7 @@ msgspec's C core in one pass. The cross-field rules the JSON Schemas cannot expr
 capability/null pairing and identity live in its ``__post_init__``; v3's `rank < world_size`
 is checked where records enter (``validate_telemetry_record``, ``telemetry_event_from_record``,
 the loaders, through ``identity_problem``), not per decoded Struct: a Python ``__post_init__``
-call per record was ~0.2 µs of the ~2 µs a loaded v3 event costs (bench/README.md).
+call per record was ~0.2 µs of the ~2 µs a loaded v3 event costs (CHANGELOG.md).
 Specs: ``telemetry-event-v3.md``, ``telemetry-event-v2.md``, ``telemetry-current-practice.md``.
 """
 
