@@ -11,45 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from ..phases import STEP_COLUMNS
+from ..schema.tables import TABLES as HISTORY_TABLES
+from ..schema.tables import column_types
 
 __all__ = ["COLUMNS", "TABLES", "HistoryStore"]
 
-# table -> (column, SQL type); `json` columns hold encoded JSON text.
-COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "sessions": (
-        ("session_id", "text"), ("status", "text"), ("started_at_ns", "int"), ("ended_at_ns", "int"),
-        ("host", "text"), ("world_size", "int"), ("source", "text"), ("command_line", "json"),
-    ),
-    "telemetry": (
-        ("session_id", "text"), ("rank", "int"), ("timestamp_ns", "int"), ("event_type", "text"),
-        ("collector", "text"), ("device_id", "int"), ("allocated", "int"), ("reserved", "int"),
-        ("active", "int"), ("inactive", "int"), ("change", "int"), ("used", "int"), ("free", "int"),
-        ("total", "int"), ("pid", "int"), ("host", "text"), ("context", "text"), ("metadata", "json"),
-    ),
-    "spans": (
-        ("session_id", "text"), ("rank", "int"), ("span_id", "text"), ("parent_id", "text"), ("name", "text"),
-        ("idx", "int"), ("start_ns", "int"), ("end_ns", "int"), ("gpu_ns", "int"), ("thread_id", "int"),
-        ("pid", "int"), ("attrs", "json"),
-    ),
-    "marks": (
-        ("session_id", "text"), ("rank", "int"), ("mark_id", "text"), ("span_id", "text"), ("name", "text"),
-        ("value_type", "text"), ("value_num", "real"), ("value_text", "text"), ("ts_ns", "int"), ("kind", "text"),
-        ("attrs", "json"),
-    ),
-    "snapshots": (
-        ("session_id", "text"), ("rank", "int"), ("snapshot_id", "text"), ("span_id", "text"),
-        ("tensor_name", "text"), ("mode", "text"), ("ts_ns", "int"), ("stats", "json"), ("blob_uri", "text"),
-    ),
-    "heartbeats": (
-        ("session_id", "text"), ("rank", "int"), ("ts_ns", "int"), ("step", "int"), ("msg", "text"),
-        ("pid", "int"), ("fields", "json"),
-    ),
-    "steps": (
-        ("session_id", "text"), ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
-        ("step_ns", "int"), *((column, "int") for column in STEP_COLUMNS),  # stepwatch.phases
-    ),
-}
+# table -> (column, SQL type); `json` columns hold encoded JSON text. Declared once, with where
+# each column comes from, in ``schema.tables``.
+COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {table: column_types(table) for table in HISTORY_TABLES}
 TABLES = tuple(COLUMNS)
 
 

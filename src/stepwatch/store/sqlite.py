@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import StoreError
 from ..log import logger
+from ..schema.tables import TABLES as HISTORY_TABLES
 from .base import COLUMNS
 from .rows import row_tuples
 
@@ -70,13 +71,8 @@ _INDEXES = (
 # a fifth of the writer's time on the aggregator's rows (CHANGELOG.md). Other columns bind None
 # as it is.
 _NULL = math.nan
-_OFTEN_NULL_COLUMNS = {
-    "telemetry": ("active", "inactive", "free", "total", "context"),
-    "spans": ("parent_id", "idx", "gpu_ns"),
-    "marks": ("span_id", "value_num", "value_text"),
-    "snapshots": ("span_id", "blob_uri"),
-    "heartbeats": ("step", "msg"),
-}
+_OFTEN_NULL_COLUMNS = {table: tuple(c.name for c in columns if c.often_null)  # schema.tables
+                       for table, columns in HISTORY_TABLES.items()}
 _OFTEN_NULL = {table: tuple(i for i, (name, _) in enumerate(cols) if name in _OFTEN_NULL_COLUMNS.get(table, ()))
                for table, cols in COLUMNS.items()}
 # HTTP batch ids already stored, with when (wall clock): a retried batch is not stored twice, also

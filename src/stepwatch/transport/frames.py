@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from ..errors import TransportError
+from ..schema.tables import fields
 from ..schema.wire import WireMark, WireSpan, WireTables, WireTelemetry
 
 __all__ = ["COLUMNAR", "DEFAULT_MAX_FRAME", "FrameDecoder", "JSON_FIELD", "Message", "TABLE_NAMES", "WireMark",
@@ -36,14 +37,11 @@ _json_decoder = msgspec.json.Decoder()
 _json_raw_decoder = msgspec.json.Decoder(list[msgspec.Raw])
 
 # Columnar tables as the sender writes them: the wire field names in the store's column order
-# (store.base.COLUMNS; spans and marks without the session and rank, which the frame's meta
-# gives), the JSON-typed field last, as text.
+# (schema.tables; spans and marks without the session and rank, which the frame's meta gives),
+# the JSON-typed field last, as text. A mark's value is one field that becomes two columns.
 COLUMNAR: dict[str, tuple[str, ...]] = {
-    "telemetry": ("session_id", "rank", "timestamp_ns", "event_type", "collector", "device_id",
-                  "allocator_allocated_bytes", "allocator_reserved_bytes", "allocator_active_bytes",
-                  "allocator_inactive_bytes", "allocator_change_bytes", "device_used_bytes", "device_free_bytes",
-                  "device_total_bytes", "pid", "host", "context", "metadata"),
-    "spans": ("id", "parent_id", "name", "index", "start_ns", "end_ns", "gpu_ns", "thread_id", "pid", "attrs"),
+    "telemetry": fields("telemetry"),
+    "spans": fields("spans", skip_session=True),
     "marks": ("id", "span_id", "name", "value_type", "value", "value_nonfinite", "ts_ns", "kind", "attrs"),
 }
 JSON_FIELD = {"telemetry": "metadata", "spans": "attrs", "marks": "attrs"}
