@@ -106,8 +106,8 @@ def fields(table: str, *, skip_session: bool = False) -> tuple[str, ...]:
 
 def record_reader(table: str, *, skip_session: bool = False) -> Any:
     """``read(record) -> {column: value}`` for the columns copied from a record, written out from
-    the declaration once (as a dict display: a loop over the columns per row cost the importers
-    and the aggregator's general path about twice as much); ``skip_session`` leaves out
+    the declaration once as the dict display a hand-written builder would be, so that a row
+    costs what it did when each builder spelled its columns; ``skip_session`` leaves out
     ``session_id`` and ``rank``, which the caller gives."""
     items = []
     for c in TABLES[table][2:] if skip_session else TABLES[table]:

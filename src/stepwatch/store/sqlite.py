@@ -470,5 +470,5 @@ class _Checkpointer:
     def warn(self, exc: sqlite3.Error) -> None:
         if not self._failed:
             self._failed = True
-            logger.warning("store: %s: WAL checkpoint failed (later failures are not shown; the rows stay in the WAL): %s",
-                           self._path, exc)
+            logger.warning("store: %s: WAL checkpoint failed (later failures are not shown; "
+                           "the rows stay in the WAL): %s", self._path, exc)
