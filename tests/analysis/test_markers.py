@@ -20,7 +20,7 @@ from stepwatch.analysis.markers import (
     timeline_marker_to_dict,
 )
 from stepwatch.analysis.phase_replay import PhaseReplayIndex
-from stepwatch.capture.guard import reset_swallowed, swallowed
+from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import TelemetryEventV3
 from stepwatch.telemetry import load_telemetry_sessions
 from tests.conftest import make_event

@@ -26,7 +26,8 @@ from stepwatch.capture.collectors import (
     discover_accelerators,
     discover_nvml,
 )
-from stepwatch.capture.collectors.nvml import NvmlCollector, load_nvml
+from stepwatch.capture.collectors.nvml import NvmlCollector
+from stepwatch.nvml import load_nvml
 from stepwatch.capture.collectors.tensorflow import TensorflowCollector
 from stepwatch.capture.collectors.torch_devices import CudaCollector, MpsCollector
 from stepwatch.capture.events import EventFactory

@@ -178,12 +178,12 @@ def test_torchrun_run_id_none_is_no_job_id() -> None:
 
 def test_a_contradictory_launcher_environment_does_not_stop_the_program(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import stepwatch
-    from stepwatch.capture.guard import reset_swallowed, swallowed
+    from stepwatch.guard import reset_swallowed, swallowed
 
     reset_swallowed()
     monkeypatch.setenv("RANK", "3")  # no WORLD_SIZE: a world of one cannot hold rank 3
     runtime = stepwatch.init(out=tmp_path / "run")
     assert runtime.active is False
-    assert list(swallowed()) == ["init: distributed identity from the environment"]
+    assert list(swallowed()) == ["init.identity"]
     with pytest.raises(ConfigError):  # the caller's own arguments still raise
         stepwatch.init(out=tmp_path / "run", rank=3)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import stepwatch
-from stepwatch.capture.guard import reset_swallowed, swallowed
+from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.capture.runtime import is_oom
 from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_sessions

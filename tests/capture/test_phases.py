@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import stepwatch
-from stepwatch.capture.guard import reset_swallowed, swallowed
+from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import TelemetryEventV3
 from stepwatch.telemetry import load_telemetry_sessions
 

@@ -22,7 +22,7 @@ import stepwatch
 from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.sink import TelemetrySink
 from stepwatch.capture import api
-from stepwatch.capture.guard import reset_swallowed, swallowed
+from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.errors import ConfigError
 from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions

@@ -14,7 +14,7 @@ import pytest
 
 import stepwatch
 from stepwatch.capture.api import current_runtime
-from stepwatch.capture.guard import reset_swallowed, swallowed
+from stepwatch.guard import reset_swallowed, swallowed
 
 
 def test_tick_leaves_half_imported_torch_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""Bounds on what arrives from the wire (transport/limits.py, docs/ingestion-limits.md): ids,
+"""Bounds on what arrives from the wire (schema/limits.py, docs/ingestion-limits.md): ids,
 names, hosts, ranks and world sizes out of bounds are refused with a counted reason and create
 nothing, over real TCP connections and real HTTP requests to a running aggregator; frames
 inside the bounds create exactly their session."""
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.transport.frames import encode_frame
-from stepwatch.transport.limits import (
+from stepwatch.schema.limits import (
     MAX_HOST_BYTES,
     MAX_ID_CHARS,
     MAX_NAME_BYTES,

@@ -119,7 +119,7 @@ def test_the_writer_checkpoints_itself_when_the_wal_outgrows_its_bound(
 
 
 def test_a_failing_checkpoint_in_the_writer_loses_no_committed_rows(
-        store: SqliteStore, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        store: SqliteStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from stepwatch.store import sqlite as sqlite_module
 
     class CheckpointFails:
@@ -140,7 +140,8 @@ def test_a_failing_checkpoint_in_the_writer_loses_no_committed_rows(
         assert store.append("telemetry", [telemetry(S1, 0, commit * 10 + t) for t in range(10)]) == 10
     store._db = store._db.db  # type: ignore[attr-defined]
     assert store.count("telemetry") == 20
-    assert capsys.readouterr().err.count("WAL checkpoint failed") == 1
+    warned = [r for r in caplog.records if r.name == "stepwatch" and "WAL checkpoint failed" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
 
 
 def test_open_store_on_a_directory_uses_history_sqlite(tmp_path: Path) -> None:

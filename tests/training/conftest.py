@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 import stepwatch
-from stepwatch.capture import guard, torch_patches, training
+from stepwatch import guard
+from stepwatch.capture import torch_patches, training
 
 
 @pytest.fixture(autouse=True)

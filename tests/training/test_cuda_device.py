@@ -135,7 +135,8 @@ def test_stepwatch_never_creates_a_cuda_context(tmp_path: Path) -> None:
 
 def test_nvml_reads_the_device_and_this_process() -> None:
     pytest.importorskip("pynvml")
-    from stepwatch.capture.collectors.nvml import NvmlCollector, load_nvml
+    from stepwatch.capture.collectors.nvml import NvmlCollector
+    from stepwatch.nvml import load_nvml
 
     nvml = load_nvml()
     assert nvml is not None

@@ -256,7 +256,7 @@ def test_a_rank_evicts_only_its_own_spool_batches(tmp_path: Path) -> None:
 def test_import_of_one_spool_batch_file(tmp_path: Path) -> None:
     import json
 
-    from stepwatch.store.base import open_store
+    from stepwatch.store import open_store
     from stepwatch.store.importers import import_path
 
     model, optimizer, train, _ = setup(samples=64)

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool
-from stepwatch.capture import guard
+from stepwatch import guard
 
 from .test_inferred import SESSION, finish, kids, named, start
 

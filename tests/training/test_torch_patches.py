@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
-from stepwatch.capture import guard, torch_patches
+from stepwatch import guard
+from stepwatch.capture import torch_patches
 from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
 

@@ -558,7 +558,7 @@ def test_queue_overflow_is_counted_and_submit_never_waits(server: TraceServer, m
 
 def test_nothing_raises_into_the_caller(server: TraceServer, make_exporter: Any, spool: Path,
                                         capfd: pytest.CaptureFixture[str]) -> None:
-    from stepwatch.capture.guard import reset_swallowed
+    from stepwatch.guard import reset_swallowed
 
     exporter = make_exporter(server.endpoint)
     exporter.submit(spool / f"{time.time_ns():020d}-{uuid.uuid4().hex}.json")  # evicted before its turn

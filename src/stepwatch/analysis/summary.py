@@ -13,13 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from .._decode import read_json_file
+from ..phases import PHASES as PHASE_TABLE
+from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
            "render_summary_text", "run_outcome"]
 
 SUMMARY_SCHEMA_VERSION = "1.0"
-PHASES = ("data_load", "h2d", "forward", "backward", "optimizer", "wait")
+PHASES = SHARES  # the phase shares' names (stepwatch.phases): "optimizer" is the optimizer_step phase
+_COLUMNS = STEP_COLUMNS  # each share's column in the history's steps table, in the same order
+_OUTSIDE_RESIDUAL = tuple(p.column for p in PHASE_TABLE if not p.in_residual)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -36,13 +40,15 @@ def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     times = sorted(r["step_ns"] / 1e6 for r in rows if r["step_ns"] is not None)
     total = sum(times)
     shares = {}
-    for phase in PHASES:
-        if phase == "wait":
+    for phase, column in zip(PHASES, _COLUMNS):
+        if phase == RESIDUAL.share:
             # wait_ns is the spec's residual (step - h2d - forward - backward - optimizer), which
-            # still holds the step's own fetch; its share excludes data_load so shares sum to 1.
-            spent = sum(max(0, (r.get("wait_ns") or 0) - (r.get("data_load_ns") or 0)) for r in rows) / 1e6
+            # still holds the step's own fetch; its share excludes data_load (the phases outside
+            # the residual) so shares sum to 1.
+            spent = sum(max(0, (r.get(column) or 0) - sum((r.get(c) or 0) for c in _OUTSIDE_RESIDUAL))
+                        for r in rows) / 1e6
         else:
-            spent = sum((r.get(f"{phase}_ns") or 0) for r in rows) / 1e6
+            spent = sum((r.get(column) or 0) for r in rows) / 1e6
         shares[phase] = round(spent / total, 4) if total > 0 else None
     span_s = (max(r["end_ns"] for r in rows) - min(r["start_ns"] for r in rows)) / 1e9 if rows else 0.0
     return {

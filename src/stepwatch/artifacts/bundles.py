@@ -97,7 +97,7 @@ def environment_info() -> dict[str, Any]:
 
 def _nvml_devices() -> list[dict[str, Any]]:
     """NVIDIA GPUs as the driver lists them (no CUDA context); empty without nvidia-ml-py or a driver."""
-    from ..capture.collectors.nvml import load_nvml
+    from ..nvml import load_nvml
 
     nvml = load_nvml()
     if nvml is None:

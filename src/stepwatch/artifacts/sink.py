@@ -241,7 +241,7 @@ class TelemetrySink:
             pending = self._pending
             pending.append(event)
             # The per-record work is one list append and two comparisons; the bounds are
-            # checked per batch (bench/README.md, "Where the time goes").
+            # checked per batch (CHANGELOG.md, "Where the time goes").
             if len(pending) >= self._pending_room or _monotonic() >= self._flush_deadline:
                 self._encode_pending_locked()
                 self._flush_if_due_locked()
@@ -542,7 +542,7 @@ class TelemetrySink:
         segment.closed = True
         if self.config.fsync == "close" and segment.size_bytes >= _BACKGROUND_SYNC_BYTES:
             # The disk writes the closed segment while this thread encodes the next one; at
-            # most one such sync is in flight, and close() waits for it (bench/README.md).
+            # most one such sync is in flight, and close() waits for it (CHANGELOG.md).
             self._join_sync()
             self._sync_thread = threading.Thread(
                 target=_sync_and_close, args=(fd, self._sync_errors), name="stepwatch-sink-sync", daemon=True

@@ -146,7 +146,7 @@ def _gc_paused() -> Iterator[None]:
     Real records carry containers in ``metadata`` (the collector's ``collector_partial_fields``
     list), so each event adds two GC-tracked objects; with the GC on, its ever larger
     collections over a load's millions of new, acyclic objects took half of a 1M-event load
-    (2.6 of 5.2 s, bench/README.md). A load creates no reference cycles, so nothing is missed.
+    (2.6 of 5.2 s, CHANGELOG.md). A load creates no reference cycles, so nothing is missed.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -391,7 +391,7 @@ def _mapped(path: Path) -> mmap.mmap | None:
     """A closed segment mapped read-only, or None where mapping is not possible (empty file).
 
     Decoding straight from the page cache skips the copy ``read`` makes into a fresh buffer
-    that must be faulted in: ~0.1-0.2 µs of the ~1.6 µs per loaded event (bench/README.md).
+    that must be faulted in: ~0.1-0.2 µs of the ~1.6 µs per loaded event (CHANGELOG.md).
     Only closed segments: a writer may cut back the active one, and a mapped page past a
     truncation would raise SIGBUS.
     """

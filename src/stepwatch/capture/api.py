@@ -22,7 +22,7 @@ from ..schema import SessionStatus
 from . import children, phases, training
 from .children import ChildProcess
 from .config import RuntimeConfig
-from .guard import guarded, report_internal
+from ..guard import Site, guarded, report_internal
 from .runtime import NullRuntime, Runtime, is_oom
 
 __all__ = ["current_runtime", "init", "oom_guard", "progress", "shutdown"]
@@ -80,10 +80,10 @@ def init(
             if any(options.get(k) is not None for k in ("rank", "local_rank", "world_size")):
                 raise  # the caller's own arguments are wrong
             # a launcher's environment that contradicts itself: the program must still run
-            report_internal(exc, "init: distributed identity from the environment")
+            report_internal(exc, Site.INIT_IDENTITY)
             return _runtime
         except Exception as exc:  # noqa: BLE001 - start-up failed: run on without capture
-            report_internal(exc, "init")
+            report_internal(exc, Site.INIT)
             return _runtime
         _runtime = runtime
         phases.activate(runtime.scopes)
@@ -106,7 +106,7 @@ def start_child(config: RuntimeConfig, child: ChildProcess) -> Runtime | NullRun
         try:
             runtime = Runtime(config, launched=True, child=child)
         except Exception as exc:  # noqa: BLE001 - the child runs on without capture
-            report_internal(exc, "init.child")
+            report_internal(exc, Site.INIT_CHILD)
             return _runtime
         _runtime = runtime
         phases.activate(runtime.scopes)
@@ -120,6 +120,10 @@ def start_child(config: RuntimeConfig, child: ChildProcess) -> Runtime | NullRun
             multiprocessing.util.Finalize(None, _at_exit, exitpriority=-100)
         return runtime
 
+
+
+
+children.bind(current_runtime, start_child)  # children.py sits below this module
 
 def shutdown(status: SessionStatus = "completed", timeout: float = 2.0) -> None:
     """Stops capture and closes the session (idempotent)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,20 +109,31 @@ def is_data_loader_worker(target: Any) -> bool:
     return (getattr(target, "__module__", None) or "").startswith("torch.utils.data")
 
 
+# The capture API, bound by ``api`` when it is imported (``bind``): this module sits below it, so
+# that the patches and the runtime can call in here without an import cycle.
+_current_runtime: Callable[[], Any] = lambda: None
+_start: Callable[[Any, ChildProcess], Any] | None = None
+
+
+def bind(current_runtime: Callable[[], Any], start_child: Callable[[Any, ChildProcess], Any]) -> None:
+    """The API's ``current_runtime`` and ``start_child``, for the hooks below."""
+    global _current_runtime, _start
+    _current_runtime, _start = current_runtime, start_child
+
+
 def _on_bootstrap(_owner: object) -> None:
-    from .guard import report_internal
+    from ..guard import Site, report_internal
 
     try:
         _start_child()
     except Exception as exc:  # noqa: BLE001 - the child runs on without capture
-        report_internal(exc, "children.bootstrap")
+        report_internal(exc, Site.CHILDREN_BOOTSTRAP)
 
 
 def _start_child() -> None:
-    from . import api
     from .config import RuntimeConfig
 
-    if api.current_runtime().active:
+    if _start is None or getattr(_current_runtime(), "active", False):
         return
     process = multiprocessing.current_process()
     target = getattr(process, "_target", None)
@@ -149,7 +161,7 @@ def _start_child() -> None:
     session_id = config.session_id
     if own is not None and session_id is not None and config.out is not None:
         settle_identity(child, own, Path(config.out), session_id)
-    api.start_child(config, child)
+    _start(config, child)
 
 
 def _replace(config: Any, **changes: Any) -> Any:
@@ -191,9 +203,7 @@ def note_captured(session_id: str, identity: DistributedIdentity) -> None:
 
 def note_process_group(group: Any) -> None:
     """Called when torch sets the default process group: a pending child takes its rank."""
-    from . import api
-
-    runtime = api.current_runtime()
+    runtime = _current_runtime()
     child = getattr(runtime, "child", None)
     if child is None or runtime.opened:
         return

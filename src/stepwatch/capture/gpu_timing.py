@@ -178,7 +178,7 @@ def cuda_event_source(torch: Any) -> tuple[Callable[[], Any], Callable[[Any], No
     ``torch.cuda.Event.record()`` builds a ``Stream`` object for the current stream at every
     call, inside a device context switch: 8.2-9.5 µs a call on an H100 host, ten calls a step.
     Recording with the current stream's ``Stream`` kept per (stream, device) took 4.7 µs there,
-    about half of it the driver's own cudaEventRecord (bench/README.md). Where torch lacks the
+    about half of it the driver's own cudaEventRecord (CHANGELOG.md). Where torch lacks the
     internals this needs, the public call is used.
     """
     cuda = torch.cuda

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
-from .guard import report_internal
+from ..guard import Site, report_internal
 
 __all__ = ["PhaseRow", "PhaseScopes", "activate", "phase"]
 
@@ -132,7 +132,7 @@ class phase:  # noqa: N801 - used like a function: `with stepwatch.phase(...)`, 
             try:
                 scopes.enter(self.name, self.attributes)
             except Exception as exc:  # noqa: BLE001 - fail-open
-                report_internal(exc, "phase.enter")
+                report_internal(exc, Site.PHASE_ENTER)
         return self
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
@@ -141,7 +141,7 @@ class phase:  # noqa: N801 - used like a function: `with stepwatch.phase(...)`, 
             try:
                 scopes.exit()
             except Exception as error:  # noqa: BLE001 - fail-open
-                report_internal(error, "phase.exit")
+                report_internal(error, Site.PHASE_EXIT)
         return False
 
     def __call__(self, func: F) -> F:

@@ -35,7 +35,7 @@ from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_sessio
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
 from .events import EventFactory
-from .guard import guarded, report_internal, swallowed
+from ..guard import Site, guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
 from .spans import SpanRecorder
@@ -356,7 +356,7 @@ class Runtime:
         except Exception as error:  # noqa: BLE001 - the error record must not be lost with the bundle
             event.metadata.pop("oom_dump_path", None)  # not appended anywhere yet: still ours to change
             event.metadata["oom_dump_error"] = f"{type(error).__name__}: {error}"[:500]
-            report_internal(error, "oom.bundle")
+            report_internal(error, Site.OOM_BUNDLE)
             return None
         finally:
             self.error_events.append(event)
@@ -508,7 +508,7 @@ class Runtime:
                 event = phase(row, prefix)
             except Exception as exc:  # noqa: BLE001 - one bad row must not lose the chunk
                 self.rows_unwritable += 1
-                report_internal(exc, "drain.phase")
+                report_internal(exc, Site.DRAIN_PHASE)
                 continue
             write(event)
 
@@ -522,7 +522,7 @@ class Runtime:
                 self._heartbeat_write(self._heartbeat("progress", ts=ts, step=step, **metrics))
             except Exception as exc:  # noqa: BLE001 - e.g. a metric named like a required field
                 self.rows_unwritable += 1
-                report_internal(exc, "drain.progress")
+                report_internal(exc, Site.DRAIN_PROGRESS)
 
     def _heartbeat_write(self, record: dict[str, Any]) -> None:
         self.heartbeat.write(record)
@@ -547,24 +547,24 @@ class Runtime:
             self.sink.append(event)
         except OSError as exc:  # disk full or gone: keep memory bounded, count what is lost
             self.sink_dropped += self.sink.discard_buffer()
-            report_internal(exc, "sink.append")
+            report_internal(exc, Site.SINK_APPEND)
         except RecordNotEncodable as exc:  # this record, or one batched before it: dropped
             self.rows_unwritable += exc.dropped
-            report_internal(exc, "sink.encode")
+            report_internal(exc, Site.SINK_ENCODE)
         except Exception as exc:  # noqa: BLE001 - a record the sink could not encode (it drops
             # that one and raises, maybe from a later append): the rest of the chunk goes on
             self.rows_unwritable += 1
-            report_internal(exc, "sink.encode")
+            report_internal(exc, Site.SINK_ENCODE)
 
     def _flush_sink(self) -> None:
         try:
             self.sink.maybe_flush()
         except OSError as exc:
             self.sink_dropped += self.sink.discard_buffer()
-            report_internal(exc, "sink.flush")
+            report_internal(exc, Site.SINK_FLUSH)
         except RecordNotEncodable as exc:  # a batched record dropped as the flush encoded it
             self.rows_unwritable += exc.dropped
-            report_internal(exc, "sink.encode")
+            report_internal(exc, Site.SINK_ENCODE)
 
     def _heartbeat(self, msg: str, *, ts: float | None = None, step: int | None = None, **fields: Any) -> dict[str, Any]:
         if self._last_cuda_mb is not None:
@@ -665,7 +665,7 @@ class Runtime:
             paths += self.spool.write(roots, [], [])
         except OSError as exc:  # full or vanished disk: the batch is lost, and counted as such
             self.spool_write_lost += len(spans) + len(roots) + len(marks) + len(snapshots)
-            report_internal(exc, "spool.write")
+            report_internal(exc, Site.SPOOL_WRITE)
             return
         for path in paths:
             if self.exporter is not None:
@@ -718,7 +718,7 @@ class Runtime:
                 if not self._loop_done:
                     self._handoff = (status, max(0.0, float(timeout)), exit_code)
                     report_internal(TimeoutError(f"sampler busy past the {timeout} s stop deadline; "
-                                                 "it closes the session when its write returns"), "stop.handoff")
+                                                 "it closes the session when its write returns"), Site.STOP_HANDOFF)
                     return
             self._tick_lock.acquire()  # the sampler has left its loop: the lock is free now
         try:

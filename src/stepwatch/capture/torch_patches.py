@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from .guard import report_internal
+from ..guard import report_internal
 from .training import TrainingState
 
 __all__ = ["TorchPatches"]

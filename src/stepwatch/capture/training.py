@@ -42,8 +42,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from ..guard import report_internal
 from . import step_inference as machine
-from .guard import report_internal
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
 
 __all__ = [

@@ -5,7 +5,7 @@ msgspec's C core in one pass. The cross-field rules the JSON Schemas cannot expr
 capability/null pairing and identity live in its ``__post_init__``; v3's `rank < world_size`
 is checked where records enter (``validate_telemetry_record``, ``telemetry_event_from_record``,
 the loaders, through ``identity_problem``), not per decoded Struct: a Python ``__post_init__``
-call per record was ~0.2 µs of the ~2 µs a loaded v3 event costs (bench/README.md).
+call per record was ~0.2 µs of the ~2 µs a loaded v3 event costs (CHANGELOG.md).
 Specs: ``telemetry-event-v3.md``, ``telemetry-event-v2.md``, ``telemetry-current-practice.md``.
 """
 
@@ -69,8 +69,8 @@ class TelemetryEventV2(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     """Legacy v2 record: v3 without a session.
 
     The distributed identity (`job_id`, `rank`, `local_rank`, `world_size`) is optional, as in
-    the JSON Schema the format's owners publish (telemetry-current-practice.md "v2 as
-    published"), with v3's defaults and its `rank`/`local_rank` < `world_size` rule.
+    the JSON Schema the format's owners publish, with v3's defaults and its `rank`/`local_rank`
+    < `world_size` rule (telemetry-current-practice.md "v2 as published").
     """
 
     schema_version: Literal[2]

@@ -25,17 +25,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StoreError, TransportError
+from ..log import logger
 from ..store.base import COLUMNS, HistoryStore
 from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
 from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTables, decode_body, decode_typed
-from ..transport.limits import bounded_columns, rows_problem, sender_problem, shape_problem
+from ..schema.limits import bounded_columns, rows_problem, sender_problem, shape_problem
 
 __all__ = ["Aggregator"]
 
@@ -45,7 +45,7 @@ _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "failed": 2, "incomplete": 3
 _STOP_STATUS = re.compile(r"\((completed|interrupted|failed|incomplete)\)\s*$")
 DEDUPE_WINDOW_NS = 24 * 3600 * 10**9
 # The columns of each table that a sender fills with what it claims (ids, names, hosts, ranks),
-# bounded by transport.limits before anything of a frame is kept. Spans, marks and snapshots
+# bounded by schema.limits before anything of a frame is kept. Spans, marks and snapshots
 # take their session and rank from the frame's meta (checked once per sender); steps are derived.
 _BOUNDED = {table: bounded_columns([c for c, _ in COLUMNS[table]],
                                    () if table == "telemetry" else ("session_id",) if table == "heartbeats"
@@ -191,7 +191,7 @@ class Aggregator:
 
     def _check_sender(self, meta: Mapping[str, Any], session_id: Any, rank: Any) -> None:
         """Raises TransportError("bad_meta") for a sender field out of its bounds
-        (transport/limits.py); first, so a frame of a bad sender is refused as such."""
+        (schema/limits.py); first, so a frame of a bad sender is refused as such."""
         sender = (session_id, rank, meta.get("world_size"), meta.get("host"))
         try:
             known = sender in self._good_senders  # a sender's fields are checked once
@@ -208,7 +208,7 @@ class Aggregator:
     def _queue(self, meta: Mapping[str, Any], session_id: str, rank: int, rows: dict[str, list[tuple[Any, ...]]],
                source: str) -> int:
         """Queues the rows of one frame, whose sender and rows ``accept``/``accept_wire`` have
-        checked against their bounds (transport/limits.py) before anything of it is kept."""
+        checked against their bounds (schema/limits.py) before anything of it is kept."""
         if (session_id, rank) not in self.ranks:  # each rank's start counts: the session keeps the earliest
             session = {
                 "session_id": session_id, "status": "running", "started_at_ns": meta.get("started_ns") or time.time_ns(),
@@ -267,8 +267,8 @@ class Aggregator:
         self.rejected[reason] += 1
         if reason not in self._logged_reasons:
             self._logged_reasons.add(reason)
-            print(f"[stepwatch] aggregator: refused a frame ({reason}): {detail} "
-                  f"(later ones of this reason are only counted)", file=sys.stderr, flush=True)
+            logger.warning("aggregator: refused a frame (%s): %s (later ones of this reason are only counted)",
+                           reason, detail)
 
     def accept_tables(self, meta: Mapping[str, Any], tables: Mapping[str, list[dict[str, Any]]], source: str) -> int:
         return self.accept(Message(meta=dict(meta), tables={k: list(v) for k, v in tables.items()}), source)
@@ -336,7 +336,7 @@ class Aggregator:
         except StoreError as exc:  # the single writer must outlive one failed write
             self.write_errors += 1
             self.rows_lost += sum(len(rows) for rows in batch.values())
-            print(f"[stepwatch] aggregator: a write failed, its rows are lost: {exc}", file=sys.stderr, flush=True)
+            logger.warning("aggregator: a write failed, its rows are lost: %s", exc)
             return 0
         if batch:
             self.write_batches.append((written, time.perf_counter() - started))
@@ -359,7 +359,7 @@ class Aggregator:
         try:
             await asyncio.to_thread(self._maintain)
         except StoreError as exc:
-            print(f"[stepwatch] aggregator: retention failed (tried again later): {exc}", file=sys.stderr, flush=True)
+            logger.warning("aggregator: retention failed (tried again later): %s", exc)
 
     async def write_loop(self) -> None:
         # Every waiting row is a tuple the cyclic GC tracks, and rows wait up to a tick, so the

@@ -283,7 +283,7 @@ class IngestApp:
     def _session_of(self, request: Any, spans: list[tuple[Any, Any, Any, Any]], refs: list[Any]) -> tuple[str, int]:
         """(session, rank) of a batch; ``spans``: (id, parent_id, pid, rank) of its spans, ``refs``:
         the span ids its marks and snapshots name. See the module docstring."""
-        # the first span's rank; one out of bounds (transport/limits.py) refuses the batch
+        # the first span's rank; one out of bounds (schema/limits.py) refuses the batch
         rank = next((r for *_, r in spans if type(r) is int), None)
         given = request.headers.get("X-Stepwatch-Session-Id")
         if given:

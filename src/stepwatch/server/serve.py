@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StepwatchError
+from ..log import log_to_stderr
 
 __all__ = ["ListenError", "parse_duration", "serve"]
 
@@ -114,6 +115,7 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
           session_id: str | None = None, retention_ns: int | None = None) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
     nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank."""
+    log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
     stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready or sys.stdout, session_id,
                                retention_ns))

@@ -1,53 +1,24 @@
 """What every history backend offers: typed row tables, batched appends, the queries the views
 and the summary need, retention. Rows are plain dicts whose keys are the columns below, so the
 same rows go to SQLite or ClickHouse unchanged.
+
+The interface knows no backend: ``store/open.py`` picks one from a path or URL, so a backend can
+import this module without this module importing it back.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["COLUMNS", "TABLES", "HistoryStore", "open_store"]
+from ..schema.tables import TABLES as HISTORY_TABLES
+from ..schema.tables import column_types
 
-# table -> (column, SQL type); `json` columns hold encoded JSON text.
-COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "sessions": (
-        ("session_id", "text"), ("status", "text"), ("started_at_ns", "int"), ("ended_at_ns", "int"),
-        ("host", "text"), ("world_size", "int"), ("source", "text"), ("command_line", "json"),
-    ),
-    "telemetry": (
-        ("session_id", "text"), ("rank", "int"), ("timestamp_ns", "int"), ("event_type", "text"),
-        ("collector", "text"), ("device_id", "int"), ("allocated", "int"), ("reserved", "int"),
-        ("active", "int"), ("inactive", "int"), ("change", "int"), ("used", "int"), ("free", "int"),
-        ("total", "int"), ("pid", "int"), ("host", "text"), ("context", "text"), ("metadata", "json"),
-    ),
-    "spans": (
-        ("session_id", "text"), ("rank", "int"), ("span_id", "text"), ("parent_id", "text"), ("name", "text"),
-        ("idx", "int"), ("start_ns", "int"), ("end_ns", "int"), ("gpu_ns", "int"), ("thread_id", "int"),
-        ("pid", "int"), ("attrs", "json"),
-    ),
-    "marks": (
-        ("session_id", "text"), ("rank", "int"), ("mark_id", "text"), ("span_id", "text"), ("name", "text"),
-        ("value_type", "text"), ("value_num", "real"), ("value_text", "text"), ("ts_ns", "int"), ("kind", "text"),
-        ("attrs", "json"),
-    ),
-    "snapshots": (
-        ("session_id", "text"), ("rank", "int"), ("snapshot_id", "text"), ("span_id", "text"),
-        ("tensor_name", "text"), ("mode", "text"), ("ts_ns", "int"), ("stats", "json"), ("blob_uri", "text"),
-    ),
-    "heartbeats": (
-        ("session_id", "text"), ("rank", "int"), ("ts_ns", "int"), ("step", "int"), ("msg", "text"),
-        ("pid", "int"), ("fields", "json"),
-    ),
-    "steps": (
-        ("session_id", "text"), ("rank", "int"), ("step", "int"), ("start_ns", "int"), ("end_ns", "int"),
-        ("step_ns", "int"), ("data_load_ns", "int"), ("h2d_ns", "int"), ("forward_ns", "int"),
-        ("backward_ns", "int"), ("optimizer_ns", "int"), ("wait_ns", "int"),
-    ),
-}
+__all__ = ["COLUMNS", "TABLES", "HistoryStore"]
+
+# table -> (column, SQL type); `json` columns hold encoded JSON text. Declared once, with where
+# each column comes from, in ``schema.tables``.
+COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {table: column_types(table) for table in HISTORY_TABLES}
 TABLES = tuple(COLUMNS)
 
 
@@ -85,19 +56,3 @@ class HistoryStore(Protocol):
     def forget_batches(self, before_ns: int) -> int: ...
 
     def close(self) -> None: ...
-
-
-def open_store(target: str | os.PathLike[str], *, read_only: bool = False) -> HistoryStore:
-    """A store from a path or URL: ``*.sqlite`` / a run directory (its history.sqlite) or
-    ``clickhouse://host:port/db``."""
-    text = os.fspath(target)
-    if text.startswith("clickhouse://"):
-        from .clickhouse import ClickHouseStore  # type: ignore[import-not-found]
-
-        return ClickHouseStore(text)  # type: ignore[no-any-return]
-    from .sqlite import SqliteStore
-
-    path = Path(text)
-    if path.is_dir():
-        path = path / "history.sqlite"
-    return SqliteStore(path, read_only=read_only)

@@ -5,11 +5,11 @@ readers never block the writer nor see half a transaction.
 
 Pages of 16 KiB and a 32 MiB page cache: every row extends several indexes, whose pages with
 SQLite's defaults (4 KiB, 2 MiB) split more often and fall out of the cache; the larger ones
-cut the writer's CPU time per row by about a sixth under the aggregator's load (bench/README.md).
+cut the writer's CPU time per row by about a sixth under the aggregator's load (CHANGELOG.md).
 Checkpoints (copying the WAL back into the database file, then fsync) run on a thread and a
 connection of their own, started by each commit, instead of SQLite's automatic checkpoint inside
 the writer's commit every 1000 pages: the fsync no longer stalls the writer, which under the
-aggregator's load wrote ~13% more rows per second for it (bench/README.md). Under a load with
+aggregator's load wrote ~13% more rows per second for it (CHANGELOG.md). Under a load with
 no pause the checkpointer can lag (the WAL restarts only once a checkpoint copied every frame), so
 past ``_WAL_BOUND`` the writer checkpoints itself, as SQLite's automatic checkpoint would, and
 ``journal_size_limit`` shrinks the file back after each restart.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
+from ..log import logger
+from ..schema.tables import TABLES as HISTORY_TABLES
 from .base import COLUMNS
 from .rows import row_tuples
 
@@ -37,14 +38,14 @@ _SQL_TYPES = {"text": "TEXT", "int": "INTEGER", "real": "REAL", "json": "TEXT"}
 # Every row table is stored as ``<table>_rows`` with an integer ``session_key`` where the others
 # have ``session_id``, and read through a view named ``<table>`` with the columns of COLUMNS, so
 # every reader's SQL (``WHERE session_id = ?``) is unchanged. The 36-character uuid in every row
-# and in every unique key cost the writer ~20% of its time per row (bench/README.md); the keys
+# and in every unique key cost the writer ~20% of its time per row (CHANGELOG.md); the keys
 # live in ``session_keys`` and never change (a VACUUM keeps an INTEGER PRIMARY KEY).
 _KEYS_TABLE = ("CREATE TABLE IF NOT EXISTS session_keys "
                "(session_key INTEGER PRIMARY KEY, session_id TEXT NOT NULL UNIQUE)")
 # table -> its columns after session_id, as ``<table>_rows`` holds them after ``session_key``
 _ROW_COLUMNS = {table: tuple(c for c, _ in cols[1:]) for table, cols in COLUMNS.items() if table != "sessions"}
 _SESSION_COLUMNS = tuple(c for c, _ in COLUMNS["sessions"])
-# Every index costs each insert a B-tree descent (bench/README.md: 7.7 us a row with ten, 4.3 with
+# Every index costs each insert a B-tree descent (CHANGELOG.md: 7.7 us a row with ten, 4.3 with
 # none), so there is one only where a query reads it or it keeps a table idempotent. The unique
 # ones make re-imports and retried batches store nothing twice (INSERT OR IGNORE): spans, marks,
 # snapshots and steps by their ids; telemetry by (session, rank, time, type, collector, device)
@@ -67,16 +68,11 @@ _INDEXES = (
 # bound NaN as NULL (sqlite3_bind_double). So in the columns that are NULL in many rows (absent
 # allocator or device counters, no context, a span without an index or GPU time, a mark without
 # a span or text value...), None is bound as NaN: the same NULL, ~0.2 µs less per value, about
-# a fifth of the writer's time on the aggregator's rows (bench/README.md). Other columns bind None
+# a fifth of the writer's time on the aggregator's rows (CHANGELOG.md). Other columns bind None
 # as it is.
 _NULL = math.nan
-_OFTEN_NULL_COLUMNS = {
-    "telemetry": ("active", "inactive", "free", "total", "context"),
-    "spans": ("parent_id", "idx", "gpu_ns"),
-    "marks": ("span_id", "value_num", "value_text"),
-    "snapshots": ("span_id", "blob_uri"),
-    "heartbeats": ("step", "msg"),
-}
+_OFTEN_NULL_COLUMNS = {table: tuple(c.name for c in columns if c.often_null)  # schema.tables
+                       for table, columns in HISTORY_TABLES.items()}
 _OFTEN_NULL = {table: tuple(i for i, (name, _) in enumerate(cols) if name in _OFTEN_NULL_COLUMNS.get(table, ()))
                for table, cols in COLUMNS.items()}
 # HTTP batch ids already stored, with when (wall clock): a retried batch is not stored twice, also
@@ -89,7 +85,7 @@ _RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("mar
 # length): one statement step per chunk instead of per row, so fewer VDBE resets and one GIL
 # release per chunk rather than per row. Measured in one process, interleaved, 103k wire rows:
 # 3.2-3.4 us per stored row against 4.1-4.5 with executemany alone, and 5.0-5.5 against 6.0-6.7
-# with a decoding thread beside it (bench/README.md). Each step must take the GIL back, which a
+# with a decoding thread beside it (CHANGELOG.md). Each step must take the GIL back, which a
 # busy thread beside it holds for up to the switch interval (5 ms): beside a thread that never
 # waits, 103k rows took 5.5 s in chunks of 128, 1.0 s of 1024, 0.6 s of 4096 (0.3 s alone). The
 # aggregator's loop thread is idle most of a tick (backpressure), and in the server 1024 and 4096
@@ -474,5 +470,5 @@ class _Checkpointer:
     def warn(self, exc: sqlite3.Error) -> None:
         if not self._failed:
             self._failed = True
-            print(f"[stepwatch] store: {self._path}: WAL checkpoint failed (later failures are not shown; "
-                  f"the rows stay in the WAL): {exc}", file=sys.stderr, flush=True)
+            logger.warning("store: %s: WAL checkpoint failed (later failures are not shown; "
+                           "the rows stay in the WAL): %s", self._path, exc)

@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from itertools import repeat
 from operator import attrgetter
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
 from ..errors import TransportError
-from .limits import MAX_HOST_BYTES, MAX_ID_CHARS, MAX_NAME_BYTES, MAX_RANK
+from ..schema.tables import fields
+from ..schema.wire import WireMark, WireSpan, WireTables, WireTelemetry
 
 __all__ = ["COLUMNAR", "DEFAULT_MAX_FRAME", "FrameDecoder", "JSON_FIELD", "Message", "TABLE_NAMES", "WireMark",
            "WireSpan", "WireTables", "WireTelemetry", "columnar_table", "decode_body", "decode_typed",
@@ -36,14 +37,11 @@ _json_decoder = msgspec.json.Decoder()
 _json_raw_decoder = msgspec.json.Decoder(list[msgspec.Raw])
 
 # Columnar tables as the sender writes them: the wire field names in the store's column order
-# (store.base.COLUMNS; spans and marks without the session and rank, which the frame's meta
-# gives), the JSON-typed field last, as text.
+# (schema.tables; spans and marks without the session and rank, which the frame's meta gives),
+# the JSON-typed field last, as text. A mark's value is one field that becomes two columns.
 COLUMNAR: dict[str, tuple[str, ...]] = {
-    "telemetry": ("session_id", "rank", "timestamp_ns", "event_type", "collector", "device_id",
-                  "allocator_allocated_bytes", "allocator_reserved_bytes", "allocator_active_bytes",
-                  "allocator_inactive_bytes", "allocator_change_bytes", "device_used_bytes", "device_free_bytes",
-                  "device_total_bytes", "pid", "host", "context", "metadata"),
-    "spans": ("id", "parent_id", "name", "index", "start_ns", "end_ns", "gpu_ns", "thread_id", "pid", "attrs"),
+    "telemetry": fields("telemetry"),
+    "spans": fields("spans", skip_session=True),
     "marks": ("id", "span_id", "name", "value_type", "value", "value_nonfinite", "ts_ns", "kind", "attrs"),
 }
 JSON_FIELD = {"telemetry": "metadata", "spans": "attrs", "marks": "attrs"}
@@ -179,96 +177,7 @@ def decode_body(body: bytes, default_session: str | None = None) -> Message:
 # scan. Anything these types refuse (a float in an integer field, a number where text belongs, a
 # legacy envelope, an unknown table, a malformed body) makes ``decode_typed`` return None and the
 # caller takes the general path (``decode_body``), which accepts or rejects exactly as before.
-# Field names are the wire's; defaults mirror the ``.get`` defaults of ``store.rows``; a field
-# without a default is one ``store.rows`` reads with ``[...]``.
-
-I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-# The bounds of transport/limits.py that msgspec checks in C while it decodes (lengths, ranges):
-# a value past them sends the frame to the general path, whose checks name it and refuse it.
-# Names and hosts go this way up to a quarter of their byte bound in characters, which no
-# encoding can take past it; a longer one takes the general path, which counts its bytes.
-# What is left to check on typed rows is the shape of the ids (limits.ids_shape_problem).
-Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
-Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_BYTES // 4)]
-Host = Annotated[str, msgspec.Meta(max_length=MAX_HOST_BYTES // 4)]
-Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
-
-
-class WireTelemetry(msgspec.Struct, gc=False):
-    session_id: Id
-    timestamp_ns: I64 | None
-    event_type: Name | None
-    collector: Name | None
-    device_id: I64 | None
-    allocator_allocated_bytes: I64 | None
-    allocator_reserved_bytes: I64 | None
-    rank: Rank | None = 0
-    allocator_active_bytes: I64 | None = None
-    allocator_inactive_bytes: I64 | None = None
-    allocator_change_bytes: I64 | None = None
-    device_used_bytes: I64 | None = None
-    device_free_bytes: I64 | None = None
-    device_total_bytes: I64 | None = None
-    pid: I64 | None = None
-    host: Host | None = None
-    context: str | None = None
-    metadata: Any = None
-
-
-class WireSpan(msgspec.Struct, gc=False):
-    id: Id | None
-    name: Name | None
-    start_ns: I64 | None
-    end_ns: I64 | None
-    parent_id: Id | None = None
-    index: I64 | None = None
-    gpu_ns: I64 | None = None
-    thread_id: I64 | None = None
-    pid: I64 | None = None
-    rank: Any = 0  # not stored (the frame's rank is); HTTP ingestion reads the first span's
-    attrs: dict[str, Any] | None = None
-
-
-class WireMark(msgspec.Struct, gc=False):
-    id: Id | None
-    name: Name | None
-    span_id: Id | None = None
-    value_type: str | None = None
-    value: Any = None
-    value_nonfinite: str | None = None
-    ts_ns: I64 | None = None
-    kind: str | None = "point"
-    attrs: Any = None
-
-
-_S = str | None
-_I = I64 | None
-_Id = Id | None
-_N = Name | None
-
-
-class ColumnarTelemetry(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """A columnar telemetry table whose rows are already the store's tuples (metadata as text)."""
-    columns: tuple[str, ...]
-    rows: list[tuple[Id, Rank | None, _I, _N, _N, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, Host | None, _S, str]]
-
-
-class ColumnarSpans(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    columns: tuple[str, ...]
-    rows: list[tuple[_Id, _Id, _N, _I, _I, _I, _I, _I, _I, str]]
-
-
-class ColumnarMarks(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    columns: tuple[str, ...]
-    rows: list[tuple[_Id, _Id, _N, _S, Any, _S, _I, _S, str]]
-
-
-class WireTables(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    telemetry: list[WireTelemetry] | ColumnarTelemetry = []
-    spans: list[WireSpan] | ColumnarSpans = []
-    marks: list[WireMark] | ColumnarMarks = []
-    snapshots: list[dict[str, Any]] = []
-    heartbeat: list[dict[str, Any]] = []
+# The typed rows live in ``schema.wire``, below both this module and the store that reads them.
 
 
 class _WireBody(msgspec.Struct, gc=False):

@@ -33,7 +33,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from ..capture.guard import report_internal
+from ..guard import Site, report_internal
 from ..errors import ConfigError
 
 __all__ = ["GZIP_MIN_BYTES", "THREAD_NAME", "UPLOADED_FILE", "HttpExporter", "batch_id_of", "parse_retry_after"]
@@ -583,7 +583,7 @@ class HttpExporter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
         except Exception:  # noqa: BLE001
             pass
-        report_internal(exc, "transport.http_exporter")
+        report_internal(exc, Site.HTTP_EXPORTER)
 
     def _check_fork(self) -> None:
         """After fork() the child owns fresh locks and no worker; the parent uploads its queue."""

@@ -50,7 +50,8 @@ def discover_nvml(pid: int | None = None) -> Collector | None:
 
     if find_spec("pynvml") is None:
         return None
-    from .nvml import NvmlCollector, load_nvml
+    from ...nvml import load_nvml
+    from .nvml import NvmlCollector
 
     nvml = load_nvml()
     return None if nvml is None else NvmlCollector(nvml, pid=pid)

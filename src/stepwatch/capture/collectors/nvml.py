@@ -9,17 +9,7 @@ from typing import Any
 
 from .base import Reading
 
-__all__ = ["NvmlCollector", "load_nvml"]
-
-
-def load_nvml() -> Any | None:
-    """The initialised ``pynvml`` module of nvidia-ml-py, or None when absent or no driver."""
-    try:
-        import pynvml  # provided by the nvidia-ml-py distribution
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no library or no driver: NVML simply is not present
-        return None
-    return pynvml
+__all__ = ["NvmlCollector"]
 
 
 class NvmlCollector:

@@ -27,11 +27,20 @@ from typing import Any
 
 from ...errors import IntegrationUnavailable
 from .. import training
-from ..guard import report_internal
+from ...guard import Site, report_internal
 from ..spans import OpenSpan
 from ..training import TrainingState
 
 __all__ = ["FrameworkLink", "require_version", "validate_init_kwargs"]
+
+# The guard sites of each framework's link, looked up once here so that a framework without its
+# declared ``Site`` members fails at import, never inside an error handler in the trainer.
+_LINK_OPERATIONS = ("start", "stop", "open_epoch", "close_epoch", "open_step", "close_step", "mark", "open_eval_step",
+                    "close_eval_step")
+_SITES: dict[str, dict[str, Site]] = {
+    framework: {op: Site(f"{framework}.{op}") for op in _LINK_OPERATIONS}
+    for framework in ("lightning", "transformers")
+}
 
 
 def require_version(library: str, version: str, minimum: tuple[int, ...]) -> None:
@@ -76,12 +85,13 @@ class FrameworkLink:
         link.stop()                  # train ends: close leftovers, release, shut down if ours
     """
 
-    __slots__ = ("framework", "init_kwargs", "start_runtime", "state", "started", "epoch", "step", "step_end_ns",
-                 "eval_step")
+    __slots__ = ("framework", "sites", "init_kwargs", "start_runtime", "state", "started", "epoch", "step",
+                 "step_end_ns", "eval_step")
 
     def __init__(self, framework: str, init_kwargs: Mapping[str, Any] | None = None, *,
                  start_runtime: bool = True) -> None:
         self.framework = framework
+        self.sites = _SITES[framework]  # KeyError for a framework with no declared sites
         self.init_kwargs = validate_init_kwargs(init_kwargs)
         # False for the callback stepwatch attached itself: it works while stepwatch runs and
         # never starts it (a program that stopped stepwatch wants it stopped).
@@ -122,7 +132,7 @@ class FrameworkLink:
                 state.claim(self.framework)
             return state
         except Exception as exc:  # noqa: BLE001 - start-up failed: the trainer runs on without us
-            report_internal(exc, f"{self.framework}.start")
+            report_internal(exc, self.sites["start"])
             return None
 
     def stop(self, error: BaseException | None = None) -> None:
@@ -145,7 +155,7 @@ class FrameworkLink:
                 if current_runtime() is started:
                     shutdown()
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.stop")
+            report_internal(exc, self.sites["stop"])
 
     def _close_leftovers(self) -> None:
         """A previous run of this callback ended without its end event (the Trainer raised and
@@ -187,7 +197,7 @@ class FrameworkLink:
             if self.epoch is not None:
                 self.epoch.attrs = {**(self.epoch.attrs or {}), "framework": self.framework}
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.open_epoch")
+            report_internal(exc, self.sites["open_epoch"])
 
     def close_epoch(self, error: BaseException | None = None) -> None:
         try:
@@ -201,7 +211,7 @@ class FrameworkLink:
                 epoch.attrs = {**(epoch.attrs or {}), "error": type(error).__name__}
             state.recorder.close(epoch)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.close_epoch")
+            report_internal(exc, self.sites["close_epoch"])
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -224,7 +234,7 @@ class FrameworkLink:
             self.step_end_ns = None
             return self.step
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.open_step")
+            report_internal(exc, self.sites["open_step"])
             return None
 
     def close_step(self, error: BaseException | None = None, *, end_ns: int | None = None) -> None:
@@ -236,7 +246,7 @@ class FrameworkLink:
             if state is not None and step is not None and not step.closed:
                 state.close_step(step, error, end_ns=end_ns)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.close_step")
+            report_internal(exc, self.sites["close_step"])
 
     def end_step_later(self) -> None:
         """The step ended now, but the framework logs its values right after: keep the span open
@@ -269,7 +279,7 @@ class FrameworkLink:
             self.eval_step = state.open_step(None, {"framework": self.framework, **attrs}, implicit=True)
             return self.eval_step
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.open_eval_step")
+            report_internal(exc, self.sites["open_eval_step"])
             return None
 
     def close_eval_step(self, error: BaseException | None = None) -> None:
@@ -279,7 +289,7 @@ class FrameworkLink:
             if state is not None and span is not None and not span.closed:
                 state.close_step(span, error)  # a no-op when something else closed it already
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.close_eval_step")
+            report_internal(exc, self.sites["close_eval_step"])
 
     # -- marks --------------------------------------------------------------------------------
 
@@ -293,4 +303,4 @@ class FrameworkLink:
             target = step if step is not None else state.recorder.current()
             state.recorder.mark_on(target, name, value, "point", attrs or None)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, f"{self.framework}.mark")
+            report_internal(exc, self.sites["mark"])

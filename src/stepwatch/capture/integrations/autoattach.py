@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from ...errors import IntegrationUnavailable
-from ..guard import report_internal
+from ...guard import Site, report_internal
 
 __all__ = ["install", "installed", "uninstall", "wrap_method"]
 
@@ -74,7 +74,7 @@ def uninstall() -> None:
             try:
                 restore()
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "autoattach.restore")
+                report_internal(exc, Site.AUTOATTACH_RESTORE)
         _done.clear()
 
 
@@ -99,7 +99,10 @@ def _instrument(name: str, module: ModuleType) -> None:
     except IntegrationUnavailable:
         pass  # a framework too old for its integration: its Trainer runs as it is
     except Exception as exc:  # noqa: BLE001
-        report_internal(exc, f"autoattach.{TARGETS[name]}")
+        if TARGETS[name] == "lightning":
+            report_internal(exc, Site.AUTOATTACH_LIGHTNING)
+        else:
+            report_internal(exc, Site.AUTOATTACH_HUGGINGFACE)
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
@@ -140,7 +143,7 @@ class _ImportHook(importlib.abc.MetaPathFinder):
             loader.exec_module = exec_module
             return spec
         except Exception as exc:  # noqa: BLE001 - the import goes on without us
-            report_internal(exc, "autoattach.find_spec")
+            report_internal(exc, Site.AUTOATTACH_FIND_SPEC)
             return None
 
 

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from ...errors import IntegrationUnavailable
-from ..guard import report_internal
+from ...guard import Site, report_internal
 from . import FrameworkLink, require_version
 
 try:
@@ -87,7 +87,7 @@ class StepwatchCallback(TrainerCallback):
             # A resumed run starts at its checkpoint's epoch.
             self._next_epoch = int((state.epoch or 0) + 1e-6)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "transformers.on_train_begin")
+            report_internal(exc, Site.TRANSFORMERS_ON_TRAIN_BEGIN)
             self._next_epoch = 0
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -137,7 +137,7 @@ class StepwatchCallback(TrainerCallback):
                         continue
                     link.mark(name, value, **attrs)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "transformers.on_log")
+            report_internal(exc, Site.TRANSFORMERS_ON_LOG)
         link.settle()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -212,7 +212,7 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
             try:
                 _attach(self)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "transformers.attach")
+                report_internal(exc, Site.TRANSFORMERS_ATTACH)
 
         return __init__
 
@@ -224,7 +224,7 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
                     handler.callbacks[:] = [c for c in handler.callbacks
                                             if not getattr(c, "auto_attached", False)]
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "transformers.add_callback")
+                report_internal(exc, Site.TRANSFORMERS_ADD_CALLBACK)
             return original(self, callback)
 
         return add_callback
@@ -237,7 +237,7 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
                     callback._end_epoch()
                     callback._link.open_step()
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "transformers.get_batch_samples")
+                report_internal(exc, Site.TRANSFORMERS_GET_BATCH_SAMPLES)
             return original(self, *args, **kwargs)
 
         return get_batch_samples
@@ -249,7 +249,7 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
                 callback = _callback_of(self)
                 link = callback._link if callback is not None else None
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "transformers.prediction_step")
+                report_internal(exc, Site.TRANSFORMERS_PREDICTION_STEP)
             if link is None or link.open_eval_step() is None:
                 return original(self, *args, **kwargs)
             try:

@@ -48,7 +48,7 @@ from types import ModuleType
 from typing import Any
 
 from ...errors import IntegrationUnavailable
-from ..guard import report_internal
+from ...guard import Site, report_internal
 from . import FrameworkLink, require_version
 
 try:
@@ -155,7 +155,7 @@ class StepwatchCallback(Callback):
                 # then the torch patches time each phase on their own.
                 self._patch(strategy, "training_step", self._wrap_training_step())
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "lightning.on_fit_start")
+            report_internal(exc, Site.LIGHTNING_ON_FIT_START)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._inert:
@@ -181,7 +181,7 @@ class StepwatchCallback(Callback):
         try:
             index = int(trainer.current_epoch)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "lightning.on_train_epoch_start")
+            report_internal(exc, Site.LIGHTNING_ON_TRAIN_EPOCH_START)
             return
         self._link.open_epoch(index)
 
@@ -192,7 +192,7 @@ class StepwatchCallback(Callback):
             try:
                 self._mark_metrics(trainer, set(), step=int(trainer.global_step))
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "lightning.on_train_epoch_end")
+                report_internal(exc, Site.LIGHTNING_ON_TRAIN_EPOCH_END)
         link.close_epoch()
 
     # -- steps --------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class StepwatchCallback(Callback):
                     # torch's post-hook ends this one, as it would have ended the pre-hook's.
                     local.optimizer_token = state.begin_phase("optimizer_step")
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "lightning.on_before_optimizer_step")
+            report_internal(exc, Site.LIGHTNING_ON_BEFORE_OPTIMIZER_STEP)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         link = self._link
@@ -258,7 +258,7 @@ class StepwatchCallback(Callback):
                     marked.add("learning_rate")
             self._mark_metrics(trainer, marked, step=global_step)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "lightning.on_train_batch_end")
+            report_internal(exc, Site.LIGHTNING_ON_TRAIN_BATCH_END)
         if not getattr(pl_module, "automatic_optimization", True) or self._stepped:
             link.close_step()  # else gradients accumulate: the step goes on with the next batch
 
@@ -343,7 +343,7 @@ class StepwatchCallback(Callback):
             self._optimizer_moved = False
             self._grad_norms = []
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "lightning.restore")
+            report_internal(exc, Site.LIGHTNING_RESTORE)
 
     def _wrap_batch_to_device(self, trainer: Any) -> Any:
         """The step opens before the batch moves to the device, so ``h2d`` is inside it
@@ -358,7 +358,7 @@ class StepwatchCallback(Callback):
                 elif trainer.sanity_checking or trainer.validating or trainer.testing or trainer.predicting:
                     self._open_eval(trainer)  # the eval step opens before its batch's transfer too
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "lightning.batch_to_device")
+                report_internal(exc, Site.LIGHTNING_BATCH_TO_DEVICE)
             return original(*args, **kwargs)
 
         return batch_to_device
@@ -375,7 +375,7 @@ class StepwatchCallback(Callback):
             try:
                 begun = callback._begin_forward()
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "lightning.training_step")
+                report_internal(exc, Site.LIGHTNING_TRAINING_STEP)
             if begun is None:
                 return original(*args, **kwargs)
             state, span = begun
@@ -384,14 +384,14 @@ class StepwatchCallback(Callback):
                 try:
                     callback._loss = _loss_of(output)
                 except Exception as exc:  # noqa: BLE001
-                    report_internal(exc, "lightning.training_step.loss")
+                    report_internal(exc, Site.LIGHTNING_TRAINING_STEP_LOSS)
                 return output
             finally:
                 state.local.in_forward = False
                 try:
                     state.end_phase(span)
                 except Exception as exc:  # noqa: BLE001
-                    report_internal(exc, "lightning.training_step.end")
+                    report_internal(exc, Site.LIGHTNING_TRAINING_STEP_END)
 
         return training_step
 
@@ -448,7 +448,7 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
                 if not any(isinstance(c, StepwatchCallback) for c in callbacks):
                     callbacks.append(auto_callback())
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "lightning.attach")
+                report_internal(exc, Site.LIGHTNING_ATTACH)
 
         return __init__
 
