@@ -450,8 +450,8 @@ def test_a_store_from_before_the_session_keys_is_migrated_on_open(tmp_path: Path
     keyed tables: every row kept under its session, duplicates of a unique key stored once."""
     path = tmp_path / "old.sqlite"
     db = sqlite3.connect(path)
-    for table, cols in COLUMNS.items():
-        db.execute(f"CREATE TABLE {table} ({', '.join(c for c, _ in cols)})")
+    for table, cols in COLUMNS.items():  # steps as it was then: no recompute_ns
+        db.execute(f"CREATE TABLE {table} ({', '.join(c for c, _ in cols if c != 'recompute_ns')})")
     for statement in ("CREATE INDEX telemetry_by_session ON telemetry (session_id, rank, timestamp_ns)",
                       "CREATE UNIQUE INDEX spans_unique ON spans (session_id, rank, span_id)",
                       "CREATE INDEX heartbeats_by_session ON heartbeats (session_id, rank, ts_ns)"):
@@ -472,7 +472,7 @@ def test_a_store_from_before_the_session_keys_is_migrated_on_open(tmp_path: Path
         assert store.query("SELECT * FROM spans WHERE session_id = ?", (S2,)) == [
             {"session_id": S2, "rank": 1, "span_id": "a", "parent_id": None, "name": "step", "idx": 0,
              "start_ns": 10, "end_ns": 20, "gpu_ns": None, "thread_id": 1, "pid": 2, "attrs": '{"k": 1}'}]
-        assert [r["step_ns"] for r in store.step_rows(S2)] == [10]
+        assert [(r["step_ns"], r["recompute_ns"]) for r in store.step_rows(S2)] == [(10, None)]  # unknown
         assert store.count("spans", S1) == 1
         names = {r["name"] for r in store.query("SELECT name FROM sqlite_master WHERE type = 'index'")}
         assert "telemetry_by_session" not in names and "heartbeats_by_session" not in names
@@ -482,6 +482,31 @@ def test_a_store_from_before_the_session_keys_is_migrated_on_open(tmp_path: Path
     with SqliteStore(path) as store:  # opening again changes nothing
         assert store.count("telemetry") == 3
         assert store.count("telemetry", S1) == 2
+
+
+def test_a_store_from_before_a_declared_column_gains_it_on_open(tmp_path: Path) -> None:
+    """A keyed store written before ``steps.recompute_ns`` existed: the column is added (NULL in
+    the old rows, never 0), the view shows it, and new rows carry it."""
+    path = tmp_path / "keyed.sqlite"
+    with SqliteStore(path):
+        pass
+    db = sqlite3.connect(path)
+    columns = [c for c, _ in COLUMNS["steps"][1:] if c != "recompute_ns"]
+    db.execute("DROP VIEW steps")
+    db.execute("DROP TABLE steps_rows")
+    db.execute(f"CREATE TABLE steps_rows (session_key INTEGER, {', '.join(columns)})")
+    db.execute("INSERT INTO session_keys (session_id) VALUES (?)", (S1,))
+    db.execute(f"INSERT INTO steps_rows VALUES (1, {', '.join('?' * len(columns))})",
+               (0, 0, 10, 20, 10, 1, 0, 2, 3, 4, 0))
+    db.execute(f"CREATE VIEW steps (session_id, {', '.join(columns)}) AS SELECT k.session_id, "
+               f"{', '.join('r.' + c for c in columns)} FROM steps_rows r "
+               "LEFT JOIN session_keys k ON k.session_key = r.session_key")
+    db.commit()
+    db.close()
+    with SqliteStore(path) as store:
+        store.append_many({"steps": [{**dict.fromkeys(c for c, _ in COLUMNS["steps"]), "session_id": S1, "rank": 0,
+                                      "step": 1, "start_ns": 20, "end_ns": 30, "step_ns": 10, "recompute_ns": 4}]})
+        assert [(r["step"], r["recompute_ns"]) for r in store.step_rows(S1)] == [(0, None), (1, 4)]
 
 
 def test_retention_needs_no_time_index_and_covers_snapshots(store: SqliteStore) -> None:

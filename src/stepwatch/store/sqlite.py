@@ -158,6 +158,13 @@ class SqliteStore:
         for table in _ROW_COLUMNS:
             body = _column_defs(COLUMNS[table][1:])
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}_rows (session_key INTEGER, {body})")
+            # a store written before a column was declared (steps.recompute_ns): added, its view remade
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table}_rows)")}
+            missing = [(name, kind) for name, kind in COLUMNS[table][1:] if name not in have]
+            for name, kind in missing:
+                self._db.execute(f"ALTER TABLE {table}_rows ADD COLUMN {_column_defs([(name, kind)])}")
+            if missing:
+                self._db.execute(f"DROP VIEW IF EXISTS {table}")
         for statement in _INDEXES:
             self._db.execute(statement)
         for table, columns in _ROW_COLUMNS.items():
@@ -167,8 +174,9 @@ class SqliteStore:
                                  f"SELECT DISTINCT session_id FROM {table} WHERE session_id IS NOT NULL")
                 # INSERT OR IGNORE in rowid order: the first of rows the unique keys call the same
                 # stays (older stores had no unique indexes)
+                present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
                 self._db.execute(f"INSERT OR IGNORE INTO {table}_rows (session_key, {names}) "
-                                 f"SELECT k.session_key, {', '.join('t.' + c for c in columns)} "
+                                 f"SELECT k.session_key, {', '.join('t.' + c if c in present else 'NULL' for c in columns)} "
                                  f"FROM {table} t LEFT JOIN session_keys k ON k.session_id = t.session_id "
                                  f"ORDER BY t.rowid")
                 self._db.execute(f"DROP TABLE {table}")
