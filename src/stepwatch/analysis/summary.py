@@ -52,6 +52,17 @@ def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _read_aggregator_stats(run_dir: Path | None) -> dict[str, Any]:
+    """The aggregator's counters; a file a full disk left empty or cut short counts as none."""
+    if run_dir is None:
+        return {}
+    try:
+        value = json.loads((run_dir / "aggregator_stats.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Summary of ``session_id`` (default: the newest session in the store)."""
     sessions = store.sessions()
@@ -81,9 +92,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "AND event_type IN ('collector_degraded', 'collector_recovered') GROUP BY rank, collector, event_type",
         (session_id,),
     )
-    aggregator_stats: dict[str, Any] = {}
-    if run_dir is not None and (run_dir / "aggregator_stats.json").is_file():
-        aggregator_stats = json.loads((run_dir / "aggregator_stats.json").read_text())
+    aggregator_stats = _read_aggregator_stats(run_dir)
     exit_code = None
     if run_dir is not None and (run_dir / "run.json").is_file():
         run = json.loads((run_dir / "run.json").read_text())
@@ -154,12 +163,26 @@ def render_summary_text(summary: dict[str, Any]) -> str:
                      f"{(peak['peak_reserved_bytes'] or 0) / 2**20:.1f} MiB reserved")
     dropped = {rank: d for rank, d in summary["drops"].items() if d}
     lines.append(f"drops: {dropped if dropped else 'none'}")
+    lines.extend(_loss_lines(summary))
     degraded = [h for h in summary["collector_health"] if h["event_type"] == "collector_degraded"]
     lines.append("collector health: " + (", ".join(f"rank {h['rank']} {h['collector']} degraded x{h['n']}" for h in degraded)
                                          if degraded else "all healthy"))
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
     return "\n".join(lines) + "\n"
+
+
+def _loss_lines(summary: dict[str, Any]) -> list[str]:
+    """What a full disk (or another failed write) kept out of the history and the summary files."""
+    lines = []
+    aggregator = summary.get("aggregator") or {}
+    if aggregator.get("rows_lost"):
+        cause = "the disk was full" if aggregator.get("disk_full_errors") else "writes failed"
+        lines.append(f"history: {aggregator['rows_lost']} rows lost ({cause}: {aggregator.get('write_errors', '?')} "
+                     "failed writes); the ranks' own files keep what fit")
+    if summary.get("unwritten"):
+        lines.append(f"not written: {summary['unwritten']}")
+    return lines
 
 
 def compare_summaries(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:

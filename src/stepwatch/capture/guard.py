@@ -7,6 +7,7 @@ the suite (STYLE habit 17).
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 import threading
@@ -22,11 +23,14 @@ _seen_sites: set[str] = set()
 _counts: Counter[str] = Counter()
 _recent: list[BaseException] = []
 _RECENT_MAX = 64
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # every write fails alike after the first: one site, one line
 
 
 def report_internal(exc: BaseException, site: str | None = None) -> None:
     """Counts a swallowed error and logs it the first time its site fails."""
-    if site is None:
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+        site = "the run directory (disk full: what cannot be written is counted as dropped)"
+    elif site is None:
         tb = exc.__traceback__
         frames = traceback.extract_tb(tb) if tb is not None else []
         site = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else type(exc).__name__
