@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +31,7 @@ from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
 from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..artifacts.spool import SpoolWriter
+from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
@@ -262,6 +264,10 @@ class Runtime:
         if config.auto_instrument:
             with guarded:
                 self.install_patches()
+        if os.environ.get(LAUNCHER_PID_ENV):
+            # under ``stepwatch run``: die with whoever started this rank (the launcher, or
+            # torchrun, whose own parent-death signal comes from the launcher)
+            die_with_parent(signal.SIGTERM)
         self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
         self._thread.start()
 
@@ -621,7 +627,18 @@ class Runtime:
         finally:
             self._tick_lock.release()
 
+    def _launcher_ending(self, status: SessionStatus) -> tuple[SessionStatus, dict[str, Any]]:
+        """A stop because ``stepwatch run`` died (``kill -9``, its terminal closed): the kernel's
+        parent-death SIGTERM, not the end of the training. Said as such in the stop records."""
+        launcher = launcher_gone()
+        if launcher is None:
+            return status, {}
+        return ("interrupted" if status == "completed" else status), {
+            "ended_by": "launcher_died", "launcher_pid": launcher,
+            "reason": f"the launcher (stepwatch run, pid {launcher}) died; the job was stopped with it"}
+
     def _stop_locked(self, status: SessionStatus, timeout: float, exit_code: int | None, deadline: float) -> None:
+        status, ending = self._launcher_ending(status)
         with guarded:  # first: the deadline bounds this, not the exporter's wait below
             self._drain(deadline)
         if self.patches is not None:
@@ -644,10 +661,11 @@ class Runtime:
             self._write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
-                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors}},
+                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors},
+                          **ending},
             ))
         with guarded:
-            self._heartbeat_write(self._heartbeat("stop", status=status))
+            self._heartbeat_write(self._heartbeat("stop", status=status, **ending))
             self.heartbeat.close()
         if self.sender is not None:
             with guarded:
@@ -655,10 +673,12 @@ class Runtime:
                 self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session
-        if self.identity.rank == 0 and not self.launched:
-            with guarded:
+        if self.identity.rank == 0 and (not self.launched or ending):
+            with guarded:  # a dead launcher cannot write its run.json: rank 0 says how the run ended
                 manifest = read_run_manifest(self.run_dir)
                 manifest.status = status
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
+                if ending:
+                    manifest.extra.update(ending)
                 write_run_manifest(self.run_dir, manifest)

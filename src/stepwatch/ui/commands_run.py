@@ -53,7 +53,7 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
 
     console = _console(stderr=True)
     code, run_dir, summary = launch(LaunchOptions(script=list(script), **options),
-                                    echo=lambda line: console.print(line, markup=False))
+                                    echo=lambda line: console.print(line, markup=False, soft_wrap=True))
     if summary is not None and not quiet:
         from ..analysis.summary import render_summary_text
 
