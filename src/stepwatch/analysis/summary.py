@@ -124,6 +124,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
             for p in store.memory_peaks(session_id)
         ],
         "drops": drops,
+        "unrecorded_tail": _unrecorded_tail(run_dir, session_id),
         "collector_health": [dict(h) for h in health],
         "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted")
                        if k in aggregator_stats},
@@ -162,7 +163,9 @@ def render_summary_text(summary: dict[str, Any]) -> str:
                      f"{(peak['peak_allocated_bytes'] or 0) / 2**20:.1f} MiB allocated, "
                      f"{(peak['peak_reserved_bytes'] or 0) / 2**20:.1f} MiB reserved")
     dropped = {rank: d for rank, d in summary["drops"].items() if d}
-    lines.append(f"drops: {dropped if dropped else 'none'}")
+    tails = _tail_text(summary.get("unrecorded_tail") or {})
+    lines.append(f"drops: {dropped if dropped else ('none counted' if tails else 'none')}")
+    lines.extend(tails)
     lines.extend(_loss_lines(summary))
     degraded = [h for h in summary["collector_health"] if h["event_type"] == "collector_degraded"]
     lines.append("collector health: " + (", ".join(f"rank {h['rank']} {h['collector']} degraded x{h['n']}" for h in degraded)
@@ -170,6 +173,45 @@ def render_summary_text(summary: dict[str, Any]) -> str:
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
     return "\n".join(lines) + "\n"
+
+
+def _unrecorded_tail(run_dir: Path | None, session_id: str) -> dict[str, dict[str, Any]]:
+    """Ranks that ended without stopping their capture (SIGKILL, a crash of the interpreter):
+    from their step ledgers, the last step recorded and the last sign of life after it."""
+    if run_dir is None:
+        return {}
+    from ..artifacts.step_ledger import unrecorded_tails
+
+    try:
+        tails = unrecorded_tails(run_dir, session_id)
+    except OSError:
+        return {}
+    ended = None
+    try:
+        run = json.loads((run_dir / "run.json").read_text())
+        if run.get("session_id") == session_id:
+            ended = (run.get("extra") or {}).get("training_ended_ns")
+    except (OSError, ValueError, AttributeError):
+        pass
+    for tail in tails.values():  # the process was gone by the time the launcher saw the training end
+        last = tail.get("last_step_end_ns")
+        if isinstance(ended, int) and isinstance(last, int) and ended > last:
+            tail["ended_by_ns"] = ended
+            tail["unrecorded_ms"] = max(tail.get("unrecorded_ms") or 0.0, round((ended - last) / 1e6, 1))
+    return tails
+
+
+def _tail_text(tails: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for rank, tail in sorted(tails.items(), key=lambda item: int(item[0])):
+        if tail.get("last_step") is None:
+            lines.append(f"  rank {rank} ended without stopping its capture (killed?) before recording a step")
+            continue
+        after = (f"; it ended at most {tail['unrecorded_ms']:.0f} ms after that step, and what it did in between "
+                 "(the step in progress) is not recorded" if tail.get("unrecorded_ms") else "")
+        lines.append(f"  rank {rank} ended without stopping its capture (killed?): its last recorded step is "
+                     f"{tail['last_step']}{after}")
+    return lines
 
 
 def _loss_lines(summary: dict[str, Any]) -> list[str]:

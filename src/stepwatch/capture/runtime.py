@@ -31,6 +31,7 @@ from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
 from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..artifacts.spool import SpoolWriter
+from ..artifacts.step_ledger import StepLedger
 from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
@@ -39,7 +40,7 @@ from .events import EventFactory
 from .guard import guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
-from .spans import SpanRecorder
+from .spans import OpenSpan, SpanRecorder
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
 
@@ -196,6 +197,7 @@ class Runtime:
         for row in pre_init_marks():
             self.spans.marks.append(row)
         self.snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]] = BoundedTable("snapshots", 1024)
+        self._ledger = self._open_ledger()
         self.training = TrainingState(self.spans, snapshot_sink=self._snapshot_sink, blob_uri=self._blob_uri,
                                       on_step=self._on_step)
         from .. import __version__
@@ -333,6 +335,9 @@ class Runtime:
 
     def tick(self) -> None:
         now = time.time()
+        ledger = self._ledger
+        if ledger is not None:
+            ledger.alive(int(now * 1e9))
         mono = time.monotonic()
         quarter = self.phase_rows.maxlen // 4
         self._backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
@@ -504,10 +509,27 @@ class Runtime:
             make_event, record = cuda_event_source(torch)
             self.training.gpu_timer = GpuTimer(make_event, record=record)
 
-    def _on_step(self, step: int) -> None:
+    def _on_step(self, step: int, span: OpenSpan | None = None) -> None:
         self.step = step
+        ledger = self._ledger
+        if ledger is not None and span is not None and span.name == "step":
+            try:
+                ledger.write(span.index, span.start_ns, span.end_ns, span.phase_ns)
+            except Exception as exc:  # noqa: BLE001 - never into the training: the ledger is off from here
+                self._ledger = None
+                report_internal(exc, "step_ledger.write")
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
             self._note_program_device()
+
+    def _open_ledger(self) -> StepLedger | None:
+        """This rank's step ledger (artifacts/step_ledger.py): the steps a SIGKILL would take
+        with it survive in its pages. None (and said once) when the disk has no room for it."""
+        try:
+            return StepLedger.create(self.run_dir, self.session_id, rank=self.identity.rank,
+                                     started_ns=self.started_ns)
+        except (OSError, ValueError) as exc:
+            report_internal(exc, "step_ledger.create")
+            return None
 
     def _note_program_device(self) -> None:
         """Remembers the CUDA device current on the calling (the program's) thread."""
@@ -673,6 +695,10 @@ class Runtime:
                 self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session
+        ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            with guarded:
+                ledger.close(time.time_ns())  # after the last step (training.finish) went in
         if self.identity.rank == 0 and (not self.launched or ending):
             with guarded:  # a dead launcher cannot write its run.json: rank 0 says how the run ended
                 manifest = read_run_manifest(self.run_dir)

@@ -108,7 +108,7 @@ class TrainingState:
 
     def __init__(self, recorder: SpanRecorder, *, snapshot_sink: Callable[[list[dict[str, Any]], Any], None],
                  blob_uri: Callable[[str, str], str], gpu_timer: Any = None,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int, OpenSpan], None] | None = None) -> None:
         self.recorder = recorder
         self.gpu_timer = gpu_timer
         self.snapshot_sink = snapshot_sink
@@ -439,7 +439,7 @@ class TrainingState:
         else:
             self.recorder.close(span, end_ns)
         if self.on_step is not None and span.index is not None:
-            self.on_step(span.index + 1)
+            self.on_step(span.index + 1, span)  # the span too: the runtime's step ledger copies its times
 
     def finish(self) -> None:
         """At shutdown: a step still open on this thread closes as what it was, with its

@@ -214,6 +214,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = 128 - returncode if returncode < 0 else returncode
+    manifest.extra["training_ended_ns"] = time.time_ns()  # the summary's bound on a killed rank's unrecorded tail
     if local_history and aggregator_process is None:
         _rebuild_history(run_dir, echo)
     if aggregator_process is not None and options.nnodes > 1 and aggregator_process.poll() is None:
@@ -232,6 +233,8 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             echo(f"[stepwatch] the aggregator died during the run (exit code {died}); "
                  "rebuilding history.sqlite from the local artifacts")
             _rebuild_history(run_dir, echo)
+    if local_history:
+        _fill_from_ledgers(run_dir, options.session_id, echo)
     status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
     if hangup:
@@ -243,6 +246,26 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
                                       options.nproc_per_node * options.nnodes, options.script, lenient=True)
     _report_disk_losses(run_dir, aggregator_stats, summary, echo)
     return code, run_dir, summary
+
+
+def _fill_from_ledgers(run_dir: Path, session_id: str, echo: Any) -> None:
+    """Steps a killed rank closed after its last send are in its step ledger only: into the
+    history with them, before the summary is built (the aggregator has stopped: one writer)."""
+    import sqlite3
+
+    from ..errors import StepwatchError
+    from ..store.importers import import_ledgers
+    from ..store.sqlite import SqliteStore
+
+    try:
+        with SqliteStore(run_dir / "history.sqlite") as store:
+            added = import_ledgers(run_dir, session_id, store)
+    except (StepwatchError, OSError, sqlite3.Error) as exc:
+        echo(f"[stepwatch] could not add the step ledgers' steps to the history: {exc}")
+        return
+    if added:
+        echo(f"[stepwatch] {added} steps recorded only in the ranks' step ledgers (a rank ended before sending "
+             "them) were added to the history")
 
 
 def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,
