@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,6 +43,11 @@ VERSION = 1
 HEADER = struct.Struct("<8sIIIiiqqq40s")
 HEADER_SIZE = 128
 RECORD = struct.Struct("<QqqqqqqqqQ")  # seq, index, start, end, 5 phases, seq
+# The writer packs in the machine's own order and sizes when that is the file's (little-endian,
+# 8-byte fields, no padding): struct's native codes convert an int in a few instructions, its
+# standard ones go through a generic byte-array conversion (about 1k instructions a step more).
+_WRITE = struct.Struct("@QqqqqqqqqQ") if sys.byteorder == "little" and struct.calcsize("@QqqqqqqqqQ") == 80 else RECORD
+_NO_TIMES = {"data_load": 0, "h2d": 0, "forward": 0, "backward": 0, "optimizer_step": 0}
 _ALIVE_AT = struct.Struct("<q")
 _ALIVE_OFFSET = 8 + 4 * 5 + 8  # after magic, version, record_size, capacity, rank, pid, started_ns
 _CLOSED_OFFSET = _ALIVE_OFFSET + 8
@@ -99,7 +105,7 @@ class StepLedger:
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._mask = capacity - 1
         self._base = HEADER_SIZE
-        self._pack = RECORD.pack_into
+        self._pack = _WRITE.pack_into
         self._seq = 0
 
     @classmethod
@@ -134,16 +140,25 @@ class StepLedger:
             raise
 
     def write(self, index: int, start_ns: int, end_ns: int, times: Mapping[str, int] | None) -> None:
+        """One closed step (``times``: its phase times by name; None: no breakdown)."""
         seq = self._seq + 1
         self._seq = seq
-        if times is None:
-            self._pack(self._map, self._base + ((seq - 1) & self._mask) * 80, seq, index, start_ns, end_ns,
-                       0, 0, 0, 0, 0, seq)
-        else:
-            get = times.get
-            self._pack(self._map, self._base + ((seq - 1) & self._mask) * 80, seq, index, start_ns, end_ns,
-                       get("data_load", 0), get("h2d", 0), get("forward", 0), get("backward", 0),
-                       get("optimizer_step", 0), seq)
+        t = times or _NO_TIMES
+        self._pack(self._map, HEADER_SIZE + ((seq - 1) & self._mask) * 80, seq, index, start_ns, end_ns,
+                   t.get("data_load", 0), t.get("h2d", 0), t.get("forward", 0), t.get("backward", 0),
+                   t.get("optimizer_step", 0), seq)
+
+    def write_step(self, span: Any) -> None:
+        """``write`` for a closed step span (capture/spans.py ``OpenSpan``), the runtime's hook:
+        the least Python between the step's close and the copy (measured with callgrind, see
+        docs/crash-safety.md). Eval steps are not the history's steps: left out."""
+        if span.name != "step":
+            return
+        seq = self._seq + 1
+        self._seq = seq
+        t = span.phase_ns or _NO_TIMES
+        self._pack(self._map, HEADER_SIZE + ((seq - 1) & self._mask) * 80, seq, span.index, span.start_ns,
+                   span.end_ns, t["data_load"], t["h2d"], t["forward"], t["backward"], t["optimizer_step"], seq)
 
     def alive(self, now_ns: int) -> None:
         """The sampler's sign of life: how long after its last step a killed rank still ran."""

@@ -198,6 +198,7 @@ class Runtime:
             self.spans.marks.append(row)
         self.snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]] = BoundedTable("snapshots", 1024)
         self._ledger = self._open_ledger()
+        self._ledger_write = self._ledger.write_step if self._ledger is not None else None
         self.training = TrainingState(self.spans, snapshot_sink=self._snapshot_sink, blob_uri=self._blob_uri,
                                       on_step=self._on_step)
         from .. import __version__
@@ -511,12 +512,12 @@ class Runtime:
 
     def _on_step(self, step: int, span: OpenSpan | None = None) -> None:
         self.step = step
-        ledger = self._ledger
-        if ledger is not None and span is not None and span.name == "step":
+        write = self._ledger_write
+        if write is not None and span is not None:
             try:
-                ledger.write(span.index, span.start_ns, span.end_ns, span.phase_ns)
+                write(span)
             except Exception as exc:  # noqa: BLE001 - never into the training: the ledger is off from here
-                self._ledger = None
+                self._ledger_write = None
                 report_internal(exc, "step_ledger.write")
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
             self._note_program_device()
@@ -695,7 +696,7 @@ class Runtime:
                 self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session
-        ledger, self._ledger = self._ledger, None
+        ledger, self._ledger, self._ledger_write = self._ledger, None, None
         if ledger is not None:
             with guarded:
                 ledger.close(time.time_ns())  # after the last step (training.finish) went in
