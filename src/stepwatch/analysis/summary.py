@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.base import HistoryStore
+from .epochs import epoch_report, render_epoch_line
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "percentile", "render_summary_text"]
 
@@ -117,6 +118,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "ranks": ranks_seen,
         "overall": overall,
         "per_rank": per_rank,
+        "epochs": session_epochs(store, session_id),
         "memory_peaks": [
             {"rank": p["rank"], "collector": p["collector"], "device_id": p["device_id"],
              "peak_allocated_bytes": p["peak_allocated"], "peak_reserved_bytes": p["peak_reserved"],
@@ -148,6 +150,9 @@ def render_summary_text(summary: dict[str, Any]) -> str:
         f"p90 {_ms(overall['step_ms']['p90'])}  p99 {_ms(overall['step_ms']['p99'])}  "
         f"throughput {overall['throughput_steps_per_s'] or '-'} steps/s"
     )
+    epochs = render_epoch_line(summary.get("epochs"))
+    if epochs:
+        lines.append(epochs)
     shares = overall["phase_share"]
     if any(v is not None for v in shares.values()):
         lines.append("phase share  " + "  ".join(f"{k} {v * 100:.1f}%" for k, v in shares.items() if v is not None))
@@ -173,6 +178,14 @@ def render_summary_text(summary: dict[str, Any]) -> str:
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
     return "\n".join(lines) + "\n"
+
+
+def session_epochs(store: HistoryStore, session_id: str) -> dict[str, Any] | None:
+    """The session's epochs (analysis/epochs.py) from its epoch, step and eval_step spans."""
+    spans = store.query(
+        "SELECT rank, name, idx, start_ns, end_ns FROM spans WHERE session_id = ? "
+        "AND name IN ('epoch', 'step', 'eval_step')", (session_id,))
+    return epoch_report(spans)
 
 
 def _unrecorded_tail(run_dir: Path | None, session_id: str) -> dict[str, dict[str, Any]]:
