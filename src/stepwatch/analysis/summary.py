@@ -128,7 +128,8 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "drops": drops,
         "unrecorded_tail": _unrecorded_tail(run_dir, session_id),
         "collector_health": [dict(h) for h in health],
-        "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted")
+        "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted", "rows_lost",
+                                                        "write_errors", "disk_full_errors")
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
     }

@@ -140,14 +140,15 @@ def _report_disk_losses(run_dir: Path, stats: dict[str, Any], summary: dict[str,
     unwritten = summary.get("unwritten") if summary is not None else None
     if not stats.get("write_errors") and not unwritten:
         return
-    cause = "is full" if stats.get("disk_full_errors") or (unwritten and "space" in unwritten) else "failed writes"
+    full = stats.get("disk_full_errors") or (unwritten and "space" in unwritten)
+    cause = f"the disk of {run_dir} is full" if full else f"writes into {run_dir} failed"
     parts = []
     if stats.get("write_errors"):
         parts.append(f"{lost} of {stats.get('rows_accepted', 0)} rows did not reach history.sqlite "
                      f"({stats['write_errors']} failed writes)")
     if unwritten:
         parts.append("final_summary.json/.txt could not be written (the summary is printed below)")
-    echo(f"[stepwatch] the disk of {run_dir} {cause}: " + "; ".join(parts)
+    echo(f"[stepwatch] {cause}: " + "; ".join(parts)
          + "; the ranks' own files keep what fit")
 
 
@@ -327,8 +328,9 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
     """Writes final_summary.json and final_summary.txt from the run's history store.
 
     A full disk does not lose the summary: it is built all the same (the status given here
-    overrides the stored one) and returned with ``unwritten`` naming what could not be written;
-    ``echo`` says so in one line (without ``echo``, the OSError is raised)."""
+    overrides the stored one, which the full disk may have kept from being updated) and
+    returned with ``unwritten`` naming what could not be written, for ``launch`` to say. Without
+    ``lenient`` the error is raised (``stepwatch summary --write``)."""
     from ..analysis.summary import build_summary, render_summary_text
     from ..errors import StoreError
     from ..store.sqlite import SqliteStore
