@@ -32,7 +32,7 @@ def measured(steps: int, ledger: bool) -> None:
                     thread_id=1, phase_ns={"data_load": 1_000, "h2d": 0, "forward": 500_000, "backward": 700_000,
                                            "optimizer_step": 300_000},
                     closed=True, end_ns=1_795_638_917_799_758_221)
-    on_step = runtime._on_step  # noqa: SLF001 - the hook itself is what is measured
+    on_step = runtime._on_step  # the hook itself is what is measured
     for i in range(steps):
         span.index = i
         on_step(i + 1, span)
@@ -46,7 +46,7 @@ def main_thread_instructions(steps: int, ledger: bool) -> int:
                         sys.executable, __file__, str(steps), "on" if ledger else "off"],
                        check=True, capture_output=True, env=os.environ)
         text = Path(f"{out}-01").read_text()
-    found = re.search(r"^totals: (\d+)", text, re.M)
+    found = re.search(r"^totals: (\d+)", text, re.MULTILINE)
     assert found, "no totals line in the callgrind output"
     return int(found.group(1))
 

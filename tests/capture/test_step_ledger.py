@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -41,7 +40,7 @@ def test_a_rank_killed_by_sigkill_keeps_every_step_it_closed(tmp_path: Path) -> 
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "stepwatch", "run", "--out", str(out), str(script), str(tmp_path / "done")],
+    proc = subprocess.run(check=False, args=[sys.executable, "-m", "stepwatch", "run", "--out", str(out), str(script), str(tmp_path / "done")],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 137, proc.stderr
     done = int((tmp_path / "done").read_text())
@@ -60,7 +59,11 @@ def test_a_rank_killed_by_sigkill_keeps_every_step_it_closed(tmp_path: Path) -> 
 
 
 def test_a_clean_stop_leaves_no_tail(tmp_path: Path) -> None:
-    from stepwatch.artifacts.step_ledger import StepLedger, read_ledger, unrecorded_tails
+    from stepwatch.artifacts.step_ledger import (
+        StepLedger,
+        read_ledger,
+        unrecorded_tails,
+    )
 
     ledger = StepLedger.create(tmp_path, "s1", rank=3, capacity=16)
     for i in range(40):  # wraps the ring twice: the last 16 remain

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     script = base / "loop.py"
     script.write_text(LOOP)
     out = base / "run"
-    proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), str(script)], cwd=base, env=clean_env(),
+    proc = subprocess.run(check=False, args=[*STEPWATCH, "run", "--out", str(out), str(script)], cwd=base, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -68,15 +67,15 @@ def test_the_final_summary_gives_epochs(epoch_run: Path) -> None:
 
 
 def test_summary_and_inspect_give_epochs(epoch_run: Path) -> None:
-    summary = subprocess.run([*STEPWATCH, "summary", str(epoch_run / "history.sqlite"), "--json"], env=clean_env(),
+    summary = subprocess.run(check=False, args=[*STEPWATCH, "summary", str(epoch_run / "history.sqlite"), "--json"], env=clean_env(),
                              capture_output=True, text=True, timeout=60)
     assert summary.returncode == 0, summary.stderr
     _check(json.loads(summary.stdout)["epochs"])
-    inspect = subprocess.run([*STEPWATCH, "inspect", str(epoch_run), "--json"], env=clean_env(),
+    inspect = subprocess.run(check=False, args=[*STEPWATCH, "inspect", str(epoch_run), "--json"], env=clean_env(),
                              capture_output=True, text=True, timeout=60)
     assert inspect.returncode == 0, inspect.stderr
     _check(json.loads(inspect.stdout)["epochs"])
-    text = subprocess.run([*STEPWATCH, "inspect", str(epoch_run)], env=clean_env(), capture_output=True, text=True,
+    text = subprocess.run(check=False, args=[*STEPWATCH, "inspect", str(epoch_run)], env=clean_env(), capture_output=True, text=True,
                           timeout=60)
     assert "epochs 3  duration median" in text.stdout
 

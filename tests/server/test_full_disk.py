@@ -37,14 +37,14 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     mount.mkdir()
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root on Linux")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)],
+    done = subprocess.run(check=False, args=["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
         yield mount
     finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        subprocess.run(check=False, args=["umount", "-l", str(mount)], capture_output=True)
 
 
 def _no_traceback(output: str) -> None:
@@ -56,7 +56,7 @@ def test_run_on_a_full_disk_ends_with_the_trainings_code_one_line_and_the_summar
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     out = tiny_disk / "run"
-    proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), str(script)], cwd=tmp_path, env=clean_env(),
+    proc = subprocess.run(check=False, args=[*STEPWATCH, "run", "--out", str(out), str(script)], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=180)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output  # the training's exit code, not the launcher's trouble
@@ -75,7 +75,7 @@ def test_track_on_a_full_disk_ends_with_the_trainings_code(tiny_disk: Path, tmp_
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     out = tiny_disk / "run"
-    proc = subprocess.run([*STEPWATCH, "track", "--out", str(out), "--", sys.executable, str(script)], cwd=tmp_path,
+    proc = subprocess.run(check=False, args=[*STEPWATCH, "track", "--out", str(out), "--", sys.executable, str(script)], cwd=tmp_path,
                           env=clean_env(), capture_output=True, text=True, timeout=180)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output

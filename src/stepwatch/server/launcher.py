@@ -55,8 +55,9 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--http-port", str(options.http_port)]
     if options.token_env:
         command += ["--token-env", options.token_env]
+    # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                               preexec_fn=preexec_die_with_parent())
+                               preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
     assert process.stdout is not None
     line = process.stdout.readline()  # the ready line (or EOF if it failed to start)
     if not line:
@@ -79,7 +80,8 @@ def _start_job(command: list[str], env: dict[str, str]) -> subprocess.Popen[byte
     """The training (python or torchrun, and the ranks under it) in a process group of its own,
     with SIGTERM from the kernel should the launcher die (``kill -9``, a closed terminal): the
     job never outlives ``stepwatch run``. Ranks ask the same of torchrun (``Runtime``)."""
-    return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=preexec_die_with_parent())
+    return subprocess.Popen(command, env=env, start_new_session=True,
+                            preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - as in _start_aggregator
 
 
 def _signal_forwarder(training: subprocess.Popen[bytes], hangup: list[int]) -> Any:
