@@ -92,6 +92,6 @@ def test_sighup_to_the_launcher_stops_the_job_and_is_recorded(tmp_path: Path) ->
     _assert_all_gone(job, within_s=15.0)
     assert launcher.wait(30) != 0
     run = json.loads((out / "run.json").read_text())
-    assert run["extra"]["ended_by"] == "launcher_hangup", run
+    assert run["extra"]["ended_by"] == "launcher_hangup" and run["status"] == "interrupted", run
     assert run["exit_code"] is not None
     assert (out / "final_summary.json").is_file()

@@ -240,8 +240,9 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         _fill_from_ledgers(run_dir, options.session_id, echo)
     status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
-    if hangup:
-        manifest.extra["ended_by"] = "launcher_hangup"  # the terminal closed: the job was stopped
+    if hangup:  # the terminal closed: the job was stopped, whatever the ranks' SIGTERM handler said
+        manifest.extra["ended_by"] = "launcher_hangup"
+        status = manifest.status = "interrupted" if status == "completed" else status
     _write_manifest_or_say(run_dir, manifest, echo)
     summary = None
     if local_history:
