@@ -56,6 +56,16 @@ def test_a_rank_killed_by_sigkill_keeps_every_step_it_closed(tmp_path: Path) -> 
     assert tail["last_step"] == done - 1 and tail["unrecorded_ms"] is not None
     text = (out / "final_summary.txt").read_text()
     assert "drops: none\n" not in text and "rank 0 ended without stopping its capture" in text
+    # `stepwatch import` of the run directory reads the ledger too
+    imported = subprocess.run(check=False, args=[sys.executable, "-m", "stepwatch", "import", str(out), "--into",
+                                                 str(tmp_path / "again.sqlite")],
+                              env=_env(), capture_output=True, text=True, timeout=60)
+    assert imported.returncode == 0, imported.stderr
+    db = sqlite3.connect(tmp_path / "again.sqlite")
+    try:
+        assert db.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == done
+    finally:
+        db.close()
 
 
 def test_a_clean_stop_leaves_no_tail(tmp_path: Path) -> None:
