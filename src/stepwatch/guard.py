@@ -15,6 +15,7 @@ no member is named by two modules.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import sys
 import threading
@@ -117,6 +118,8 @@ class Site(enum.StrEnum):
     TRANSFORMERS_OPEN_EVAL_STEP = "transformers.open_eval_step"
     TRANSFORMERS_CLOSE_EVAL_STEP = "transformers.close_eval_step"
     PATCH_PROCESS_GROUP = "patch.process_group"
+    STEP_LEDGER_WRITE = "step_ledger.write"
+    STEP_LEDGER_CREATE = "step_ledger.create"
 
 
 logger = logging.getLogger("stepwatch.internal")
@@ -125,6 +128,7 @@ _seen_sites: set[str] = set()
 _counts: Counter[str] = Counter()
 _recent: list[BaseException] = []
 _RECENT_MAX = 64
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # every write fails alike after the first: one site, one line
 
 
 def report_internal(exc: BaseException, site: Site | None = None) -> None:
@@ -132,7 +136,9 @@ def report_internal(exc: BaseException, site: Site | None = None) -> None:
 
     Without a site (``with guarded:``) the raising line names it, so it cannot collide either.
     """
-    if site is None:
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+        site = "the run directory (disk full: what cannot be written is counted as dropped)"  # type: ignore[assignment]
+    elif site is None:
         tb = exc.__traceback__
         frames = traceback.extract_tb(tb) if tb is not None else []
         site = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else type(exc).__name__

@@ -314,7 +314,9 @@ def test_writer_outlives_a_failed_write(tmp_path: Path, caplog: pytest.LogCaptur
     assert core.write_errors == 1 and core.rows_lost == 1
     assert core.stats()["rows_written"] == 1
     assert query(path, "SELECT name FROM marks") == [("fine",)]
-    assert any("a write failed" in r.getMessage() and "refused by trigger" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if r.name == "stepwatch.aggregator"]
+    assert len(said) == 1 and "refused by trigger" in said[0]  # the `stepwatch` logger, once
+    assert "1 writes to the history failed, 1 of 2 rows are not in it" in (core.report_losses() or "")
 
 
 def test_backpressure_bounds_pending_rows_and_a_full_batch_writes_before_the_tick(tmp_path: Path) -> None:
@@ -362,3 +364,43 @@ def test_backpressure_bounds_pending_rows_and_a_full_batch_writes_before_the_tic
     assert written == 500
     assert elapsed < 5  # written in flush_rows batches, not one per 30 s tick
     assert query(path, "SELECT COUNT(*) FROM marks") == [(500,)]
+
+
+def test_a_full_store_is_said_once_with_its_count(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every write to a full database fails alike (SQLITE_FULL, here from max_page_count): no line
+    per failure, one line at the end with the count."""
+    import asyncio
+    import logging
+
+    from stepwatch.server.aggregator import Aggregator as Core
+    from stepwatch.store.sqlite import SqliteStore
+    from stepwatch.transport.frames import Message
+
+    path = tmp_path / "history.sqlite"
+    store = SqliteStore(path)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]  # noqa: SLF001 - a real SQLITE_FULL
+    store._db.execute(f"PRAGMA max_page_count={pages}")  # noqa: SLF001
+
+    async def main() -> Core:
+        core = Core(store, tick_s=0.01)
+        writer = asyncio.create_task(core.write_loop())
+        for i in range(30):
+            core.accept(Message(meta={"session_id": SID, "rank": 0},
+                                tables={"marks": [{"id": hexid(), "name": f"m{i}", "value": "x" * 20_000}]}))
+            await asyncio.sleep(0.03)
+        core.stop()
+        await writer
+        return core
+
+    caplog.set_level(logging.INFO, logger="stepwatch")
+    try:
+        core = asyncio.run(main())
+    finally:
+        store.close()
+    assert core.write_errors >= 25 and core.disk_full_errors == core.write_errors
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing said per failure
+    line = core.report_losses()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [line] and line is not None
+    assert f"the disk is full: {core.write_errors} writes to the history failed" in line
+    assert f"{core.rows_lost} of {core.rows_accepted} rows" in line

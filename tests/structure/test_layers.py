@@ -7,7 +7,7 @@ from __future__ import annotations
 from ._graph import import_graph
 
 # The foundation: modules any layer may import, which import no layer themselves.
-_FOUNDATION = frozenset({"stepwatch", "errors", "_decode", "guard", "log", "nvml", "phases", "schema"})
+_FOUNDATION = frozenset({"stepwatch", "errors", "_decode", "guard", "lifetime", "log", "nvml", "phases", "schema"})
 
 # package (second part of the dotted name) -> what it may import besides itself and the foundation.
 ALLOWED: dict[str, frozenset[str]] = {
@@ -16,6 +16,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "_decode": frozenset({"errors"}),  # file decoding that names the file in its errors
     "guard": frozenset(),
+    "lifetime": frozenset(),  # a process dies with its parent (prctl), for the launcher and the ranks
     "log": frozenset(),
     "nvml": frozenset(),
     "phases": frozenset(),

@@ -16,6 +16,7 @@ from .._decode import read_json_file
 from ..phases import PHASES as PHASE_TABLE
 from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
+from .epochs import epoch_report, render_epoch_line
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
            "render_summary_text", "run_outcome"]
@@ -60,6 +61,17 @@ def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _read_aggregator_stats(run_dir: Path | None) -> dict[str, Any]:
+    """The aggregator's counters; a file a full disk left empty or cut short counts as none."""
+    if run_dir is None:
+        return {}
+    try:
+        value = json.loads((run_dir / "aggregator_stats.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Summary of ``session_id`` (default: the newest session in the store)."""
     sessions = store.sessions()
@@ -89,9 +101,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "AND event_type IN ('collector_degraded', 'collector_recovered') GROUP BY rank, collector, event_type",
         (session_id,),
     )
-    aggregator_stats: dict[str, Any] = {}
-    if run_dir is not None and (run_dir / "aggregator_stats.json").is_file():
-        aggregator_stats = json.loads((run_dir / "aggregator_stats.json").read_text())
+    aggregator_stats = _read_aggregator_stats(run_dir)
     exit_code = None
     outcome = run_outcome(run_dir, session_id)
     if run_dir is not None and (run_dir / "run.json").is_file():
@@ -120,6 +130,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "workers": workers,
         "overall": overall,
         "per_rank": per_rank,
+        "epochs": session_epochs(store, session_id),
         "memory_peaks": [
             {"rank": p["rank"], "collector": p["collector"], "device_id": p["device_id"],
              "peak_allocated_bytes": p["peak_allocated"], "peak_reserved_bytes": p["peak_reserved"],
@@ -127,8 +138,10 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
             for p in store.memory_peaks(session_id)
         ],
         "drops": drops,
+        "unrecorded_tail": _unrecorded_tail(run_dir, session_id),
         "collector_health": [dict(h) for h in health],
-        "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted")
+        "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted", "rows_lost",
+                                                        "write_errors", "disk_full_errors")
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
     }
@@ -232,6 +245,9 @@ def render_summary_text(summary: dict[str, Any]) -> str:
         f"p90 {_ms(overall['step_ms']['p90'])}  p99 {_ms(overall['step_ms']['p99'])}  "
         f"throughput {overall['throughput_steps_per_s'] or '-'} steps/s"
     )
+    epochs = render_epoch_line(summary.get("epochs"))
+    if epochs:
+        lines.append(epochs)
     shares = overall["phase_share"]
     if any(v is not None for v in shares.values()):
         lines.append("phase share  " + "  ".join(f"{k} {v * 100:.1f}%" for k, v in shares.items() if v is not None))
@@ -249,13 +265,76 @@ def render_summary_text(summary: dict[str, Any]) -> str:
                      f"{(peak['peak_allocated_bytes'] or 0) / 2**20:.1f} MiB allocated, "
                      f"{(peak['peak_reserved_bytes'] or 0) / 2**20:.1f} MiB reserved")
     dropped = {rank: d for rank, d in summary["drops"].items() if d}
-    lines.append(f"drops: {dropped if dropped else 'none'}")
+    tails = _tail_text(summary.get("unrecorded_tail") or {})
+    lines.append(f"drops: {dropped if dropped else ('none counted' if tails else 'none')}")
+    lines.extend(tails)
+    lines.extend(_loss_lines(summary))
     degraded = [h for h in summary["collector_health"] if h["event_type"] == "collector_degraded"]
     lines.append("collector health: " + (", ".join(f"rank {h['rank']} {h['collector']} degraded x{h['n']}" for h in degraded)
                                          if degraded else "all healthy"))
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
     return "\n".join(lines) + "\n"
+
+
+def session_epochs(store: HistoryStore, session_id: str) -> dict[str, Any] | None:
+    """The session's epochs (analysis/epochs.py) from its epoch, step and eval_step spans."""
+    spans = store.query(
+        "SELECT rank, name, idx, start_ns, end_ns FROM spans WHERE session_id = ? "
+        "AND name IN ('epoch', 'step', 'eval_step')", (session_id,))
+    return epoch_report(spans)
+
+
+def _unrecorded_tail(run_dir: Path | None, session_id: str) -> dict[str, dict[str, Any]]:
+    """Ranks that ended without stopping their capture (SIGKILL, a crash of the interpreter):
+    from their step ledgers, the last step recorded and the last sign of life after it."""
+    if run_dir is None:
+        return {}
+    from ..artifacts.step_ledger import unrecorded_tails
+
+    try:
+        tails = unrecorded_tails(run_dir, session_id)
+    except OSError:
+        return {}
+    ended = None
+    try:
+        run = json.loads((run_dir / "run.json").read_text())
+        if run.get("session_id") == session_id:
+            ended = (run.get("extra") or {}).get("training_ended_ns")
+    except (OSError, ValueError, AttributeError):
+        pass
+    for tail in tails.values():  # the process was gone by the time the launcher saw the training end
+        last = tail.get("last_step_end_ns")
+        if isinstance(ended, int) and isinstance(last, int) and ended > last:
+            tail["ended_by_ns"] = ended
+            tail["unrecorded_ms"] = max(tail.get("unrecorded_ms") or 0.0, round((ended - last) / 1e6, 1))
+    return tails
+
+
+def _tail_text(tails: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for rank, tail in sorted(tails.items(), key=lambda item: int(item[0])):
+        if tail.get("last_step") is None:
+            lines.append(f"  rank {rank} ended without stopping its capture (killed?) before recording a step")
+            continue
+        after = (f"; it ended at most {tail['unrecorded_ms']:.0f} ms after that step, and what it did in between "
+                 "(the step in progress) is not recorded" if tail.get("unrecorded_ms") else "")
+        lines.append(f"  rank {rank} ended without stopping its capture (killed?): its last recorded step is "
+                     f"{tail['last_step']}{after}")
+    return lines
+
+
+def _loss_lines(summary: dict[str, Any]) -> list[str]:
+    """What a full disk (or another failed write) kept out of the history and the summary files."""
+    lines = []
+    aggregator = summary.get("aggregator") or {}
+    if aggregator.get("rows_lost"):
+        cause = "the disk was full" if aggregator.get("disk_full_errors") else "writes failed"
+        lines.append(f"history: {aggregator['rows_lost']} rows lost ({cause}: {aggregator.get('write_errors', '?')} "
+                     "failed writes); the ranks' own files keep what fit")
+    if summary.get("unwritten"):
+        lines.append(f"not written: {summary['unwritten']}")
+    return lines
 
 
 def compare_summaries(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
-__all__ = ["RUN_MANIFEST", "RunManifest", "read_run_manifest", "write_run_manifest"]
+__all__ = ["RUN_MANIFEST", "RunManifest", "read_run_manifest", "write_run_manifest", "write_run_manifest_in_place"]
 
 RUN_MANIFEST = "run.json"
 
@@ -53,6 +53,24 @@ def current_versions() -> dict[str, str]:
 def write_run_manifest(run_dir: Path, manifest: RunManifest) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / RUN_MANIFEST, msgspec.json.format(msgspec.json.encode(manifest), indent=2))
+
+
+def write_run_manifest_in_place(run_dir: Path, manifest: RunManifest) -> OSError | None:
+    """``write_run_manifest``, and on a full disk (no room for the temporary copy) the new content
+    over the old file's own blocks: not atomic, but the run's ending is recorded. Returns the
+    error if neither worked (nothing raised: the caller says it and goes on)."""
+    try:
+        write_run_manifest(run_dir, manifest)
+        return None
+    except OSError as exc:
+        error = exc
+    try:
+        with open(run_dir / RUN_MANIFEST, "r+b") as handle:
+            handle.write(msgspec.json.format(msgspec.json.encode(manifest), indent=2))
+            handle.truncate()
+    except OSError:
+        return error
+    return None
 
 
 def read_run_manifest(run_dir: Path) -> RunManifest:

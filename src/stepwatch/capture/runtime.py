@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -31,6 +32,8 @@ from ..artifacts.run_manifest import RunManifest, current_versions, read_run_man
 from ..artifacts.run_outcome import error_from_exception, error_from_signal, rank_outcome, write_rank_end
 from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..artifacts.spool import SpoolWriter
+from ..artifacts.step_ledger import StepLedger
+from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
@@ -38,7 +41,7 @@ from .events import EventFactory
 from ..guard import Site, guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
-from .spans import SpanRecorder
+from .spans import OpenSpan, SpanRecorder
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
 
@@ -194,6 +197,8 @@ class Runtime:
         for row in pre_init_marks():
             self.spans.marks.append(row)
         self.snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]] = BoundedTable("snapshots", 1024)
+        self._ledger = self._open_ledger()
+        self._ledger_write = self._ledger.write_step if self._ledger is not None else None
         self.training = TrainingState(self.spans, snapshot_sink=self._snapshot_sink, blob_uri=self._blob_uri,
                                       on_step=self._on_step)
         self.exporter: Any = None
@@ -242,6 +247,10 @@ class Runtime:
         if config.auto_instrument:
             with guarded:
                 self.install_patches()
+        if os.environ.get(LAUNCHER_PID_ENV):
+            # under ``stepwatch run``: die with whoever started this rank (the launcher, or
+            # torchrun, whose own parent-death signal comes from the launcher)
+            die_with_parent(signal.SIGTERM)
         self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
         self._thread.start()
 
@@ -423,6 +432,9 @@ class Runtime:
                 self.install_patches()
             return
         now = time.time()
+        ledger = self._ledger
+        if ledger is not None:
+            ledger.alive(int(now * 1e9))
         mono = time.monotonic()
         quarter = self.phase_rows.maxlen // 4
         self._backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
@@ -594,19 +606,36 @@ class Runtime:
             make_event, record = cuda_event_source(torch)
             self.training.gpu_timer = GpuTimer(make_event, record=record)
 
-    def _on_child_step(self, step: int) -> None:
+    def _on_child_step(self, step: int, span: OpenSpan | None = None) -> None:
         """A pending child's first step: it is a worker (no ``init_process_group`` came first).
         Only a pending child's state calls this; opening puts ``_on_step`` back, so no step of
         any other process pays for the check."""
         if not self.opened:
             with guarded:
                 self.open_child(None)
-        self._on_step(step)
+        self._on_step(step, span)
 
-    def _on_step(self, step: int) -> None:
+    def _on_step(self, step: int, span: OpenSpan | None = None) -> None:
         self.step = step
+        write = self._ledger_write
+        if write is not None and span is not None:
+            try:
+                write(span)
+            except Exception as exc:  # noqa: BLE001 - never into the training: the ledger is off from here
+                self._ledger_write = None
+                report_internal(exc, Site.STEP_LEDGER_WRITE)
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
             self._note_program_device()
+
+    def _open_ledger(self) -> StepLedger | None:
+        """This rank's step ledger (artifacts/step_ledger.py): the steps a SIGKILL would take
+        with it survive in its pages. None (and said once) when the disk has no room for it."""
+        try:
+            return StepLedger.create(self.run_dir, self.session_id, rank=self.identity.rank,
+                                     started_ns=self.started_ns)
+        except (OSError, ValueError) as exc:
+            report_internal(exc, Site.STEP_LEDGER_CREATE)
+            return None
 
     def _note_program_device(self) -> None:
         """Remembers the CUDA device current on the calling (the program's) thread."""
@@ -726,12 +755,23 @@ class Runtime:
         finally:
             self._tick_lock.release()
 
+    def _launcher_ending(self, status: SessionStatus) -> tuple[SessionStatus, dict[str, Any]]:
+        """A stop because ``stepwatch run`` died (``kill -9``, its terminal closed): the kernel's
+        parent-death SIGTERM, not the end of the training. Said as such in the stop records."""
+        launcher = launcher_gone()
+        if launcher is None:
+            return status, {}
+        return ("interrupted" if status == "completed" else status), {
+            "ended_by": "launcher_died", "launcher_pid": launcher,
+            "reason": f"the launcher (stepwatch run, pid {launcher}) died; the job was stopped with it"}
+
     def _stop_locked(self, status: SessionStatus, timeout: float, exit_code: int | None, deadline: float) -> None:
         if not self.opened:  # a child that never stepped nor joined a process group: no trace
             if self.patches is not None:
                 with guarded:
                     self.patches.uninstall()
             return
+        status, ending = self._launcher_ending(status)
         with guarded:  # first: the deadline bounds this, not the exporter's wait below
             self._drain(deadline)
         if self.patches is not None:
@@ -754,12 +794,14 @@ class Runtime:
             self._write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
-                          "outcome": self.outcome(),
-                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors}},
+                          "outcome": "killed" if ending else self.outcome(),
+                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors},
+                          **ending},
             ))
         first_error = next((e for e in self.failures if e.get("fatal")), None)
         with guarded:
-            self._heartbeat_write(self._heartbeat("stop", status=status, outcome=self.outcome(), error=first_error))
+            self._heartbeat_write(self._heartbeat("stop", status=status, error=first_error, **ending,
+                                                  outcome="killed" if ending else self.outcome()))
             self.heartbeat.close()
         self._write_rank_end()
         if self.sender is not None:
@@ -768,13 +810,19 @@ class Runtime:
                 self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session
-        if self.identity.rank == 0 and not self.launched:
+        ledger, self._ledger, self._ledger_write = self._ledger, None, None
+        if ledger is not None:
             with guarded:
+                ledger.close(time.time_ns())  # after the last step (training.finish) went in
+        if self.identity.rank == 0 and (not self.launched or ending):
+            with guarded:  # a dead launcher cannot write its run.json: rank 0 says how the run ended
                 manifest = read_run_manifest(self.run_dir)
                 manifest.status = status
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
-                manifest.outcome = self.outcome()
+                manifest.outcome = "killed" if ending else self.outcome()
                 manifest.error = next((e for e in self.failures if e.get("fatal")), None)
                 manifest.errors = list(self.failures)
+                if ending:
+                    manifest.extra.update(ending)
                 write_run_manifest(self.run_dir, manifest)

@@ -83,7 +83,7 @@ def _new_step(state: TrainingState, local: _ThreadState, parent_id: Any, start_n
     state._push(span)
     state._tally()
     if trained and state.on_step is not None:
-        state.on_step(span.index + 1)
+        state.on_step(span.index + 1, span)
     return span
 
 

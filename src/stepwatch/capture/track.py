@@ -9,11 +9,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
-from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest
+from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest, write_run_manifest_in_place
 from ..artifacts.sink import TelemetrySink
 from ..schema import SessionStatus, SessionSummary, new_session_id
 from .collectors import CollectorHealth, CpuCollector, discover_nvml
@@ -147,7 +148,10 @@ def track_command(command: list[str], *, out: Path | None, interval_ms: int) -> 
     status = _close_child_session(run_dir, session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, _exit_code(returncode), time.time_ns()
     _fold_outcome(run_dir, manifest, returncode, forwarded, command)
-    write_run_manifest(run_dir, manifest)
+    error = write_run_manifest_in_place(run_dir, manifest)
+    if error is not None:
+        sys.stderr.write(f"[stepwatch] could not record the end of the run in {run_dir / 'run.json'}: "
+                         f"{error.strerror or error}\n")
     return _exit_code(returncode), run_dir, status
 
 
@@ -172,7 +176,12 @@ def _close_child_session(run_dir: Path, session_id: str) -> SessionStatus:
     sink_dir = run_dir / "telemetry" / "rank0"
     if not sink_dir.exists():
         return "incomplete"
-    ledger = TelemetrySink(sink_dir).ledger  # opening recovers: running -> interrupted
+    try:
+        ledger = TelemetrySink(sink_dir).ledger  # opening recovers: running -> interrupted
+    except OSError as exc:  # a full disk cannot take the recovered manifest
+        sys.stderr.write(f"[stepwatch] {sink_dir}: the session could not be closed ({exc.strerror or exc}); "
+                         "what the capture could not write is counted in its stop record where that fit\n")
+        return "incomplete"
     mine = [entry.status for entry in ledger if entry.session_id == session_id]
     return mine[-1] if mine else "incomplete"
 

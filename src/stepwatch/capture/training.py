@@ -121,7 +121,7 @@ class TrainingState:
 
     def __init__(self, recorder: SpanRecorder, *, snapshot_sink: Callable[[list[dict[str, Any]], Any], None],
                  blob_uri: Callable[[str, str], str], gpu_timer: Any = None,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int, OpenSpan], None] | None = None) -> None:
         self.recorder = recorder
         self.gpu_timer = gpu_timer
         self.snapshot_sink = snapshot_sink
@@ -265,8 +265,14 @@ class TrainingState:
                     if local.implicit:
                         # The inferred step ends here but stays open for the marks made after
                         # optimizer.step(); the next event decides what follows (step_inference).
+                        # It is done: numbered and reported now (heartbeat, step ledger), not when
+                        # it closes, which a killed rank may never reach.
                         local.live = None
-                        local.done_ns = end_ns
+                        local.done_ns = step.end_ns = end_ns
+                        if step.index is None:
+                            step.index = next(self.steps)
+                        if self.on_step is not None:
+                            self.on_step(step.index + 1, step)
 
     def record_fetch(self, start_ns: int, end_ns: int, source: Any = None) -> None:
         """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
@@ -415,6 +421,7 @@ class TrainingState:
         if span is None or local.step is not span:
             return
         implicit = local.implicit
+        reported = False
         if local.done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
             end_ns = local.last_opt_end = local.done_ns
             local.done_ns = 0
@@ -423,9 +430,13 @@ class TrainingState:
         if implicit:
             local.implicit = False
             times = span.phase_ns or _NO_PHASE_TIME
-            trained = times["backward"] or times["optimizer_step"]
-            span.name = "step" if trained else "eval_step"
-            span.index = next(self.steps) if trained else next(self.eval_steps)
+            if span.index is not None:  # numbered and reported when its optimizer step returned
+                reported = True
+            else:
+                reported = False
+                trained = times["backward"] or times["optimizer_step"]
+                span.name = "step" if trained else "eval_step"
+                span.index = next(self.steps) if trained else next(self.eval_steps)
         if len(local.step_opts) > 1:  # several optimizers in one iteration: each named, with its time
             span.attrs = {**(span.attrs or {}), "optimizers": local.step_opts}
         local.step_opts = {}
@@ -443,8 +454,8 @@ class TrainingState:
             self._tally()
         else:
             self.recorder.close(span, end_ns)
-        if self.on_step is not None and span.index is not None and span.name == "step":
-            self.on_step(span.index + 1)
+        if self.on_step is not None and span.index is not None and span.name == "step" and not reported:
+            self.on_step(span.index + 1, span)  # the span too: the runtime's step ledger copies its times
 
     def finish(self) -> None:
         """At shutdown: a step still open on this thread closes as what it was, with its

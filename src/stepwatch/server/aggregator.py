@@ -23,8 +23,11 @@ window as often.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import logging
 import re
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -55,6 +58,24 @@ _BOUNDED = {table: bounded_columns([c for c, _ in COLUMNS[table]],
 # ids' and hosts' shape. Snapshots and heartbeats come as maps: all of _BOUNDED.
 _SHAPED = {table: tuple(c for c in columns if c[2] in ("id", "session", "host"))
            for table, columns in _BOUNDED.items() if table in ("telemetry", "spans", "marks")}
+
+_SQLITE_FULL = 13  # sqlite3's result code for "database or disk is full"
+log = logging.getLogger("stepwatch.aggregator")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether a failed write failed for want of space (ENOSPC, EDQUOT, SQLITE_FULL), along
+    the chain of causes: then every later write fails alike, and saying so once is enough."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", None) == _SQLITE_FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Aggregator:
@@ -102,6 +123,8 @@ class Aggregator:
         self.ranks: set[tuple[str, int]] = set()
         self.write_errors = 0
         self.rows_lost = 0
+        self.disk_full_errors = 0  # of write_errors, those for want of space
+        self._first_write_error: str | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
     # -- intake --------------------------------------------------------------------------------
@@ -334,15 +357,39 @@ class Aggregator:
         try:
             written = await asyncio.to_thread(self._write, batch, batch_ids, sessions)
         except StoreError as exc:  # the single writer must outlive one failed write
-            self.write_errors += 1
-            self.rows_lost += sum(len(rows) for rows in batch.values())
-            logger.warning("aggregator: a write failed, its rows are lost: %s", exc)
+            self._note_write_error(exc, sum(len(rows) for rows in batch.values()))
             return 0
         if batch:
             self.write_batches.append((written, time.perf_counter() - started))
             del self.write_batches[:-1000]
         self.rows_written += written
         return written
+
+    def _note_write_error(self, exc: StoreError, rows: int) -> None:
+        """Counts a failed write. A full disk fails every write after the first, so it is said
+        once, with its count, when the aggregator stops (``report_losses``); another failure
+        is said the first time, since it may be the only one."""
+        self.write_errors += 1
+        self.rows_lost += rows
+        if self._first_write_error is None:
+            self._first_write_error = str(exc)
+        if is_disk_full(exc):
+            self.disk_full_errors += 1
+            log.debug("write failed for want of space (%d rows lost): %s", rows, exc)
+        elif self.write_errors - self.disk_full_errors == 1:
+            log.warning("aggregator: a write failed, its %d rows are lost (later failures are counted "
+                        "and totalled when the aggregator stops): %s", rows, exc)
+
+    def report_losses(self) -> str | None:
+        """The one line that says what the history lost (logged, and returned), or None."""
+        if not self.write_errors:
+            return None
+        cause = "the disk is full" if self.disk_full_errors else "writes failed"
+        line = (f"aggregator: {cause}: {self.write_errors} writes to the history failed, "
+                f"{self.rows_lost} of {self.rows_accepted} rows are not in it "
+                f"(the ranks' local artifacts keep what they could write); first error: {self._first_write_error}")
+        log.warning("%s", line)
+        return line
 
     def _maintain(self) -> None:
         """Writer thread: retention over the window, and batch ids out of the dedupe window."""
@@ -401,6 +448,7 @@ class Aggregator:
             "rows_accepted": self.rows_accepted, "rows_written": self.rows_written,
             "rejected": dict(self.rejected), "ranks": len(self.ranks), "pending_rows": self._pending_rows,
             "write_errors": self.write_errors, "rows_lost": self.rows_lost,
+            "disk_full_errors": self.disk_full_errors,
             "retention_removed": self.retention_removed,
             "last_batch_rows": batches[-1][0] if batches else 0,
             "mean_batch_seconds": sum(s for _, s in batches) / len(batches) if batches else 0.0,

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest
+from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest, write_run_manifest_in_place
+from ..lifetime import LAUNCHER_PID_ENV, preexec_die_with_parent
 from ..schema import SessionStatus, new_session_id
 
 __all__ = ["LaunchOptions", "launch"]
@@ -49,12 +50,14 @@ class LaunchOptions:
 
 def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     command = [sys.executable, "-m", "stepwatch.server", "--out", str(run_dir), "--host", options.host,
-               "--port", str(options.port)]
+               "--port", str(options.port), "--launched"]
     if options.http_port is not None:
         command += ["--http-port", str(options.http_port)]
     if options.token_env:
         command += ["--token-env", options.token_env]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
     assert process.stdout is not None
     line = process.stdout.readline()  # the ready line (or EOF if it failed to start)
     if not line:
@@ -73,6 +76,85 @@ def _training_command(options: LaunchOptions) -> list[str]:
     ]
 
 
+def _start_job(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The training (python or torchrun, and the ranks under it) in a process group of its own,
+    with SIGTERM from the kernel should the launcher die (``kill -9``, a closed terminal): the
+    job never outlives ``stepwatch run``. Ranks ask the same of torchrun (``Runtime``)."""
+    return subprocess.Popen(command, env=env, start_new_session=True,
+                            preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - as in _start_aggregator
+
+
+def _signal_forwarder(training: subprocess.Popen[bytes], hangup: list[int], forwarded: list[int]) -> Any:
+    """Ctrl-C reaches the launcher only (the job has its own process group): SIGINT goes to the
+    job's whole group, as the terminal would have sent it; SIGTERM to its leader (torchrun stops
+    its ranks); SIGHUP, the terminal closing, stops the job with SIGTERM and is noted in run.json."""
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
+        if training.poll() is not None:
+            return
+        if signum == signal.SIGHUP:
+            hangup.append(signum)
+            signum = signal.SIGTERM
+        try:
+            if signum == signal.SIGINT:
+                os.killpg(training.pid, signum)
+            else:
+                training.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    return forward
+
+
+def _read_stopped_line(process: subprocess.Popen[str]) -> dict[str, Any]:
+    """The aggregator's counters from its last stdout line (they reach us even when the disk
+    is too full for aggregator_stats.json)."""
+    if process.stdout is None:
+        return {}
+    try:
+        for line in process.stdout.read().splitlines():
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and message.get("event") == "stopped" and isinstance(message.get("stats"), dict):
+                return message["stats"]
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
+def _write_manifest_or_say(run_dir: Path, manifest: RunManifest, echo: Any) -> None:
+    """run.json's final state; a full disk is said, not raised (the run's outcome stands)."""
+    error = write_run_manifest_in_place(run_dir, manifest)
+    if error is not None:
+        echo(f"[stepwatch] could not update {run_dir / 'run.json'}: {error.strerror or error}")
+
+
+def _report_disk_losses(run_dir: Path, stats: dict[str, Any], summary: dict[str, Any] | None, echo: Any) -> None:
+    """A full disk is one line: what the history lost (counted), and whether the final summary
+    could be written; the summary, printed after, carries the same counts."""
+    lost = int(stats.get("rows_lost") or 0)
+    if summary is not None and stats:
+        aggregator = summary.setdefault("aggregator", {})
+        for key in ("rows_written", "rows_lost", "write_errors", "disk_full_errors", "frames_accepted"):
+            if key in stats:
+                aggregator.setdefault(key, stats[key])
+    unwritten = summary.get("unwritten") if summary is not None else None
+    if not stats.get("write_errors") and not unwritten:
+        return
+    full = stats.get("disk_full_errors") or (unwritten and "space" in unwritten)
+    cause = f"the disk of {run_dir} is full" if full else f"writes into {run_dir} failed"
+    parts = []
+    if stats.get("write_errors"):
+        parts.append(f"{lost} of {stats.get('rows_accepted', 0)} rows did not reach history.sqlite "
+                     f"({stats['write_errors']} failed writes)")
+    if unwritten:
+        parts.append("final_summary.json/.txt could not be written (the summary is printed below)")
+    echo(f"[stepwatch] {cause}: " + "; ".join(parts)
+         + "; the ranks' own files keep what fit")
+
+
 def _close_rank_sessions(run_dir: Path, session_id: str) -> SessionStatus:
     """Recovers any rank session a killed process left running; returns the run's status
     (the worst of this session's ranks: a reused run directory holds earlier sessions too)."""
@@ -80,7 +162,12 @@ def _close_rank_sessions(run_dir: Path, session_id: str) -> SessionStatus:
 
     statuses: list[str] = []
     for sink_dir in sorted((run_dir / "telemetry").glob("rank*")):
-        mine = [entry.status for entry in TelemetrySink(sink_dir).ledger if entry.session_id == session_id]
+        try:
+            ledger = TelemetrySink(sink_dir).ledger  # opening recovers: running -> interrupted
+        except OSError:  # a full disk cannot take the recovered manifest: this rank's is unknown
+            statuses.append("incomplete")
+            continue
+        mine = [entry.status for entry in ledger if entry.session_id == session_id]
         if mine:
             statuses.append(mine[-1])
     if not statuses:
@@ -120,25 +207,24 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         env["STEPWATCH_AGGREGATOR"] = address
     if not options.use_torchrun:
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
-    training = subprocess.Popen(_training_command(options), env=env)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    training = _start_job(_training_command(options), env)
+    hangup: list[int] = []
     forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome
-
-    def forward(signum: int, _frame: object) -> None:
-        forwarded.append(signum)
-        if training.poll() is None:
-            training.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    forward = _signal_forwarder(training, hangup, forwarded)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         returncode = training.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = 128 - returncode if returncode < 0 else returncode
+    manifest.extra["training_ended_ns"] = time.time_ns()  # the summary's bound on a killed rank's unrecorded tail
     if local_history and aggregator_process is None:
         _rebuild_history(run_dir, echo)
     if aggregator_process is not None and options.nnodes > 1 and aggregator_process.poll() is None:
         _wait_for_remote_ranks(run_dir, options.session_id, options.nproc_per_node * options.nnodes, echo)
+    aggregator_stats: dict[str, Any] = {}
     if aggregator_process is not None:
         died = aggregator_process.poll()  # before our SIGTERM: did it die during the run?
         aggregator_process.send_signal(signal.SIGTERM)
@@ -147,19 +233,26 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         except subprocess.TimeoutExpired:
             aggregator_process.kill()
             aggregator_process.wait()
+        aggregator_stats = _read_stopped_line(aggregator_process)
         if died is not None:
             echo(f"[stepwatch] the aggregator died during the run (exit code {died}); "
                  "rebuilding history.sqlite from the local artifacts")
             _rebuild_history(run_dir, echo)
+    if local_history:
+        _fill_from_ledgers(run_dir, options.session_id, echo)
     status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
+    if hangup:  # the terminal closed: the job was stopped, whatever the ranks' SIGTERM handler said
+        manifest.extra["ended_by"] = "launcher_hangup"
+        status = manifest.status = "interrupted" if status == "completed" else status
     fold_outcome(run_dir, manifest, returncode, forwarded, torchrun=options.use_torchrun, echo=echo)
-    write_run_manifest(run_dir, manifest)
+    _write_manifest_or_say(run_dir, manifest, echo)
     summary = None
     if local_history:
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
-                                      options.nproc_per_node * options.nnodes, options.script)
+                                      options.nproc_per_node * options.nnodes, options.script, lenient=True)
         _note_processes(run_dir, manifest, summary)
+    _report_disk_losses(run_dir, aggregator_stats, summary, echo)
     return code, run_dir, summary
 
 
@@ -180,6 +273,26 @@ def _note_processes(run_dir: Path, manifest: RunManifest, summary: dict[str, Any
         manifest.world_size = world if isinstance(world, int) else manifest.world_size
         manifest.extra = {**(manifest.extra or {}), "ranks": summary.get("ranks"), "workers": workers}
         write_run_manifest(run_dir, manifest)
+
+
+def _fill_from_ledgers(run_dir: Path, session_id: str, echo: Any) -> None:
+    """Steps a killed rank closed after its last send are in its step ledger only: into the
+    history with them, before the summary is built (the aggregator has stopped: one writer)."""
+    import sqlite3
+
+    from ..errors import StepwatchError
+    from ..store.importers import import_ledgers
+    from ..store.sqlite import SqliteStore
+
+    try:
+        with SqliteStore(run_dir / "history.sqlite") as store:
+            added = import_ledgers(run_dir, session_id, store)
+    except (StepwatchError, OSError, sqlite3.Error) as exc:
+        echo(f"[stepwatch] could not add the step ledgers' steps to the history: {exc}")
+        return
+    if added:
+        echo(f"[stepwatch] {added} steps recorded only in the ranks' step ledgers (a rank ended before sending "
+             "them) were added to the history")
 
 
 def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,
@@ -236,17 +349,44 @@ def _rebuild_history(run_dir: Path, echo: Any) -> None:
 
 
 def write_final_summary(run_dir: Path, session_id: str | None, status: str | None, ended_at_ns: int | None,
-                        world_size: int | None, command_line: list[str] | None) -> dict[str, Any]:
-    """Writes final_summary.json and final_summary.txt from the run's history store."""
+                        world_size: int | None, command_line: list[str] | None, *,
+                        lenient: bool = False) -> dict[str, Any]:
+    """Writes final_summary.json and final_summary.txt from the run's history store.
+
+    A full disk does not lose the summary: it is built all the same (the status given here
+    overrides the stored one, which the full disk may have kept from being updated) and
+    returned with ``unwritten`` naming what could not be written, for ``launch`` to say. Without
+    ``lenient`` the error is raised (``stepwatch summary --write``)."""
     from ..analysis.summary import build_summary, render_summary_text
+    from ..errors import StoreError
     from ..store.sqlite import SqliteStore
 
     with SqliteStore(run_dir / "history.sqlite") as store:
         if session_id is not None and status is not None:
-            store.upsert_session({"session_id": session_id, "status": status, "started_at_ns": None,
-                                  "ended_at_ns": ended_at_ns, "host": None, "world_size": world_size,
-                                  "source": None, "command_line": command_line})
+            session = {"session_id": session_id, "status": status, "started_at_ns": None,
+                       "ended_at_ns": ended_at_ns, "host": None, "world_size": world_size,
+                       "source": None, "command_line": command_line}
+            try:
+                store.upsert_session(session)
+            except StoreError:
+                if not lenient:
+                    raise
         summary = build_summary(store, session_id, run_dir)
-    (run_dir / "final_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (run_dir / "final_summary.txt").write_text(render_summary_text(summary))
+    if status is not None and summary.get("session_id") == session_id:
+        summary["status"] = status
+        summary["ended_at_ns"] = summary.get("ended_at_ns") or ended_at_ns
+    try:
+        _write_summary_files(run_dir, summary, render_summary_text(summary))
+    except OSError as exc:
+        if not lenient:
+            raise
+        summary["unwritten"] = f"final_summary.json/.txt: {exc.strerror or exc}"  # launch() says it
     return summary
+
+
+def _write_summary_files(run_dir: Path, summary: dict[str, Any], text: str) -> None:
+    """Both files whole or neither half-written: each goes through a temporary file."""
+    from ..artifacts._files import atomic_write_bytes
+
+    atomic_write_bytes(run_dir / "final_summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write_bytes(run_dir / "final_summary.txt", text.encode())

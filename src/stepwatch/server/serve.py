@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,8 @@ def _own_session(run_dir: Path) -> str | None:
 
 
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
-                 max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None) -> dict[str, Any]:
+                 max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
+                 say_losses: bool = True) -> dict[str, Any]:
     from ..store.sqlite import SqliteStore
     from .aggregator import Aggregator
 
@@ -105,22 +108,56 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         await runner.cleanup()
     await writer
     await aggregator.flush()  # rows accepted while the listeners were closing
+    if say_losses:
+        aggregator.report_losses()
     stats = aggregator.stats()
-    store.close()
+    try:
+        store.close()
+    except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
+        logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
     return stats
 
 
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
           token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
-          session_id: str | None = None, retention_ns: int | None = None) -> dict[str, Any]:
+          session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
-    nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank."""
+    nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank;
+    ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
-    stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready or sys.stdout, session_id,
-                               retention_ns))
-    (run_dir / "aggregator_stats.json").write_text(json.dumps(stats, indent=2))
+    _configure_logging()
+    ready = ready or sys.stdout
+    stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready, session_id,
+                               retention_ns, say_losses))
+    _write_stats(run_dir, stats, ready)
     return stats
+
+
+def _write_stats(run_dir: Path, stats: dict[str, Any], ready: Any) -> None:
+    """``aggregator_stats.json``, and the same counters as a last JSON line after the ready line,
+    so a launcher learns them even when the disk is too full to hold the file."""
+    from ..artifacts._files import atomic_write_bytes
+
+    try:
+        atomic_write_bytes(run_dir / "aggregator_stats.json", json.dumps(stats, indent=2).encode(), fsync=False)
+    except OSError as exc:
+        stats["stats_file_error"] = f"{exc.strerror or exc}"
+    try:
+        ready.write(json.dumps({"event": "stopped", "stats": stats}) + "\n")
+        ready.flush()
+    except (OSError, ValueError):  # nobody reads it any more (stdout closed)
+        pass
+
+
+def _configure_logging() -> None:
+    """The aggregator's lines on stderr as ``[stepwatch] ...``, once per process."""
+    root = logging.getLogger("stepwatch")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[stepwatch] %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--session-id", default=None)
     parser.add_argument("--retention", default=os.environ.get(RETENTION_ENV) or None,
                         help=f"history window per session and rank, e.g. 7d, 12h (default: ${RETENTION_ENV}, else none)")
+    parser.add_argument("--launched", action="store_true",
+                        help="started by `stepwatch run`, which reports lost writes itself (from the stopped line)")
     args = parser.parse_args(argv)
     token = os.environ.get(args.token_env) if args.token_env else None
     try:
@@ -143,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--retention: {exc}")
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
-              session_id=args.session_id, retention_ns=retention_ns)
+              session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched)
     except StepwatchError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

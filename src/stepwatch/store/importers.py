@@ -14,7 +14,7 @@ from ..schema import synthetic_session_id
 from .base import HistoryStore
 from .rows import heartbeat_row, to_rows
 
-__all__ = ["import_path"]
+__all__ = ["import_ledgers", "import_path"]
 
 
 def _run_session(path: Path) -> str | None:
@@ -100,6 +100,25 @@ def import_path(path: str | Path, store: HistoryStore) -> dict[str, int]:
                               "host": None, "world_size": None, "source": "import:heartbeat", "command_line": None})
         store.append_many({"heartbeats": rows})
         written["heartbeats"] = written.get("heartbeats", 0) + len(rows)
+    if root.is_dir() and run_session is not None:
+        added = import_ledgers(root, run_session, store)
+        if added:
+            written["steps"] = written.get("steps", 0) + added
     if not found:
         raise ArtifactError(root, "nothing to import (no telemetry, spool or heartbeat files)")
     return written
+
+
+def import_ledgers(run_dir: Path, session_id: str, store: HistoryStore) -> int:
+    """The steps of the ranks' step ledgers (artifacts/step_ledger.py) that the history lacks:
+    those a rank closed after its last spool seal and send, before a SIGKILL. Steps already
+    stored are kept (the history's steps are unique by session, rank and step); returns how
+    many the ledgers added."""
+    from ..artifacts.step_ledger import ledger_step_rows
+
+    rows = ledger_step_rows(run_dir, session_id)
+    if not rows:
+        return 0
+    before = store.count("steps", session_id)
+    store.append_many({"steps": rows})
+    return store.count("steps", session_id) - before

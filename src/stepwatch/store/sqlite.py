@@ -17,6 +17,7 @@ past ``_WAL_BOUND`` the writer checkpoints itself, as SQLite's automatic checkpo
 
 from __future__ import annotations
 
+import logging
 import math
 import sqlite3
 import threading
@@ -93,6 +94,7 @@ _RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("mar
 # build's variable limit (999 before SQLite 3.32).
 CHUNK_ROWS = 128
 
+_SQLITE_FULL = 13  # sqlite3's result code for "database or disk is full"
 _WAL_BOUND = 64 << 20  # bytes of WAL past which the writer checkpoints in its own commit
 _PAGE_SIZE = 16384  # takes effect for a new file only (set before WAL mode)
 _CACHE_KIB = 32 * 1024
@@ -438,6 +440,7 @@ class _Checkpointer:
         self._due = threading.Event()
         self._closing = False
         self._failed = False
+        self.failures = 0
         self._thread = threading.Thread(target=self._run, name="stepwatch-sqlite-checkpoint", daemon=True)
 
     def start(self) -> bool:
@@ -476,6 +479,12 @@ class _Checkpointer:
             db.close()
 
     def warn(self, exc: sqlite3.Error) -> None:
+        self.failures += 1
+        if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+            # a full disk: the writer's own failures say so once, with their count (the
+            # aggregator's report); a checkpoint loses nothing, so this one stays quiet
+            logging.getLogger("stepwatch.store").debug("%s: WAL checkpoint failed: %s", self._path, exc)
+            return
         if not self._failed:
             self._failed = True
             logger.warning("store: %s: WAL checkpoint failed (later failures are not shown; "

@@ -7,6 +7,8 @@ and prints JSON instead with ``--json``.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 import click
 import msgspec
@@ -120,8 +122,9 @@ def inspect(path: str, session_id: str | None, as_json: bool) -> None:
         if chosen is None:
             raise ArtifactError(path, "no sessions found")
     report = report_session(chosen)
+    epochs = _inspect_epochs(Path(path), report.session_id)
     if as_json:
-        _print_json(report)
+        _print_json({**msgspec.to_builtins(report), "epochs": epochs})
         return
     from rich.table import Table
 
@@ -158,3 +161,37 @@ def inspect(path: str, session_id: str | None, as_json: bool) -> None:
             fmt_bytes(p.peak_reserved_bytes), fmt_bytes(p.device_total_bytes),
         )
     console.print(peaks)
+    from ..analysis.epochs import render_epoch_line
+
+    console.print(render_epoch_line(epochs) or "no epochs recorded", markup=False)
+
+
+def _inspect_epochs(path: Path, session_id: str) -> dict[str, Any] | None:
+    """The session's epochs from the run directory holding ``path``: its history when it has
+    one, else its spool (when run.json names this session). None where neither is there."""
+    from .._decode import read_json_file
+    from ..analysis.epochs import epoch_report
+    from ..errors import StepwatchError
+
+    run_dir = next((d for d in (path, *path.parents)[:4] if (d / "run.json").is_file() or (d / "spool").is_dir()), None)
+    if run_dir is None:
+        return None
+    if (run_dir / "history.sqlite").is_file():
+        from ..analysis.summary import session_epochs
+        from ..store.sqlite import SqliteStore
+
+        try:
+            with SqliteStore(run_dir / "history.sqlite", read_only=True) as store:
+                found = session_epochs(store, session_id)
+            if found is not None:
+                return found
+        except StepwatchError:
+            pass
+    try:
+        if read_json_file(run_dir / "run.json").get("session_id") != session_id:
+            return None
+        from ..artifacts.spool import read_spool
+
+        return epoch_report(read_spool(run_dir / "spool").spans)
+    except (OSError, ValueError, AttributeError, StepwatchError):
+        return None

@@ -55,9 +55,11 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
 
     console = _console(stderr=True)
     code, run_dir, summary = launch(LaunchOptions(script=list(script), **options),
-                                    echo=lambda line: console.print(line, markup=False))
+                                    echo=lambda line: console.print(line, markup=False, soft_wrap=True))
     if summary is not None and not quiet:
-        sys.stdout.write((run_dir / "final_summary.txt").read_text())
+        from ..analysis.summary import render_summary_text
+
+        sys.stdout.write(render_summary_text(summary))  # from memory: a full disk may not hold the file
     console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
     console.print(f"[stepwatch] look at: {run_dir}/final_summary.txt, stepwatch inspect {run_dir}", markup=False)
     sys.exit(code)
