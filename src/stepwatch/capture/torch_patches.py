@@ -34,6 +34,7 @@ class TorchPatches:
         self._originals: list[tuple[Any, str, Any, bool]] = []
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
+        self._backward_open = contextvars.ContextVar("stepwatch_backward_open", default=False)
         self.installed = False
 
     def install(self) -> None:
@@ -94,22 +95,21 @@ class TorchPatches:
         loss_type = self.torch.nn.modules.loss._Loss
         # Whether this thread has a forward open, asked first by every call: a context variable
         # reads in ~0.1k instructions (callgrind) where the thread-local ``threads.me`` takes
-        # ~0.5k. Each thread starts with its own context, so it is per thread; on a Python that
-        # copies the caller's context into new threads (``sys.flags.thread_inherit_context``,
-        # 3.14), a thread started inside a forward would inherit "open": there the thread-local
-        # alone decides, as before.
+        # ~0.5k (``_getter``).
         forward_open = contextvars.ContextVar("stepwatch_forward_open", default=False)
-        is_open = forward_open.get if not getattr(sys.flags, "thread_inherit_context", 0) else _never
+        is_open = _getter(forward_open)
         set_open = forward_open.set
 
         def outer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             """A call with no forward open on this thread (by this wrapper)."""
+            if isinstance(module, loss_type):  # a loss function: no forward (asked first: no thread-local read)
+                return original(module, *args, **kwargs)
             local = threads.me
             if local.in_forward:  # a forward opened by an integration (Lightning's training_step)
                 return original(module, *args, **kwargs)
             model = local.model
-            if (model is not None and module is not model) or isinstance(module, loss_type):
-                return original(module, *args, **kwargs)  # not the traced model / a loss function
+            if model is not None and module is not model:
+                return original(module, *args, **kwargs)  # not the traced model
             span = None
             try:
                 span = state.begin_phase("forward")
@@ -154,20 +154,28 @@ class TorchPatches:
     def _wrap_backward(self, original: Any) -> Any:
         state = self.state
         threads = state.threads
+        # Shared by the two wrappers (Tensor.backward calls torch.autograd.backward): the inner
+        # one asks the context variable (see _wrap_module_call), not the thread-local.
+        is_open = _getter(self._backward_open)
+        set_open = self._backward_open.set
 
         def backward(*args: Any, **kwargs: Any) -> Any:
+            if is_open():  # Tensor.backward calls torch.autograd.backward: one phase
+                return original(*args, **kwargs)
             local = threads.me
-            if local.in_backward:  # Tensor.backward calls torch.autograd.backward
-                return original(*args, **kwargs) if kwargs else original(*args)
+            if local.in_backward:
+                return original(*args, **kwargs)
             span = None
             try:
                 span = state.begin_phase("backward")
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "patch.backward")
             local.in_backward = True
+            set_open(True)
             try:
                 return original(*args, **kwargs)
             finally:
+                set_open(False)
                 local.in_backward = False
                 try:
                     state.end_phase(span)
@@ -257,6 +265,14 @@ _HOST = ("cpu", "meta")
 
 def _never() -> bool:
     return False
+
+
+def _getter(var: contextvars.ContextVar[bool]) -> Any:
+    """``var.get``, where a context variable is per thread: each thread starts with its own
+    context. On a Python that copies the caller's context into new threads
+    (``sys.flags.thread_inherit_context``, 3.14), a thread started inside a forward would inherit
+    "open": there it never answers, and the thread-local alone decides, as before."""
+    return _never if getattr(sys.flags, "thread_inherit_context", 0) else var.get
 
 
 def _is_torch_dispatch(torch: Any, original: Any) -> bool:
