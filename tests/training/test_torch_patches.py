@@ -349,6 +349,34 @@ def test_a_submodule_compiled_call_is_the_one_called(tmp_path: Path) -> None:
     assert calls == [1] and torch.equal(out, torch.ones(2))
 
 
+class _PerceptualLoss(nn.modules.loss._Loss):
+    """A loss with a network inside (a perceptual loss): its modules are no forward either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(1, 3), nn.ReLU())
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (self.features(output) - self.features(target)).pow(2).mean()
+
+
+def test_the_modules_inside_a_loss_function_are_no_forward(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    loss_fn = _PerceptualLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(6, 4), torch.randn(6, 1)), batch_size=2)
+    start(tmp_path)
+    for x, y in loader:  # inferred steps: no trace_step, no model named
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    spool = finish(tmp_path)
+    steps = names(spool, "step")
+    assert len(steps) == 3
+    assert all(kids(spool, step).count("forward") == 1 for step in steps)
+    assert len(names(spool, "forward")) == 3
+
+
 def test_a_thread_started_in_a_forward_has_its_own_forward(tmp_path: Path) -> None:
     """Whether a forward is open is per thread: a module called by a thread that the model's
     forward starts (DataParallel's replicas) is that thread's own outer call, its own forward."""

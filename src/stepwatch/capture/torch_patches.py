@@ -101,15 +101,21 @@ class TorchPatches:
         set_open = forward_open.set
 
         def outer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            """A call with no forward open on this thread (by this wrapper)."""
-            if isinstance(module, loss_type):  # a loss function: no forward (asked first: no thread-local read)
-                return original(module, *args, **kwargs)
-            local = threads.me
-            if local.in_forward:  # a forward opened by an integration (Lightning's training_step)
-                return original(module, *args, **kwargs)
-            model = local.model
-            if model is not None and module is not model:
-                return original(module, *args, **kwargs)  # not the traced model
+            """A call with no forward open on this thread (by this wrapper): the forward when it
+            is the model's; either way, the module calls it makes take ``__call__``'s short path
+            (a loss function's inner modules are no forward either)."""
+            local = None
+            if not isinstance(module, loss_type):  # asked first: a loss call reads no thread-local
+                local = threads.me
+                model = local.model
+                if local.in_forward or (model is not None and module is not model):
+                    local = None  # a forward an integration opened (Lightning's training_step) / not the traced model
+            if local is None:
+                set_open(True)
+                try:
+                    return original(module, *args, **kwargs)
+                finally:
+                    set_open(False)
             span = None
             try:
                 span = state.begin_phase("forward")
