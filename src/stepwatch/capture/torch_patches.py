@@ -101,21 +101,23 @@ class TorchPatches:
         set_open = forward_open.set
 
         def outer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            """A call with no forward open on this thread (by this wrapper): the forward when it
-            is the model's; either way, the module calls it makes take ``__call__``'s short path
-            (a loss function's inner modules are no forward either)."""
-            local = None
-            if not isinstance(module, loss_type):  # asked first: a loss call reads no thread-local
-                local = threads.me
-                model = local.model
-                if local.in_forward or (model is not None and module is not model):
-                    local = None  # a forward an integration opened (Lightning's training_step) / not the traced model
-            if local is None:
+            """A call with no forward open on this thread (by this wrapper)."""
+            if isinstance(module, loss_type):  # no forward (asked first: a loss call reads no thread-local)
+                return original(module, *args, **kwargs)
+            local = threads.me
+            if local.in_forward:
+                # A forward an integration opened (Lightning's training_step): nothing it calls
+                # is a forward either, so the module calls below take the short path.
                 set_open(True)
                 try:
                     return original(module, *args, **kwargs)
                 finally:
                     set_open(False)
+            model = local.model
+            if model is not None and module is not model:
+                # Not the traced model. Its submodules stay on this path: it may call the traced
+                # model (a DDP or compile wrapper around it), whose call is the forward.
+                return original(module, *args, **kwargs)
             span = None
             try:
                 span = state.begin_phase("forward")
