@@ -24,6 +24,7 @@ bench: $(VENV)/.installed
 	$(PY) bench/bench_capture_overhead.py
 	$(PY) bench/bench_capture_footprint.py
 	$(PY) bench/bench_training_overhead.py --configs small large
+	$(PY) bench/bench_step_instructions.py
 	$(PY) bench/bench_snapshot_spool.py
 	$(PY) bench/bench_ingest.py
 	$(PY) bench/bench_launcher.py

@@ -4,6 +4,8 @@ and never a ``synchronize()``."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -292,6 +294,101 @@ def test_nested_optimizer_steps_are_one_phase(tmp_path: Path) -> None:
         assert "unclosed" not in phase["attrs"]
         assert kids(spool, phase) == []
         assert step["attrs"]["optimizer_step_ns"] == phase["end_ns"] - phase["start_ns"] >= 4_000_000
+
+
+# -- submodule calls ------------------------------------------------------------------------
+
+
+class _Depth(nn.Module):
+    """Records, at each call of its forward, how many frames lie between it and ``outer``'s."""
+
+    def __init__(self, frames: list[int], inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.frames = frames
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner(x)
+        frame, depth = sys._getframe().f_back, 1
+        while frame is not None and frame.f_code is not _Depth.forward.__code__:
+            frame, depth = frame.f_back, depth + 1
+        self.frames.append(depth)
+        return x * 2
+
+
+def test_submodule_calls_cost_no_frame_of_their_own(tmp_path: Path) -> None:
+    """The wrapper's cost per submodule call must not grow a step with the model's depth (issue
+    15: ~1.5k instructions a module call, a Python frame more than torch's own): between an
+    outer forward and a submodule's forward lie as many frames as without stepwatch."""
+    frames: list[int] = []
+    model = _Depth(frames, inner=_Depth(frames))
+    x = torch.ones(2)
+    model(x)
+    start(tmp_path)
+    with stepwatch.trace_step(model):
+        traced = model(x)
+    inferred = model(x)  # no trace_step: still one forward, the outer call
+    spool = finish(tmp_path)
+
+    assert frames == [frames[0]] * 3  # plain, traced, inferred
+    assert torch.equal(traced, inferred) and torch.equal(traced, x * 2)
+    assert len(names(spool, "forward")) == 2
+
+
+def test_a_submodule_compiled_call_is_the_one_called(tmp_path: Path) -> None:
+    """``Module.compile()`` sets ``_compiled_call_impl``; torch's ``__call__`` calls it instead
+    of ``_call_impl``, and so does the wrapper's path for submodule calls."""
+    calls: list[int] = []
+    inner = nn.Linear(2, 2)
+    inner._compiled_call_impl = lambda x: calls.append(1) or x + 1  # type: ignore[assignment]
+    model = nn.Sequential(inner)
+    start(tmp_path)
+    with stepwatch.trace_step(model):
+        out = model(torch.zeros(2))
+    finish(tmp_path)
+    assert calls == [1] and torch.equal(out, torch.ones(2))
+
+
+def test_a_wrapper_around_the_traced_model_leaves_the_forward_to_it(tmp_path: Path) -> None:
+    """``trace_step(model)`` with a wrapper called (DDP, a compile wrapper): the wrapper's call
+    is not the model's, and the model's call inside it is the forward. A guard for the short
+    path of submodule calls, which must not swallow it."""
+    model = nn.Linear(2, 2)
+    wrapper = nn.Sequential(model)
+    start(tmp_path)
+    with stepwatch.trace_step(model):
+        wrapper(torch.zeros(2))
+    spool = finish(tmp_path)
+    (step,) = names(spool, "step")
+    assert kids(spool, step) == ["forward"]
+
+
+def test_a_thread_started_in_a_forward_has_its_own_forward(tmp_path: Path) -> None:
+    """Whether a forward is open is per thread: a module called by a thread that the model's
+    forward starts (DataParallel's replicas) is that thread's own outer call, its own forward."""
+    began: list[tuple[str, int]] = []
+    real = TrainingState.begin_phase
+
+    def spy(self: TrainingState, name: str, *args: Any, **kwargs: Any) -> Any:
+        began.append((name, threading.get_ident()))
+        return real(self, name, *args, **kwargs)
+
+    other = nn.Linear(2, 2)
+
+    class _Spawns(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            worker = threading.Thread(target=other, args=(x,))
+            worker.start()
+            worker.join()
+            return x
+
+    start(tmp_path)
+    with mock.patch.object(TrainingState, "begin_phase", spy):
+        _Spawns()(torch.zeros(2))
+    stepwatch.shutdown()
+    forwards = [ident for name, ident in began if name == "forward"]
+    assert len(forwards) == 2 and len(set(forwards)) == 2
 
 
 # -- stepwatch's own failures are swallowed, counted and change nothing ----------------------
