@@ -42,13 +42,13 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    versions,
+from _common import (
     REPO_ROOT,
     load_average,
     machine_header,
     print_header,
     print_table,
+    versions,
     write_results,
 )
 

@@ -46,8 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    versions,
+from _common import (
     GcTimer,
     load_average,
     machine_header,
@@ -55,6 +54,7 @@ from _common import (  # noqa: E402
     print_header,
     print_table,
     run_worker,
+    versions,
     worker_main,
     write_results,
 )

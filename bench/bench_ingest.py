@@ -75,7 +75,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     REPO_ROOT,
     format_rate,
     load_average,
@@ -188,11 +188,11 @@ def _base_events(sid: str) -> dict[str, dict[str, Any]]:
 
     from stepwatch.schema import TelemetryEventV3
 
-    common = dict(schema_version=3, session_id=sid, collector="stepwatch.cpu_tracker", sampling_interval_ms=1000,
-                  pid=0, host="", device_id=-1, allocator_allocated_bytes=512 << 20,
-                  allocator_reserved_bytes=576 << 20, allocator_active_bytes=None, allocator_inactive_bytes=None,
-                  allocator_change_bytes=0, device_used_bytes=600 << 20, device_free_bytes=None,
-                  device_total_bytes=None, job_id=None, rank=0, local_rank=0, world_size=1)
+    common = {"schema_version": 3, "session_id": sid, "collector": "stepwatch.cpu_tracker", "sampling_interval_ms": 1000,
+                  "pid": 0, "host": "", "device_id": -1, "allocator_allocated_bytes": 512 << 20,
+                  "allocator_reserved_bytes": 576 << 20, "allocator_active_bytes": None, "allocator_inactive_bytes": None,
+                  "allocator_change_bytes": 0, "device_used_bytes": 600 << 20, "device_free_bytes": None,
+                  "device_total_bytes": None, "job_id": None, "rank": 0, "local_rank": 0, "world_size": 1}
     sample = TelemetryEventV3(**common, timestamp_ns=time.time_ns(), event_type="sample", context=None,
                               metadata={"backend": "cpu", "supports_device_total": False,
                                         "supports_device_free": False, "sampling_source": "psutil"})
@@ -618,7 +618,7 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
         store = SqliteStore(Path(a.dir) / f"profile-{next(counter)}.sqlite")
         if not indexes:
             for statement in _INDEXES:
-                store._db.execute(f"DROP INDEX {statement.split(' EXISTS ')[1].split()[0]}")  # noqa: SLF001
+                store._db.execute(f"DROP INDEX {statement.split(' EXISTS ')[1].split()[0]}")
         return store
 
     typed = timed("fast: decode_typed (msgpack -> typed Structs)", lambda _: [decode_typed(b) for b in bodies])
@@ -665,7 +665,7 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
     gc.collect()
     rss1 = current_rss_bytes()
     pending_bytes_per_row = (rss1 - rss0) / rows if rss0 and rss1 else None
-    agg._take()  # noqa: SLF001
+    agg._take()
     profiler = cProfile.Profile()
     gc.collect()
     with GcTimer() as timer:
@@ -674,7 +674,7 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
         for body in bodies:
             agg.accept_body(body)
         t_accept = time.perf_counter() - t0
-        store2.append_tuples(agg._take()[0])  # noqa: SLF001 - (rows, batch ids, sessions)
+        store2.append_tuples(agg._take()[0])
         t_all = time.perf_counter() - t0
         profiler.disable()
     store2.close()
@@ -879,7 +879,7 @@ class StoreCounter:
     def counts(self) -> dict[str, int]:
         if self.db is None:
             if not self.path.exists():
-                return {t: 0 for t in self.tables}
+                return dict.fromkeys(self.tables, 0)
             self.db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
         try:
             names = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
@@ -887,7 +887,7 @@ class StoreCounter:
             sql = "SELECT " + ", ".join(f"(SELECT MAX(rowid) FROM {t})" for t in physical)
             values = self.db.execute(sql).fetchone()
         except sqlite3.OperationalError:  # a table the writer has not created yet
-            return {t: 0 for t in self.tables}
+            return dict.fromkeys(self.tables, 0)
         return {t: int(v or 0) for t, v in zip(self.tables, values)}
 
     def close(self) -> None:
@@ -948,7 +948,7 @@ def monitor(pid: int, counter: StoreCounter, count_of: Any, expected: int, t_go:
         pass
     try:
         with open(f"/proc/{pid}/status") as handle:
-            hwm = next((int(l.split()[1]) * 1024 for l in handle if l.startswith("VmHWM:")), None)
+            hwm = next((int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:")), None)
     except OSError:
         hwm = None
     return {"samples": samples, "counts": counts, "reached": samples[-1][1], "expected": expected,
@@ -1247,7 +1247,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                      fmt_rate(r["overall_rows_per_s"] / per_step), fmt_rate(r["steady_rows_per_s"]), r["commits_seen"],
                      "-" if intake is None else f"{intake:.1f}",
                      f"{r['done_s']:.1f}" if r["done_s"] else "not all", "-" if gap is None else f"{gap:.1f}",
-                     f"{r['cpu_pct_of_core']:.0f}", mib(r["rss_idle"] if "rss_idle" in r else None), mib(r["rss_max"]),
+                     f"{r['cpu_pct_of_core']:.0f}", mib(r.get("rss_idle", None)), mib(r["rss_max"]),
                      f"{r['ready_s']:.2f}" if "ready_s" in r else "-", f"{r['stop_s']:.1f}"])
     if rows:
         print("Ingest: rows stored per second from 'go' until the last row is readable (wire rows: stepwatch "

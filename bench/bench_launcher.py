@@ -33,7 +33,6 @@ process, for the aggregator to stop, the final summary).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -50,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     REPO_ROOT,
     load_average,
     machine_header,
@@ -298,12 +297,12 @@ def profile_launcher(commands: Commands, script: Path) -> str:
     lines = [f"cProfile of `stepwatch run trivial.py` (the launcher process; {wall:.2f} s wall with the profiler):",
              f"{'cumulative s':>12}  {'calls':>6}  function"]
     rows = []
-    for (filename, lineno, name), (cc, nc, tt, ct, callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (filename, lineno, name), (_cc, nc, _tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         if name in wanted and ("stepwatch" in filename or "subprocess" in filename or "importlib" in filename
                                or name == "invoke"):
             rows.append((ct, nc, f"{Path(filename).name}:{lineno}({name})"))
         elif name == "readline" and "~" in filename:
-            rows.append((ct, nc, f"{{method readline}}"))
+            rows.append((ct, nc, "{method readline}"))
     for ct, nc, label in sorted(rows, reverse=True)[:14]:
         lines.append(f"{ct:12.3f}  {nc:>6}  {label}")
     return "\n".join(lines)

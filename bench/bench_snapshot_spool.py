@@ -58,8 +58,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    versions,
+from _common import (
     best_of,
     format_rate,
     load_average,
@@ -68,6 +67,7 @@ from _common import (  # noqa: E402
     print_header,
     print_table,
     run_worker,
+    versions,
     worker_main,
     write_results,
 )
@@ -132,7 +132,7 @@ def _snapshot_worker(argv: list[str], contender: str) -> dict[str, Any]:
         made = run(model)  # warm-up (and, for cirron, its thread pool)
         if made != tensors:
             raise SystemExit(f"{contender} made {made} records for {name}, expected {tensors}")
-        timing = best_of(args.repeat, lambda _state: run(model))
+        timing = best_of(args.repeat, lambda _state, model=model: run(model))
         out[name] = {"params": params, "tensors": tensors, **timing,
                      "ms_per_million_params": timing["best_s"] * 1e3 / (params / 1e6),
                      "us_per_tensor": timing["best_s"] * 1e6 / tensors}

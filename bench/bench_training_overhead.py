@@ -74,8 +74,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    versions,
+from _common import (
     GcTimer,
     load_average,
     machine_header,
@@ -83,6 +82,7 @@ from _common import (  # noqa: E402
     print_header,
     print_table,
     run_worker,
+    versions,
     worker_main,
     write_results,
 )
@@ -541,7 +541,7 @@ def _profile_worker(argv: list[str]) -> dict[str, Any]:
 
 def _rows(stats: Any, steps: int, only_ours: bool) -> list[dict[str, Any]]:
     rows = []
-    for (filename, line, func), (cc, nc, tt, ct, _callers) in stats.stats.items():
+    for (filename, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
         ours = "stepwatch" in filename and "/bench/" not in filename
         if only_ours and not ours:
             continue

@@ -29,7 +29,7 @@ class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(sys.stderr)
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201 - logging's own attribute
+    def stream(self):
         return sys.stderr
 
     @stream.setter

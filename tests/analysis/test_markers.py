@@ -326,7 +326,7 @@ def nested_runs(draw: st.DrawFn) -> tuple[list[TelemetryEventV3], Truth]:
     s = Scopes()
     events: list[TelemetryEventV3] = []
     truth: Truth = []
-    cursor = {t: 0 for t in programs}
+    cursor = dict.fromkeys(programs, 0)
     t = 0
     for thread in order:
         op = programs[thread][cursor[thread]]
@@ -384,7 +384,7 @@ def test_replay_of_random_nestings(run: tuple[list[TelemetryEventV3], Truth]) ->
 
 def test_the_analysis_package_exports_its_functions() -> None:
     import stepwatch.analysis as analysis
-    from stepwatch.analysis import derive_timeline_markers, PhaseReplayIndex  # noqa: F401
+    from stepwatch.analysis import PhaseReplayIndex, derive_timeline_markers  # noqa: F401
 
     assert set(analysis.__all__) >= {"derive_timeline_markers", "derive_session_timeline_markers",
                                      "timeline_marker_to_dict", "TimelineMarker", "PhaseReplayIndex"}

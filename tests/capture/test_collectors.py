@@ -27,11 +27,11 @@ from stepwatch.capture.collectors import (
     discover_nvml,
 )
 from stepwatch.capture.collectors.nvml import NvmlCollector
-from stepwatch.nvml import load_nvml
 from stepwatch.capture.collectors.tensorflow import TensorflowCollector
 from stepwatch.capture.collectors.torch_devices import CudaCollector, MpsCollector
 from stepwatch.capture.events import EventFactory
 from stepwatch.capture.identity import DistributedIdentity
+from stepwatch.nvml import load_nvml
 from stepwatch.schema import json_schema, validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_sessions
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -40,7 +40,7 @@ def test_record_has_the_spec_fields_in_order() -> None:
     assert list(record)[:6] == SPEC_FIELDS
     assert record == {"ts": 1692720000.123456, "iso": "2023-08-22T16:00:00.123Z", "pid": 12345, "rank": 2,
                       "step": 7, "msg": "boot", "phase": "start"}
-    parsed = datetime.strptime(record["iso"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    parsed = datetime.strptime(record["iso"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
     assert abs(parsed.timestamp() - ts) < 1e-3
 
 

@@ -22,8 +22,8 @@ import stepwatch
 from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.sink import TelemetrySink
 from stepwatch.capture import api
-from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.errors import ConfigError
+from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
 

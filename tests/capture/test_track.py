@@ -237,7 +237,7 @@ MANIFEST_KEYS = {"schema_version", "files", "exit_code", "risk_detected", "sessi
 
 def check_diagnose_bundle(bundle: Path) -> dict[str, Any]:
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert MANIFEST_KEYS <= set(manifest)
+    assert set(manifest) >= MANIFEST_KEYS
     assert manifest["schema_version"] == 2
     assert manifest["exit_code"] == 0  # no --fail-on-risk
     summary = json.loads((bundle / "diagnostic_summary.json").read_text())

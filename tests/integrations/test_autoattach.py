@@ -35,8 +35,8 @@ pl = pytest.importorskip("lightning.pytorch")
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
 from stepwatch.capture import api  # noqa: E402
-from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 from stepwatch.capture.integrations import autoattach, huggingface, lightning  # noqa: E402
+from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
 needs_trainer = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                    reason="transformers.Trainer needs accelerate>=1.1")

@@ -30,11 +30,11 @@ transformers = pytest.importorskip("transformers")
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
 from stepwatch.capture import api, training  # noqa: E402
-from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 from stepwatch.capture.integrations.huggingface import StepwatchCallback  # noqa: E402
 from stepwatch.capture.spans import SpanRecorder  # noqa: E402
 from stepwatch.capture.training import TrainingState  # noqa: E402
 from stepwatch.errors import ConfigError, IntegrationUnavailable  # noqa: E402
+from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
 # transformers.Trainer needs accelerate; the callback itself does not (see the driven test).
 needs_trainer = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,

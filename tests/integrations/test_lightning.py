@@ -24,11 +24,11 @@ pl = pytest.importorskip("lightning.pytorch")
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
 from stepwatch.capture import api, training  # noqa: E402
-from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 from stepwatch.capture.integrations.lightning import StepwatchCallback  # noqa: E402
 from stepwatch.capture.spans import SpanRecorder  # noqa: E402
 from stepwatch.capture.training import TrainingState  # noqa: E402
 from stepwatch.errors import ConfigError, IntegrationUnavailable  # noqa: E402
+from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
 # Lightning's own pytree helper trips a typing_extensions deprecation on this torch; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")

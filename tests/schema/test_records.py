@@ -85,7 +85,7 @@ def make_capabilities(**overrides: Any) -> dict[str, Any]:
         "backend": "cuda",
         "telemetry_collector": "stormlog.cuda_tracker",
         "sampling_source": "torch.cuda.memory_stats",
-        **{name: True for name in CAPABILITY_BOOLS},
+        **dict.fromkeys(CAPABILITY_BOOLS, True),
     }
     caps.update(overrides)
     return caps
@@ -415,8 +415,8 @@ def test_v4_counters_may_be_null(counter: str) -> None:
 
 
 def test_v4_all_counters_null_with_no_capabilities() -> None:
-    caps = make_capabilities(**{name: False for name in CAPABILITY_BOOLS})
-    record = make_v4_record(metadata={"memory_capabilities": caps}, **{c: None for c in V4_COUNTERS})
+    caps = make_capabilities(**dict.fromkeys(CAPABILITY_BOOLS, False))
+    record = make_v4_record(metadata={"memory_capabilities": caps}, **dict.fromkeys(V4_COUNTERS))
     event = validate_telemetry_record(record)
     assert all(getattr(event, c) is None for c in V4_COUNTERS)
 

@@ -211,7 +211,7 @@ def test_four_ranks_and_hostile_clients(aggregator: Aggregator) -> None:
     }
     for table, n in per_rank.items():
         counts = dict(query(store, f"SELECT rank, COUNT(*) FROM {table} WHERE session_id = ? GROUP BY rank", (SID,)))
-        assert counts == {rank: n for rank in range(RANKS)}, table
+        assert counts == dict.fromkeys(range(RANKS), n), table
     assert query(store, "SELECT COUNT(*) FROM marks WHERE session_id = 'intruder-ok'") == [(1,)]
     assert query(store, "SELECT COUNT(*) FROM spans WHERE span_id IN ('huge', 'dict-name')") == [(0,)]
 
@@ -378,8 +378,8 @@ def test_a_full_store_is_said_once_with_its_count(tmp_path: Path, caplog: pytest
 
     path = tmp_path / "history.sqlite"
     store = SqliteStore(path)
-    pages = store._db.execute("PRAGMA page_count").fetchone()[0]  # noqa: SLF001 - a real SQLITE_FULL
-    store._db.execute(f"PRAGMA max_page_count={pages}")  # noqa: SLF001
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count={pages}")
 
     async def main() -> Core:
         core = Core(store, tick_s=0.01)

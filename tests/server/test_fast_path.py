@@ -105,7 +105,7 @@ def _outcome(aggregator: Aggregator, fn: Any) -> Any:
         fn()
     except TransportError as exc:
         return ("refused", exc.reason)
-    return _normal(aggregator._pending)  # noqa: SLF001
+    return _normal(aggregator._pending)
 
 
 _SETTINGS = settings(max_examples=300, deadline=None,
@@ -146,8 +146,8 @@ def test_the_fast_path_takes_the_usual_frames() -> None:
         try:
             aggregator = Aggregator(store)
             assert aggregator.accept_wire(typed[0], "s", 2, typed[1], "tcp") == 5  # 4 wire rows + 1 step row
-            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2.5, 0, 0, 0)]  # noqa: SLF001
-            assert aggregator._pending["marks"][0][6:8] == (0.5, None)  # noqa: SLF001 - value_num, value_text
+            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2.5, 0, 0, 0)]
+            assert aggregator._pending["marks"][0][6:8] == (0.5, None)
         finally:
             store.close()
 
@@ -182,14 +182,14 @@ def test_http_fast_path_queues_and_refuses_like_the_general_path(stores: tuple[S
     general, fast = Aggregator(stores[0]), Aggregator(stores[1])
     meta = {"session_id": "http-s", "rank": 0}
     try:
-        parsed = IngestApp._batch(raw)  # noqa: SLF001
+        parsed = IngestApp._batch(raw)
     except _Reject:
         parsed = None
     expected: Any = "400"
     if parsed is not None:
         tables = {k: parsed.get(k, []) for k in ("spans", "marks", "snapshots")}
         expected = _outcome(general, lambda: general.accept_tables(meta, tables, "http"))
-    typed = IngestApp._typed_batch(raw)  # noqa: SLF001
+    typed = IngestApp._typed_batch(raw)
     event("typed" if typed is not None else "general 400" if parsed is None else "general")
     if typed is None:
         return  # the handler then takes exactly the general path above
@@ -198,9 +198,9 @@ def test_http_fast_path_queues_and_refuses_like_the_general_path(stores: tuple[S
     tables_typed = WireTables(spans=typed.spans, marks=typed.marks, snapshots=typed.snapshots)
     if fast.accept_wire(meta, "http-s", 0, tables_typed, "http") is None:
         event("typed, handed back")
-        assert fast._pending == {}  # noqa: SLF001 - handed back whole: the general path decides
+        assert fast._pending == {}
         return
-    assert _normal(fast._pending) == expected  # noqa: SLF001
+    assert _normal(fast._pending) == expected
 
 
 # -- columnar tables (what FrameSender ships): the same rows as the row maps they stand for ------
@@ -275,8 +275,8 @@ def test_the_sender_ships_the_runtime_rows_columnar() -> None:
         try:
             aggregator = Aggregator(store)
             assert aggregator.accept_body(body) == 3
-            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2, 0, 0, 0)]  # noqa: SLF001
-            assert aggregator._pending["spans"][0][-1] == '{"step_ns":8,"forward_ns":2}'  # noqa: SLF001
+            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2, 0, 0, 0)]
+            assert aggregator._pending["spans"][0][-1] == '{"step_ns":8,"forward_ns":2}'
         finally:
             store.close()
 

@@ -108,11 +108,11 @@ def test_imported_cirron_spool_has_step_rows_from_the_span_tree(cirron_spool: Pa
     children: dict[str, list[dict[str, Any]]] = {}
     for s in spans:
         children.setdefault(s["parent_id"], []).append(s)
-    for step, (n, start, end, step_ns, data_load, h2d, forward, backward, optimizer, wait) in zip(
+    for step, (_n, start, end, step_ns, data_load, h2d, forward, backward, optimizer, wait) in zip(
             sorted(sdk_steps, key=lambda s: s["index"]), rows):
         kids = children[step["id"]]
 
-        def took(name: str) -> int:
+        def took(name: str, kids: list[dict] = kids) -> int:
             return sum(k["end_ns"] - k["start_ns"] for k in kids if k["name"] == name)
 
         assert (start, end, step_ns) == (step["start_ns"], step["end_ns"], step["end_ns"] - step["start_ns"])
@@ -221,8 +221,8 @@ def test_marks_only_batches_land_in_their_processs_session(tmp_path: Path) -> No
         assert post(agg.http, batch(marks=[stray])).status == 202
         ids = [s["id"] for s in spans] + [step]
         assert wait_for(lambda: store.exists() and query(store, "SELECT COUNT(*) FROM marks")[0][0] == 3)
-        sessions = {r for r in query(store, "SELECT session_id, rank FROM spans WHERE span_id IN (?, ?, ?)", tuple(ids))}
-        sessions |= {r for r in query(store, "SELECT session_id, rank FROM marks")}
+        sessions = set(query(store, "SELECT session_id, rank FROM spans WHERE span_id IN (?, ?, ?)", tuple(ids)))
+        sessions |= set(query(store, "SELECT session_id, rank FROM marks"))
         assert len(sessions) == 1, sessions
         assert next(iter(sessions))[1] == 1
     finally:

@@ -557,11 +557,10 @@ def test_cirron_sdk_uploads_into_the_history(server: Aggregator, tmp_path: Path)
     expected_marks = {m["id"] for b in batches[:-1] for m in b["marks"]}
 
     def stored() -> set[str]:
-        return {r[0] for r in query(store, "SELECT span_id FROM spans WHERE span_id IN (%s)"
-                                    % ",".join("?" * len(sdk_spans)), tuple(sdk_spans))}
+        return {r[0] for r in query(store, f"SELECT span_id FROM spans WHERE span_id IN ({','.join('?' * len(sdk_spans))})", tuple(sdk_spans))}
 
     assert wait_for(lambda: expected <= stored()), (len(expected), len(stored()))
-    sessions = query(store, "SELECT DISTINCT session_id FROM spans WHERE span_id IN (%s)" % ",".join("?" * len(expected)),
+    sessions = query(store, f"SELECT DISTINCT session_id FROM spans WHERE span_id IN ({','.join('?' * len(expected))})",
                      tuple(expected))
     assert len(sessions) == 1  # one uploading process, one session
     (sid,), = sessions

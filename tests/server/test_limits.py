@@ -20,7 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepwatch.transport.frames import encode_frame
 from stepwatch.schema.limits import (
     MAX_HOST_BYTES,
     MAX_ID_CHARS,
@@ -31,6 +30,7 @@ from stepwatch.schema.limits import (
     id_problem,
     sender_problem,
 )
+from stepwatch.transport.frames import encode_frame
 from tests.conftest import make_event
 from tests.server.test_http_ingest import AUTH, ThreadServer, post
 

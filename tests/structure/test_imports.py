@@ -3,14 +3,12 @@ import graph (every import statement, lazy ones too) has no cycle."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
-import ast
-
 from ._graph import cycles, import_graph
 from ._source import SRC, modules
-
 
 # Each module in a child forked from an interpreter that has imported nothing of stepwatch: a
 # module that only imports in some order (a cycle that happens to resolve) fails here.

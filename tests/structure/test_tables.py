@@ -29,7 +29,7 @@ def _names(table: str) -> list[str]:
 
 
 def test_the_store_and_the_wire_take_their_columns_from_the_declaration() -> None:
-    assert COLUMNS == {table: column_types(table) for table in TABLES}
+    assert {table: column_types(table) for table in TABLES} == COLUMNS
     assert store_sqlite._OFTEN_NULL_COLUMNS["telemetry"] == ("active", "inactive", "free", "total", "context")
     assert COLUMNAR["telemetry"] == fields("telemetry")
     assert COLUMNAR["spans"] == fields("spans", skip_session=True)

@@ -355,7 +355,7 @@ def _fake_cuda_torch(current: dict[str, Any], recorded: list[Any]) -> Any:
             self.key = (stream_id, device_index, device_type)
             Stream.made.append(self.key)
 
-    C = SimpleNamespace(
+    C = SimpleNamespace(  # noqa: N806 - stands in for torch._C
         _CudaEventBase=SimpleNamespace(record=lambda event, stream: recorded.append((event, stream.key))),
         _cuda_getDevice=lambda: current["device"],
         _cuda_getCurrentStream=lambda device: (current["stream"], device, 1),

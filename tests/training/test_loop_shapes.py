@@ -46,8 +46,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
-from stepwatch.artifacts.spool import LoadedSpool
 from stepwatch import guard
+from stepwatch.artifacts.spool import LoadedSpool
 
 from .test_inferred import SESSION, finish, kids, named, start
 

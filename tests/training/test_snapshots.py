@@ -23,7 +23,6 @@ from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.snapshots import tensor_stats
 
 
-
 def start(run_dir: Path, **options: Any) -> Any:
     return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
 

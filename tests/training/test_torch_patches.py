@@ -19,8 +19,8 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
-from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch import guard
+from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture import torch_patches
 from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
@@ -506,7 +506,7 @@ def test_misused_patched_calls_raise_what_torch_raises(tmp_path: Path) -> None:
         found = []
         for call in (lambda: nn.Module.__call__(), lambda: torch.Tensor.to(), lambda: torch.Tensor.to(device="cuda"),
                      lambda: torch.Tensor.to("not a tensor", "cuda")):
-            with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is what is compared
+            with pytest.raises(Exception) as caught:
                 call()
             found.append(type(caught.value))
         return found

@@ -63,7 +63,7 @@ class Seen:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
-    def do_POST(self) -> None:  # noqa: N802 - the http.server naming
+    def do_POST(self) -> None:
         trace = self.server.trace
         body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         status, extra = trace.record(Seen(time.monotonic(), "POST", self.path, list(self.headers.items()), body))

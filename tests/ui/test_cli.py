@@ -271,13 +271,13 @@ def test_inspect_table(two_sessions: tuple, tmp_path: Path) -> None:
     assert result.code == 0, result
     assert newer in result.out and "completed" in result.out and "6 events" in result.out
     lines = result.out.splitlines()
-    assert any("collector" in l and "stepwatch.cuda_tracker" in l and l.rstrip("│ ").endswith("5") for l in lines)
-    assert any("event type" in l and "peak" in l and l.rstrip("│ ").endswith("1") for l in lines)
-    gpu0 = next(l for l in lines if "│ 0 " in l and "cuda_tracker" in l and fmt_bytes(80 * GiB) in l)
+    assert any("collector" in line and "stepwatch.cuda_tracker" in line and line.rstrip("│ ").endswith("5") for line in lines)
+    assert any("event type" in line and "peak" in line and line.rstrip("│ ").endswith("1") for line in lines)
+    gpu0 = next(line for line in lines if "│ 0 " in line and "cuda_tracker" in line and fmt_bytes(80 * GiB) in line)
     assert fmt_bytes(7 * GiB) in gpu0 and fmt_bytes(10 * GiB) in gpu0
-    gpu1 = next(l for l in lines if "cuda_tracker" in l and fmt_bytes(40 * GiB) in l)
+    gpu1 = next(line for line in lines if "cuda_tracker" in line and fmt_bytes(40 * GiB) in line)
     assert fmt_bytes(2 * GiB) in gpu1 and fmt_bytes(3 * GiB) in gpu1
-    cpu = next(l for l in lines if "│ cpu " in l)
+    cpu = next(line for line in lines if "│ cpu " in line)
     assert fmt_bytes(123_456_789) in cpu and fmt_bytes(200_000_000) in cpu
     assert fmt_bytes(7 * GiB) == "7.0 GiB" and fmt_bytes(123_456_789) == "117.7 MiB"
 

@@ -125,10 +125,7 @@ def test_the_cli_modules_import_no_cycle() -> None:
     graph = {path.stem: _imports(path) for path in UI.glob("*.py")}
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
-                return True
-        return False
+        return any(nxt == goal or nxt not in seen and reaches(nxt, goal, seen | {nxt}) for nxt in graph.get(start, ()))
 
     cycles = [module for module in graph if reaches(module, module, set())]
     assert cycles == [], graph

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+
 import msgspec
 
 from ..artifacts.telemetry_loader import LoadedTelemetrySession

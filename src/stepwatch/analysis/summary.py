@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -167,9 +168,9 @@ def run_outcome(run_dir: Path | None, session_id: str) -> dict[str, Any]:
 def _fmt_time_ns(value: Any) -> str:
     if not isinstance(value, int):
         return "?"
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.fromtimestamp(value / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3] + "Z"
+    return datetime.fromtimestamp(value / 1e9, tz=UTC).strftime("%H:%M:%S.%f")[:-3] + "Z"
 
 
 def _describe_error(error: dict[str, Any]) -> str:
@@ -193,7 +194,7 @@ def outcome_lines(summary: dict[str, Any]) -> list[str]:
         return []  # the header line says the outcome; there is nothing more to tell
     lines = [f"outcome {outcome}" + (f": {_describe_error(error)}" if error else "")]
     if error and error.get("traceback"):
-        tail = [line for line in str(error["traceback"]).rstrip().splitlines()][-4:]
+        tail = list(str(error["traceback"]).rstrip().splitlines())[-4:]
         lines += [f"    {line}" for line in tail]
     first_ns = (error or {}).get("at_ns") or 0
     for other in summary.get("errors") or []:

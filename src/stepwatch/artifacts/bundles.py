@@ -146,11 +146,11 @@ def _memory_snapshot(directory: Path) -> str | None:
     if torch is None or not torch.cuda.is_initialized():
         return None
     try:
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = torch.cuda.memory._snapshot()  # noqa: SLF001 - torch's documented snapshot entry point
         if not any(snapshot.get("device_traces") or []):
             return None  # history recording off: nothing beyond allocator_summary.json
         path = directory / "memory_snapshot.pickle"  # torch's own format, read by its memory_viz
-        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._dump_snapshot(str(path))  # noqa: SLF001 - likewise
         return path.name
     except Exception:  # noqa: BLE001 - a bundle without the snapshot is still a bundle
         return None

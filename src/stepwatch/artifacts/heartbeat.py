@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def heartbeat_record(
     """A record in the spec's field order; None-valued extras are left out, numpy/torch scalars
     become numbers, other values JSON-safe (``json_safe``) and non-finite floats null, so every
     line stays strict JSON."""
-    iso = datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    iso = datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
     record: dict[str, Any] = {"ts": round(ts, 6), "iso": iso, "pid": pid, "rank": rank, "step": step, "msg": msg}
     for key, value in fields.items():
         if value is None:

@@ -30,8 +30,8 @@ import os
 import struct
 import sys
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from operator import itemgetter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ArtifactError

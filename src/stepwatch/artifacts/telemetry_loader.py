@@ -420,9 +420,9 @@ def _decode_segment(data: bytes | mmap.mmap, torn: int) -> _Segment | None:
         ranks = set(map(_rank_of, events))
         if events:
             smallest_world = min(map(_world_of, events))
-            if max(ranks) >= smallest_world or max(map(_local_rank_of, events)) >= smallest_world:
-                if _identity_broken(events):
-                    return None
+            beyond = max(ranks) >= smallest_world or max(map(_local_rank_of, events)) >= smallest_world
+            if beyond and _identity_broken(events):
+                return None
         return _Segment(events, 0, torn, ranks)
     try:
         v4_events = _v4_lines.decode_lines(data)

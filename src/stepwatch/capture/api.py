@@ -18,11 +18,11 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from ..errors import ConfigError
+from ..guard import Site, guarded, report_internal
 from ..schema import SessionStatus
 from . import children, phases, training
 from .children import ChildProcess
 from .config import RuntimeConfig
-from ..guard import Site, guarded, report_internal
 from .runtime import NullRuntime, Runtime, is_oom
 
 __all__ = ["current_runtime", "init", "oom_guard", "progress", "shutdown"]
@@ -271,7 +271,7 @@ def _after_fork() -> None:
     patches = getattr(inherited, "patches", None)
     if patches is not None:
         with guarded:
-            patches._restore()  # not uninstall(): its lock may have been held at the fork
+            patches._restore()  # noqa: SLF001 - not uninstall(): its lock may have been held at the fork
 
 
 def run_dir() -> Path | None:

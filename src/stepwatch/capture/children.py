@@ -88,13 +88,13 @@ def install_bootstrap_hook(*, spawned: bool = False) -> None:
     if spawned:
         spawn_process = getattr(multiprocessing.context, "SpawnProcess", None)
         if spawn_process is not None:
-            original = spawn_process._after_fork
+            original = spawn_process._after_fork  # noqa: SLF001 - where a spawned child starts; no public hook
 
             def _after_fork() -> None:
                 _on_bootstrap(_HOOK)
                 original()
 
-            spawn_process._after_fork = staticmethod(_after_fork)
+            spawn_process._after_fork = staticmethod(_after_fork)  # noqa: SLF001
     _installed = True
 
 
@@ -111,7 +111,11 @@ def is_data_loader_worker(target: Any) -> bool:
 
 # The capture API, bound by ``api`` when it is imported (``bind``): this module sits below it, so
 # that the patches and the runtime can call in here without an import cycle.
-_current_runtime: Callable[[], Any] = lambda: None
+def _no_runtime() -> Any:
+    return None
+
+
+_current_runtime: Callable[[], Any] = _no_runtime
 _start: Callable[[Any, ChildProcess], Any] | None = None
 
 

@@ -33,12 +33,12 @@ from ..artifacts.run_outcome import error_from_exception, error_from_signal, ran
 from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..artifacts.spool import SpoolWriter
 from ..artifacts.step_ledger import StepLedger
+from ..guard import Site, guarded, report_internal, swallowed
 from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
 from .events import EventFactory
-from ..guard import Site, guarded, report_internal, swallowed
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
 from .spans import OpenSpan, SpanRecorder

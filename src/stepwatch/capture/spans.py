@@ -44,7 +44,7 @@ def _breakdown_function() -> Any:
     source = (f"def breakdown(times, step_ns):\n"
               f"    return {{'step_ns': step_ns, {phases}, {RESIDUAL.attr!r}: max(0, step_ns - {spent})}}\n")
     namespace: dict[str, Any] = {}
-    exec(compile(source, "<stepwatch.phases breakdown>", "exec"), namespace)  # noqa: S102 - our own text
+    exec(compile(source, "<stepwatch.phases breakdown>", "exec"), namespace)
     return namespace["breakdown"]
 
 

@@ -63,9 +63,10 @@ def own_times(spans: list[OpenSpan]) -> dict[str, int]:
 
 
 def _push_all(state: TrainingState, spans: list[OpenSpan]) -> None:
+    closed = state.recorder.closed
     for span in spans:
-        state._push(span)
-        state._tally()
+        closed.push(span)
+        closed.tally()
 
 
 def _new_step(state: TrainingState, local: _ThreadState, parent_id: Any, start_ns: int, end_ns: int,
@@ -74,14 +75,13 @@ def _new_step(state: TrainingState, local: _ThreadState, parent_id: Any, start_n
     ones (children of span ``reparent``) move under it."""
     times = own_times(spans)
     trained = bool(times["backward"] or times["optimizer_step"])
-    span = OpenSpan(state._new_id(), "step" if trained else "eval_step", parent_id,
+    span = OpenSpan(state.recorder.new_id(), "step" if trained else "eval_step", parent_id,
                     next(state.steps) if trained else next(state.eval_steps), start_ns, {"implicit": True},
                     local.ident, None, None, times, True, end_ns)
     for child in spans:
         if child.parent_id == reparent:
             child.parent_id = span.id
-    state._push(span)
-    state._tally()
+    _push_all(state, [span])
     if trained and state.on_step is not None:
         state.on_step(span.index + 1, span)
     return span
@@ -241,7 +241,7 @@ def before_phase(state: TrainingState, local: _ThreadState, name: str, now: int)
     step = local.step
     if step is not None and not local.implicit:
         return  # trace_step's step: the program delimits it
-    if not state.auto_steps or state.owners or (state.requests and state._context_stack() is not None):
+    if not state.auto_steps or state.owners or (state.requests and state.recorder.context_stack() is not None):
         if local.held:
             flush_held(state, local)
         return

@@ -11,7 +11,7 @@ Specs: ``telemetry-event-v3.md``, ``telemetry-event-v2.md``, ``telemetry-current
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -219,4 +219,4 @@ class TelemetryEventV4(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
                     raise _RecordError(name, f"must be <= device_total_bytes ({total})")
 
 
-TelemetryEvent = Union[TelemetryEventV2, TelemetryEventV3, TelemetryEventV4]
+TelemetryEvent = TelemetryEventV2 | TelemetryEventV3 | TelemetryEventV4

@@ -124,5 +124,5 @@ def record_reader(table: str, *, skip_session: bool = False) -> Any:
         items.append(f"{c.name!r}: {read}")
     source = f"def read(e):\n    return {{{', '.join(items)}}}\n"
     namespace: dict[str, Any] = {}
-    exec(compile(source, f"<stepwatch.schema.tables {table}>", "exec"), namespace)  # noqa: S102 - our own text
+    exec(compile(source, f"<stepwatch.schema.tables {table}>", "exec"), namespace)
     return namespace["read"]

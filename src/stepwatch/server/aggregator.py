@@ -35,10 +35,10 @@ from typing import Any
 
 from ..errors import StoreError, TransportError
 from ..log import logger
+from ..schema.limits import bounded_columns, rows_problem, sender_problem, shape_problem
 from ..store.base import COLUMNS, HistoryStore
 from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
 from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTables, decode_body, decode_typed
-from ..schema.limits import bounded_columns, rows_problem, sender_problem, shape_problem
 
 __all__ = ["Aggregator"]
 
@@ -149,7 +149,7 @@ class Aggregator:
                 return False
             try:
                 await asyncio.wait_for(self._room.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
         return True
 
@@ -423,7 +423,7 @@ class Aggregator:
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), self.tick_s)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 await self.flush()
                 await self.maintain()

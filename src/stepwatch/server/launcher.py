@@ -57,7 +57,7 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--token-env", options.token_env]
     # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                               preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
+                               preexec_fn=preexec_die_with_parent())
     assert process.stdout is not None
     line = process.stdout.readline()  # the ready line (or EOF if it failed to start)
     if not line:
@@ -81,7 +81,7 @@ def _start_job(command: list[str], env: dict[str, str]) -> subprocess.Popen[byte
     with SIGTERM from the kernel should the launcher die (``kill -9``, a closed terminal): the
     job never outlives ``stepwatch run``. Ranks ask the same of torchrun (``Runtime``)."""
     return subprocess.Popen(command, env=env, start_new_session=True,
-                            preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - as in _start_aggregator
+                            preexec_fn=preexec_die_with_parent())
 
 
 def _signal_forwarder(training: subprocess.Popen[bytes], hangup: list[int], forwarded: list[int]) -> Any:

@@ -124,7 +124,7 @@ def derive_steps(session_id: str, rank: int, spans: list[SpanView], carry: Phase
     if not bare and not (carry is not None and carry.wants(session_id, rank)):
         return []
     phases: dict[Any, list[int]] = {}
-    for span_id, parent, name, _index, start, end, attrs in spans:
+    for _span_id, parent, name, _index, start, end, attrs in spans:
         slot = _SLOT.get(name) if type(name) is str else None
         if slot is None or type(parent) is not str:
             continue
@@ -329,7 +329,7 @@ def _wire_telemetry_function() -> Any:
     getters = ", ".join(f"e.{field}" for field in fields("telemetry")[:-1])  # all but the metadata
     source = f"def tuples(events, metadata):\n    return [({getters}, m) for e, m in zip(events, metadata)]\n"
     namespace: dict[str, Any] = {}
-    exec(compile(source, "<stepwatch.store.rows telemetry>", "exec"), namespace)  # noqa: S102 - our own text
+    exec(compile(source, "<stepwatch.store.rows telemetry>", "exec"), namespace)
     return namespace["tuples"]
 
 

@@ -33,8 +33,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from ..guard import Site, report_internal
 from ..errors import ConfigError
+from ..guard import Site, report_internal
 
 __all__ = ["GZIP_MIN_BYTES", "THREAD_NAME", "UPLOADED_FILE", "HttpExporter", "batch_id_of", "parse_retry_after"]
 
@@ -473,10 +473,7 @@ class HttpExporter:
                 return "rejected", 0.0
             if status is not None:
                 self.last_error = f"HTTP {status} for batch {entry.batch_id}"
-            if retry_after is not None:
-                delay = min(retry_after, self.retry_after_cap_s)
-            else:
-                delay = self._next_backoff()
+            delay = min(retry_after, self.retry_after_cap_s) if retry_after is not None else self._next_backoff()
             if attempts >= self.max_attempts or not self._pause(delay):
                 return "deferred", delay
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 __all__ = ["fmt_bytes", "fmt_duration", "fmt_ns"]
 
@@ -21,7 +21,7 @@ def fmt_bytes(value: int | None) -> str:
 def fmt_ns(value: int | None) -> str:
     if not value:
         return "-"
-    return datetime.fromtimestamp(value / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    return datetime.fromtimestamp(value / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
 def fmt_duration(seconds: float | None) -> str:

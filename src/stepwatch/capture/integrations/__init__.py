@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import IntegrationUnavailable
-from .. import training
 from ...guard import Site, report_internal
+from .. import training
 from ..spans import OpenSpan
 from ..training import TrainingState
 
