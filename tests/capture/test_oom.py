@@ -154,7 +154,9 @@ def test_a_non_oom_exception_makes_no_bundle(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.rstrip().endswith("ValueError: not memory")
     assert not list(run.glob("bundles/*"))
-    assert error_events(run) == []
+    # the uncaught exception is the run's failure (docs/run-outcome.md), not an OOM: no oom_reason
+    (error,) = error_events(run)
+    assert "oom_reason" not in error.metadata and error.metadata["failure"]["type"] == "ValueError"
 
 
 def test_oom_guard_passes_the_same_exception_object_on(tmp_path: Path) -> None:

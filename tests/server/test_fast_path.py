@@ -146,7 +146,7 @@ def test_the_fast_path_takes_the_usual_frames() -> None:
         try:
             aggregator = Aggregator(store)
             assert aggregator.accept_wire(typed[0], "s", 2, typed[1], "tcp") == 5  # 4 wire rows + 1 step row
-            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2.5, 0, 0, 0)]
+            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2.5, 0, 0, 0, 0)]
             assert aggregator._pending["marks"][0][6:8] == (0.5, None)
         finally:
             store.close()
@@ -196,7 +196,13 @@ def test_http_fast_path_queues_and_refuses_like_the_general_path(stores: tuple[S
     assert parsed is not None, "the typed path took a batch the general path refuses"
     assert typed.batch_id == parsed["batch_id"]
     tables_typed = WireTables(spans=typed.spans, marks=typed.marks, snapshots=typed.snapshots)
-    if fast.accept_wire(meta, "http-s", 0, tables_typed, "http") is None:
+    try:
+        accepted = fast.accept_wire(meta, "http-s", 0, tables_typed, "http")
+    except TransportError as exc:  # out of the wire's bounds (schema/limits.py): refused as the general path does
+        assert expected == ("refused", exc.reason)
+        assert fast._pending == {}
+        return
+    if accepted is None:
         event("typed, handed back")
         assert fast._pending == {}
         return
@@ -275,7 +281,7 @@ def test_the_sender_ships_the_runtime_rows_columnar() -> None:
         try:
             aggregator = Aggregator(store)
             assert aggregator.accept_body(body) == 3
-            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2, 0, 0, 0)]
+            assert aggregator._pending["steps"] == [("s", 2, 3, 1, 9, 8, 0, 0, 2, 0, 0, 0, 0)]
             assert aggregator._pending["spans"][0][-1] == '{"step_ns":8,"forward_ns":2}'
         finally:
             store.close()

@@ -197,8 +197,8 @@ class Runtime:
         for row in pre_init_marks():
             self.spans.marks.append(row)
         self.snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]] = BoundedTable("snapshots", 1024)
-        self._ledger = self._open_ledger()
-        self._ledger_write = self._ledger.write_step if self._ledger is not None else None
+        self._ledger: StepLedger | None = None  # opened with the artifacts, once the rank is known (_open)
+        self._ledger_write: Any = None
         self.training = TrainingState(self.spans, snapshot_sink=self._snapshot_sink, blob_uri=self._blob_uri,
                                       on_step=self._on_step)
         self.exporter: Any = None
@@ -262,6 +262,8 @@ class Runtime:
         rank = identity.rank
         self.spans.rank = rank  # span records are built at seal time, on the sampler: all carry it
         self.sink = TelemetrySink(self.run_dir / "telemetry" / f"rank{rank}{suffix}", config.sink)
+        self._ledger = self._open_ledger()
+        self._ledger_write = self._ledger.write_step if self._ledger is not None else None
         self.session = self.sink.start_session(
             SessionSummary(
                 session_id=self.session_id, status="running", started_at_ns=self.started_ns, host=self.host,
@@ -377,7 +379,9 @@ class Runtime:
         the rank's end file now (whatever happens to the process next, it survives), and queued
         as an ``error`` event so the timeline shows it."""
         error = error_from_exception(exc, tb, rank=self.identity.rank, thread=thread, fatal=fatal)
-        self._note_failure(error, context=f"uncaught {error['type']}: {error['message']}")
+        # an OOM already has its error event (record_oom, with its bundle): not a second one
+        event = not getattr(exc, "__stepwatch_recorded__", False)
+        self._note_failure(error, context=f"uncaught {error['type']}: {error['message']}", event=event)
 
     def record_signal(self, signum: int, *, fatal: bool = True) -> None:
         """A signal received (from the SIGTERM handler); ``fatal``: its default action ends the rank."""
@@ -385,13 +389,14 @@ class Runtime:
         error["fatal"] = fatal
         self._note_failure(error, context=error["message"])
 
-    def _note_failure(self, error: dict[str, Any], *, context: str) -> None:
+    def _note_failure(self, error: dict[str, Any], *, context: str, event: bool = True) -> None:
         error.update(pid=self.pid, host=self.host)
         self.failures.append(error)
         self._write_rank_end()
-        self.error_events.append(self.factory.point(
-            "error", context=context.splitlines()[0][:500] if context else None, timestamp_ns=error["at_ns"],
-            metadata={"failure": {k: v for k, v in error.items() if k not in ("pid", "host")}, "step": self.step}))
+        if event:
+            self.error_events.append(self.factory.point(
+                "error", context=context.splitlines()[0][:500] if context else None, timestamp_ns=error["at_ns"],
+                metadata={"failure": {k: v for k, v in error.items() if k not in ("pid", "host")}, "step": self.step}))
 
     def outcome(self) -> str:
         return rank_outcome(self.failures)
