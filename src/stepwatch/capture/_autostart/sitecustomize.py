@@ -73,6 +73,7 @@ def _autostart() -> None:
         import stepwatch  # first: an interpreter without stepwatch claims nothing, so track samples it from outside
 
         if _is_multiprocessing_child():
+            from stepwatch.capture import api  # noqa: F401 - binds the API into children.py's hooks
             from stepwatch.capture.children import install_bootstrap_hook
 
             install_bootstrap_hook(spawned="--multiprocessing-fork" in getattr(sys, "orig_argv", sys.argv))
