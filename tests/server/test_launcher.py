@@ -119,7 +119,7 @@ def test_two_rank_run_completes_with_history_and_summary(two_ranks: tuple[Path, 
     assert ms["median"] == pytest.approx(statistics.median(step_ms))
     assert ms["p90"] == pytest.approx(statistics.quantiles(step_ms, n=10, method="inclusive")[-1])
     shares = overall["phase_share"]
-    assert set(shares) == {"data_load", "h2d", "forward", "backward", "optimizer", "wait"}
+    assert set(shares) == {"data_load", "h2d", "forward", "backward", "optimizer", "recompute", "wait"}
     assert all(0 <= v <= 1 for v in shares.values()) and shares["forward"] > 0 and shares["backward"] > 0
     # the measured phases never exceed the step (wait is the residual; it may include data_load,
     # see aggregator-architecture.md: wait = step - h2d - forward - backward - optimizer)

@@ -45,12 +45,13 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
     from ..server.launcher import LaunchOptions, launch
     from ..server.serve import RETENTION_ENV, parse_duration
 
-    _check_script(click.get_current_context(), script)  # before anything is started or created
-    if retention:
+    if retention:  # the options' values first, then the script: nothing is started on either error
         try:
             parse_duration(retention)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--retention") from None
+    _check_script(click.get_current_context(), script)
+    if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
 
     console = _console(stderr=True)
