@@ -51,7 +51,12 @@ def _start(tmp_path: Path, nproc: int) -> tuple[subprocess.Popen[bytes], Path, l
         time.sleep(0.1)
     else:
         pytest.fail("the ranks did not start")
-    time.sleep(1.0)  # a few steps
+    while time.monotonic() < deadline:  # a few steps on every rank (torch's import is slow on a busy machine)
+        stepped = [p for p in out.glob("heartbeat_rank*.jsonl")
+                   if (lines := p.read_text().splitlines()) and '"step":0,' not in lines[-1]]
+        if len(stepped) >= nproc:
+            break
+        time.sleep(0.2)
     job = psutil.Process(launcher.pid).children(recursive=True)
     ranks = [p for p in job if str(out.parent / "forever.py") in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(ranks) == nproc, [p.cmdline() for p in job]
