@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAIN_PHASES = ("forward", "backward", "optimizer_step")
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Iterator[Path]:
-    """A running stepwatch writing to ``tmp_path/run``; swallowed internal errors fail the test."""
-    assert not api.current_runtime().active
-    reset_swallowed()
-    out = tmp_path / "run"
-    stepwatch.init(out=out, **QUIET)
-    try:
-        yield out
-    finally:
-        stepwatch.shutdown()
-    assert swallowed() == {}
+# run_dir: tests/integrations/conftest.py
 
 
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +45,7 @@ QUIET = {"handle_signals": False, "capture_oom": False}
 # -- fixtures and helpers ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Iterator[Path]:
-    """A running stepwatch writing to ``tmp_path/run``; swallowed internal errors fail the test."""
-    assert not api.current_runtime().active
-    reset_swallowed()
-    out = tmp_path / "run"
-    stepwatch.init(out=out, **QUIET)
-    try:
-        yield out
-    finally:
-        stepwatch.shutdown()
-    assert swallowed() == {}
+# run_dir: tests/integrations/conftest.py
 
 
 class TinyRegressor(torch.nn.Module):

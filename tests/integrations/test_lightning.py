@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +39,7 @@ PHASES = ("forward", "backward", "optimizer_step")
 # -- fixtures and helpers ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Iterator[Path]:
-    """A running stepwatch writing to ``tmp_path/run``; swallowed internal errors fail the test."""
-    assert not api.current_runtime().active
-    reset_swallowed()
-    out = tmp_path / "run"
-    stepwatch.init(out=out, **QUIET)
-    try:
-        yield out
-    finally:
-        stepwatch.shutdown()
-    assert swallowed() == {}
+# run_dir: tests/integrations/conftest.py
 
 
 class Boom(Exception):

@@ -59,7 +59,6 @@ def init(
     Raises:
         ConfigError: an option is invalid (nothing has been installed).
     """
-    global _runtime
     with _lock:
         if _runtime.active:
             return _runtime
@@ -85,10 +84,7 @@ def init(
         except Exception as exc:  # noqa: BLE001 - start-up failed: run on without capture
             report_internal(exc, Site.INIT)
             return _runtime
-        _runtime = runtime
-        phases.activate(runtime.scopes)
-        training.activate(runtime.training)
-        _install_hooks(config)
+        _activate(runtime, config)
         if config.auto_instrument:  # framework Trainers get their callback (integrations/autoattach.py)
             from .integrations import autoattach
 
@@ -97,9 +93,17 @@ def init(
         return runtime
 
 
+def _activate(runtime: Runtime, config: RuntimeConfig) -> None:
+    """The new runtime becomes the process's: the API, the scopes and the patches use it."""
+    global _runtime
+    _runtime = runtime
+    phases.activate(runtime.scopes)
+    training.activate(runtime.training)
+    _install_hooks(config)
+
+
 def start_child(config: RuntimeConfig, child: ChildProcess) -> Runtime | NullRuntime:
     """Starts capture in a process the training process started (see ``children.py``)."""
-    global _runtime
     with _lock:
         if _runtime.active:
             return _runtime
@@ -108,10 +112,7 @@ def start_child(config: RuntimeConfig, child: ChildProcess) -> Runtime | NullRun
         except Exception as exc:  # noqa: BLE001 - the child runs on without capture
             report_internal(exc, Site.INIT_CHILD)
             return _runtime
-        _runtime = runtime
-        phases.activate(runtime.scopes)
-        training.activate(runtime.training)
-        _install_hooks(config)
+        _activate(runtime, config)
         with guarded:
             # fork and forkserver children leave by os._exit after the target: no atexit there,
             # but multiprocessing runs its finalizers first (spawned children get both)

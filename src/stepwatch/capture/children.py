@@ -137,11 +137,11 @@ def _on_bootstrap(_owner: object) -> None:
 def _start_child() -> None:
     from .config import RuntimeConfig
 
-    if _start is None or getattr(_current_runtime(), "active", False):
-        return
     process = multiprocessing.current_process()
     target = getattr(process, "_target", None)
     if is_data_loader_worker(target):
+        return  # first: a loader worker loads nothing of the capture API
+    if _start is None or getattr(_current_runtime(), "active", False):
         return
     parent = _inherited
     env = os.environ

@@ -65,6 +65,17 @@ def _claim(run_dir: str, session_id: str) -> str | None:
     return None
 
 
+def _api(name: str) -> object:
+    """``stepwatch.capture.api.<name>``, imported on the first call."""
+
+    def call(*args: object) -> object:
+        from stepwatch.capture import api
+
+        return getattr(api, name)(*args)
+
+    return call
+
+
 def _autostart() -> None:
     run_dir = os.environ.get("STEPWATCH_RUN_DIR")
     if os.environ.get("STEPWATCH_AUTOSTART") != "1" or not run_dir:
@@ -73,9 +84,11 @@ def _autostart() -> None:
         import stepwatch  # first: an interpreter without stepwatch claims nothing, so track samples it from outside
 
         if _is_multiprocessing_child():
-            from stepwatch.capture import api  # noqa: F401 - binds the API into children.py's hooks
-            from stepwatch.capture.children import install_bootstrap_hook
+            from stepwatch.capture import children
 
+            # the API is loaded only by a child that trains (a DataLoader worker never needs it)
+            children.bind(_api("current_runtime"), _api("start_child"))
+            install_bootstrap_hook = children.install_bootstrap_hook
             install_bootstrap_hook(spawned="--multiprocessing-fork" in getattr(sys, "orig_argv", sys.argv))
             return
         claim = _claim(run_dir, os.environ.get("STEPWATCH_SESSION_ID", "none"))
