@@ -86,6 +86,15 @@ TABLES: dict[str, tuple[Column, ...]] = {
         *_SESSION, _c("step", "int"), _c("start_ns", "int"), _c("end_ns", "int"), _c("step_ns", "int"),
         *(_c(column, "int") for column in STEP_COLUMNS),
     ),
+    "verdicts": (  # a change of the live primary verdict (analysis.verdicts), as the aggregator decided it
+        _c("session_id", "text"), _c("ts_ns", "int"), _c("step", "int", often_null=True),
+        _c("window_steps", "int"), _c("name", "text"), _c("severity", "text"), _c("score", "real", often_null=True),
+        _c("ranks", "json"), _c("message", "text"), _c("next_step", "text", often_null=True), _c("evidence", "json"),
+    ),
+    "alerts": (  # a watchdog alert (alerts.jsonl, one row per line)
+        _c("session_id", "text"), _c("ts_ns", "int"), _c("kind", "text"), _c("severity", "text"),
+        _c("ranks", "json"), _c("step", "int", often_null=True), _c("message", "text"), _c("evidence", "json"),
+    ),
 }
 
 for _table, _columns in TABLES.items():  # at import: a table that cannot be read one way

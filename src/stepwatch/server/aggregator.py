@@ -30,7 +30,7 @@ import re
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import StoreError, TransportError
@@ -88,8 +88,12 @@ class Aggregator:
 
     def __init__(self, store: HistoryStore, *, max_frame: int = DEFAULT_MAX_FRAME, tick_s: float = 0.2,
                  max_pending_rows: int = 2_000_000, flush_rows: int = 10_000, pause_rows: int = 50_000,
-                 session_id: str | None = None, retention_ns: int | None = None) -> None:
+                 session_id: str | None = None, retention_ns: int | None = None,
+                 emit: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.store = store
+        # live event lines (a verdict change, an alert) for whoever started this server: ``stepwatch
+        # run`` reads them from stdout (launcher.AggregatorEvents) and prints them as they come
+        self.emit = emit or (lambda message: None)
         self.session_id = session_id  # this aggregator's own session (``stepwatch run``'s), for legacy frames
         self.retention_ns = retention_ns
         self.maintenance_s = (3600.0 if retention_ns is None

@@ -9,8 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,22 +107,55 @@ def _signal_forwarder(training: subprocess.Popen[bytes], hangup: list[int], forw
     return forward
 
 
-def _read_stopped_line(process: subprocess.Popen[str]) -> dict[str, Any]:
-    """The aggregator's counters from its last stdout line (they reach us even when the disk
-    is too full for aggregator_stats.json)."""
-    if process.stdout is None:
-        return {}
-    try:
-        for line in process.stdout.read().splitlines():
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(message, dict) and message.get("event") == "stopped" and isinstance(message.get("stats"), dict):
-                return message["stats"]
-    except (OSError, ValueError):
-        pass
-    return {}
+class AggregatorEvents:
+    """Follows the aggregator's stdout after its ready line, on a thread of its own: each live
+    event line (``{"event": "verdict" | "alert", "line": ..., ...}``) is handed to ``handle`` as
+    it comes (``run`` prints it, and acts on an alert); the last line, ``stopped``, carries the
+    aggregator's counters, which reach us even when the disk is too full for
+    aggregator_stats.json."""
+
+    def __init__(self, process: subprocess.Popen[str], handle: Callable[[dict[str, Any]], None]) -> None:
+        self.stats: dict[str, Any] = {}
+        self._process = process
+        self._handle = handle
+        self._thread = threading.Thread(target=self._follow, name="stepwatch-aggregator-events", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        if self._process.stdout is None:
+            return
+        try:
+            for line in self._process.stdout:
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(message, dict):
+                    continue
+                if message.get("event") == "stopped" and isinstance(message.get("stats"), dict):
+                    self.stats = message["stats"]
+                    continue
+                try:
+                    self._handle(message)
+                except Exception as exc:  # noqa: BLE001 - a live line must never end the run
+                    print(f"[stepwatch] could not act on the aggregator's {message.get('event')!r} line: {exc}",
+                          file=sys.stderr)
+        except (OSError, ValueError):
+            pass
+
+    def join(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The counters, once the aggregator has exited (its stdout closed)."""
+        self._thread.join(timeout)
+        return self.stats
+
+
+def _echo_event(echo: Any) -> Callable[[dict[str, Any]], None]:
+    """Prints each live event's ``line`` (a verdict change, an alert) as the run goes."""
+    def handle(message: dict[str, Any]) -> None:
+        if isinstance(message.get("line"), str):
+            echo(message["line"])
+
+    return handle
 
 
 def _write_manifest_or_say(run_dir: Path, manifest: RunManifest, echo: Any) -> None:
@@ -184,6 +218,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
                            versions=current_versions(), extra={"nnodes": options.nnodes, "node_rank": options.node_rank})
     write_run_manifest(run_dir, manifest)
     aggregator_process = None
+    events: AggregatorEvents | None = None
     address = options.aggregator
     local_history = address is None  # this node keeps the history (else the remote aggregator does)
     if address is None:
@@ -197,6 +232,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             host, _, port = ready["tcp"].rpartition(":")
             address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             echo(f"[stepwatch] aggregator on {ready['tcp']}" + (f", HTTP on {ready['http']}" if ready.get("http") else ""))
+            events = AggregatorEvents(aggregator_process, _echo_event(echo))
     env = dict(os.environ)
     env.update(
         STEPWATCH_AUTOSTART="1", STEPWATCH_RUN_DIR=str(run_dir.resolve()), STEPWATCH_SESSION_ID=options.session_id,
@@ -225,7 +261,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     if aggregator_process is not None and options.nnodes > 1 and aggregator_process.poll() is None:
         _wait_for_remote_ranks(run_dir, options.session_id, options.nproc_per_node * options.nnodes, echo)
     aggregator_stats: dict[str, Any] = {}
-    if aggregator_process is not None:
+    if aggregator_process is not None and events is not None:
         died = aggregator_process.poll()  # before our SIGTERM: did it die during the run?
         aggregator_process.send_signal(signal.SIGTERM)
         try:
@@ -233,7 +269,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         except subprocess.TimeoutExpired:
             aggregator_process.kill()
             aggregator_process.wait()
-        aggregator_stats = _read_stopped_line(aggregator_process)
+        aggregator_stats = events.join()
         if died is not None:
             echo(f"[stepwatch] the aggregator died during the run (exit code {died}); "
                  "rebuilding history.sqlite from the local artifacts")

@@ -61,7 +61,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
 
     store = SqliteStore(run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or _own_session(run_dir),
-                            retention_ns=retention_ns)
+                            retention_ns=retention_ns, emit=_event_writer(ready))
     tcp = runner = None
     http_bound = None
     try:
@@ -116,6 +116,18 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
         logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
     return stats
+
+
+def _event_writer(stream: Any) -> Any:
+    """Writes one live event as a JSON line after the ready line (see ``Aggregator.emit``)."""
+    def emit(message: dict[str, Any]) -> None:
+        try:
+            stream.write(json.dumps(message, default=str) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # nobody reads it any more
+            pass
+
+    return emit
 
 
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
