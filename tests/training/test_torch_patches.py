@@ -26,7 +26,7 @@ from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
 
 STEPWATCH_DIR = str(Path(stepwatch.__file__).resolve().parent)
-TARGETS = [(nn.Module, "__call__"), (torch.Tensor, "backward"), (torch.autograd, "backward"),
+TARGETS = [(nn.Module, "__call__"), (torch.autograd, "backward"),
            (DataLoader, "__iter__"), (torch.Tensor, "to"), (torch.Tensor, "cuda")]
 # Taken at collection, before any test starts a runtime: whether each name is the owner's own
 # attribute (Tensor.to is inherited from TensorBase) must be the same after every shutdown.
@@ -368,11 +368,11 @@ def test_a_thread_started_in_a_forward_has_its_own_forward(tmp_path: Path) -> No
     """Whether a forward is open is per thread: a module called by a thread that the model's
     forward starts (DataParallel's replicas) is that thread's own outer call, its own forward."""
     began: list[tuple[str, int]] = []
-    real = TrainingState.begin_phase
+    real = TrainingState.phase_begin
 
-    def spy(self: TrainingState, name: str, *args: Any, **kwargs: Any) -> Any:
+    def spy(self: TrainingState, local: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         began.append((name, threading.get_ident()))
-        return real(self, name, *args, **kwargs)
+        return real(self, local, name, *args, **kwargs)
 
     other = nn.Linear(2, 2)
 
@@ -384,7 +384,7 @@ def test_a_thread_started_in_a_forward_has_its_own_forward(tmp_path: Path) -> No
             return x
 
     start(tmp_path)
-    with mock.patch.object(TrainingState, "begin_phase", spy):
+    with mock.patch.object(TrainingState, "phase_begin", spy):
         _Spawns()(torch.zeros(2))
     stepwatch.shutdown()
     forwards = [ident for name, ident in began if name == "forward"]
@@ -398,7 +398,7 @@ def _raise_internal(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("stepwatch bug (injected)")
 
 
-@pytest.mark.parametrize("method", ["begin_phase", "end_phase", "record_fetch", "open_step"])
+@pytest.mark.parametrize("method", ["phase_begin", "phase_end", "record_fetch", "open_step"])
 def test_internal_failure_is_swallowed_and_training_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               method: str) -> None:
     reference = train()

@@ -116,7 +116,7 @@ def _eval_runs(local: _ThreadState, spans: list[OpenSpan], owner: int) -> list[i
 
 def open_inferred(state: TrainingState, local: _ThreadState, start_ns: int | None = None) -> OpenSpan | None:
     """IDLE -> RUNNING: a step opens at the pending fetch, else at ``start_ns``, else now."""
-    step = state.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns)
+    step = state.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns, local=local)
     local.watch = local.mode != OPTIMIZER
     local.it_fwd, local.it_bwd = _FWD_NONE, False
     local.step_opts = {}

@@ -34,7 +34,6 @@ class TorchPatches:
         self._originals: list[tuple[Any, str, Any, bool]] = []
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
-        self._backward_open = contextvars.ContextVar("stepwatch_backward_open", default=False)
         self.installed = False
 
     def install(self) -> None:
@@ -48,7 +47,6 @@ class TorchPatches:
 
                 self.state.grad_enabled = torch.is_grad_enabled
                 self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
-                self._patch(torch.Tensor, "backward", self._wrap_backward)
                 self._patch(torch.autograd, "backward", self._wrap_backward)
                 self._patch(DataLoader, "__iter__", self._wrap_loader_iter)
                 if _accelerator_present(torch):
@@ -57,8 +55,8 @@ class TorchPatches:
                 c10d = _c10d(torch)
                 if c10d is not None:  # once per init_process_group, never per step (children.py)
                     self._patch(c10d, "_update_default_pg", _wrap_default_group)
-                self._hooks.append(optimizer.register_optimizer_step_pre_hook(self._optimizer_pre))
-                self._hooks.append(optimizer.register_optimizer_step_post_hook(self._optimizer_post))
+                self._hooks.append(optimizer.register_optimizer_step_pre_hook(self.state.optimizer_pre))
+                self._hooks.append(optimizer.register_optimizer_step_post_hook(self.state.optimizer_post))
             except BaseException:
                 self._restore()  # all or nothing: never leave half the patches in place
                 raise
@@ -125,7 +123,7 @@ class TorchPatches:
             span = None
             try:
                 # A forward run during backward is activation checkpointing recomputing it.
-                span = state.begin_phase("recompute" if local.in_backward else "forward")
+                span = state.phase_begin(local, "recompute" if local.in_backward else "forward")
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "patch.forward")
             local.in_forward = True
@@ -135,10 +133,11 @@ class TorchPatches:
             finally:
                 set_open(False)
                 local.in_forward = False
-                try:
-                    state.end_phase(span)
-                except Exception as exc:  # noqa: BLE001
-                    report_internal(exc, "patch.forward.end")
+                if span is not None:
+                    try:
+                        state.phase_end(local, span)
+                    except Exception as exc:  # noqa: BLE001
+                        report_internal(exc, "patch.forward.end")
 
         # Every submodule call inside a forward passes through here. That path must cost the
         # same at any depth of the model: one check, then what torch's own ``__call__``
@@ -165,64 +164,35 @@ class TorchPatches:
     # -- backward -----------------------------------------------------------------------------
 
     def _wrap_backward(self, original: Any) -> Any:
+        """``torch.autograd.backward``, which ``Tensor.backward`` calls (looked up at call time):
+        one patch catches both, with one Python frame. A backward run inside another (reentrant
+        checkpointing recomputes and back-propagates inside backward) is part of it."""
         state = self.state
         threads = state.threads
-        # Shared by the two wrappers (Tensor.backward calls torch.autograd.backward): the inner
-        # one asks the context variable (see _wrap_module_call), not the thread-local.
-        is_open = _getter(self._backward_open)
-        set_open = self._backward_open.set
 
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if is_open():  # Tensor.backward calls torch.autograd.backward: one phase
-                return original(*args, **kwargs)
             local = threads.me
             if local.in_backward:
                 return original(*args, **kwargs)
             span = None
             try:
-                span = state.begin_phase("backward")
+                span = state.phase_begin(local, "backward")
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "patch.backward")
             local.in_backward = True
-            set_open(True)
             try:
                 return original(*args, **kwargs)
             finally:
-                set_open(False)
                 local.in_backward = False
-                try:
-                    state.end_phase(span)
-                except Exception as exc:  # noqa: BLE001
-                    report_internal(exc, "patch.backward.end")
+                if span is not None:
+                    try:
+                        state.phase_end(local, span)
+                    except Exception as exc:  # noqa: BLE001
+                        report_internal(exc, "patch.backward.end")
 
         return backward
 
-    # -- optimizer (torch's own global hooks) -------------------------------------------------
-
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        try:
-            local = self.state.threads.me
-            token = local.optimizer_token
-            if token is not None and not token.closed:
-                # an optimizer step inside another (a subclass calling super().step(), a wrapper
-                # stepping its inner optimizer): one optimizer_step phase, not a nested one
-                local.optimizer_depth += 1
-                return
-            local.optimizer_depth = 0
-            local.optimizer_token = self.state.begin_optimizer(optimizer)
-        except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "patch.optimizer")
-
-    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        try:
-            local = self.state.threads.me
-            if local.optimizer_depth > 0:
-                local.optimizer_depth -= 1
-                return
-            token, local.optimizer_token = local.optimizer_token, None
-            self.state.end_phase(token)
-        except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "patch.optimizer.end")
+    # -- optimizer: torch's own global hooks, TrainingState.optimizer_pre/_post themselves -----
 
     # -- data loading -------------------------------------------------------------------------
 

@@ -178,14 +178,18 @@ class TrainingState:
     # -- phases (torch patches) -------------------------------------------------------------
 
     def begin_phase(self, name: str, *, timed: bool = True) -> OpenSpan | None:
-        """Opens phase ``name`` under the innermost open span of this thread.
+        """Opens phase ``name`` under the innermost open span of this thread (``phase_begin``
+        for a caller that has not read the thread's bookkeeping yet)."""
+        return self.phase_begin(self.threads.me, name, timed)
 
-        The hot path of every patch: one thread-local read, the span made and pushed here
-        (no call into the recorder), the id a C-level counter, nothing formatted. Outside a
-        running step (or while its iterations are watched) the step machine decides first
-        whether a step opens, closes, splits or takes the phase (``step_inference``).
+    def phase_begin(self, local: _ThreadState, name: str, timed: bool = True) -> OpenSpan | None:
+        """``begin_phase`` for the calling thread's ``local``, which the patches read already.
+
+        The hot path of every patch: the span made and pushed here (no call into the
+        recorder), the id a C-level counter, nothing formatted. Outside a running step (or
+        while its iterations are watched) the step machine decides first whether a step opens,
+        closes, splits or takes the phase (``step_inference``).
         """
-        local = self.threads.me
         now = _time_ns()
         slow = local.live is None or local.watch
         if slow:
@@ -203,20 +207,45 @@ class TrainingState:
             span.gpu = self.gpu_timer.begin(span)
         return span
 
-    def begin_optimizer(self, optimizer: Any) -> OpenSpan | None:
-        """An optimizer's step begins: the machine learns which optimizer (a GAN's second one
-        joins the iteration, the same one again starts the next), then its phase opens."""
-        local = self.threads.me
-        label = self.optimizer_labels.get(id(optimizer))
-        if label is None:
-            label = self.optimizer_labels[id(optimizer)] = f"{type(optimizer).__name__}#{len(self.optimizer_labels)}"
-        local.opt_label = label
-        local.opt_nested = 0
-        if local.step is not None and local.implicit and self.auto_steps and not self.owners:
-            machine.before_optimizer(self, local, label)
-        elif local.step is None:
-            local.mode = machine.OPTIMIZER
-        return self.begin_phase("optimizer_step")
+    def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer-step pre-hook (torch_patches.py registers it as it is: one
+        Python frame less than a hook calling in here). The machine learns which optimizer (a
+        GAN's second one joins the iteration, the same one again starts the next), then its
+        phase opens."""
+        try:
+            local = self.threads.me
+            token = local.optimizer_token
+            if token is not None and not token.closed:
+                # an optimizer step inside another (a subclass calling super().step(), a wrapper
+                # stepping its inner optimizer): one optimizer_step phase, not a nested one
+                local.optimizer_depth += 1
+                return
+            local.optimizer_depth = 0
+            label = self.optimizer_labels.get(id(optimizer))
+            if label is None:
+                label = self.optimizer_labels[id(optimizer)] = f"{type(optimizer).__name__}#{len(self.optimizer_labels)}"
+            local.opt_label = label
+            local.opt_nested = 0
+            if local.step is not None and local.implicit and self.auto_steps and not self.owners:
+                machine.before_optimizer(self, local, label)
+            elif local.step is None:
+                local.mode = machine.OPTIMIZER
+            local.optimizer_token = self.phase_begin(local, "optimizer_step")
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "patch.optimizer")
+
+    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer-step post-hook: the phase ``optimizer_pre`` opened closes."""
+        try:
+            local = self.threads.me
+            if local.optimizer_depth > 0:
+                local.optimizer_depth -= 1
+                return
+            token, local.optimizer_token = local.optimizer_token, None
+            if token is not None:
+                self.phase_end(local, token)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, "patch.optimizer.end")
 
     def settle(self) -> None:
         """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
@@ -228,12 +257,15 @@ class TrainingState:
             machine.flush_held(self, local)
 
     def end_phase(self, span: OpenSpan | None) -> None:
-        if span is None:
-            return
+        """Closes a phase ``begin_phase`` opened (None: it opened none)."""
+        if span is not None:
+            self.phase_end(self.threads.me, span)
+
+    def phase_end(self, local: _ThreadState, span: OpenSpan) -> None:
+        """``end_phase`` of a span (not None) for the calling thread's ``local``."""
         end_ns = _time_ns()
         if span.gpu is not None and self.gpu_timer is not None:
             self.gpu_timer.end(span.gpu)
-        local = self.threads.me
         stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         step = local.live
         if stack and stack[-1] is span and not span.closed:
@@ -379,8 +411,11 @@ class TrainingState:
     # -- steps and epochs -------------------------------------------------------------------
 
     def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False,
-                  start_ns: int | None = None) -> OpenSpan | None:
-        local = self.threads.me
+                  start_ns: int | None = None, local: _ThreadState | None = None) -> OpenSpan | None:
+        """Opens a step on the calling thread (``local``: its bookkeeping, when the caller has
+        read it already)."""
+        if local is None:
+            local = self.threads.me
         if not implicit:
             self.auto_steps = False  # the program marks its own steps from now on
             if local.step is not None and local.implicit:
@@ -527,10 +562,12 @@ class trace_step:  # noqa: N801 - a statement: `with stepwatch.trace_step(model)
 
     def __enter__(self) -> trace_step:
         state = _state
-        if (state is not None and state.threads.me.step is None
-                and (not state.owners or not state.yields(self.framework))):
+        if state is None:
+            return self
+        local = state.threads.me
+        if local.step is None and (not state.owners or not state.yields(self.framework)):
             try:
-                self._span = state.open_step(self.model, self.attrs)
+                self._span = state.open_step(self.model, self.attrs, local=local)
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, "trace_step.enter")
         return self
