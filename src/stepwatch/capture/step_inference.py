@@ -119,7 +119,8 @@ def open_inferred(state: TrainingState, local: _ThreadState, start_ns: int | Non
     step = state.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns, local=local)
     local.watch = local.mode != OPTIMIZER
     local.it_fwd, local.it_bwd = _FWD_NONE, False
-    local.step_opts = {}
+    if local.step_opts:
+        local.step_opts = {}
     return step
 
 

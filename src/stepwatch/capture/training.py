@@ -423,7 +423,8 @@ class TrainingState:
             if local.held:
                 machine.flush_held(self, local)
             local.watch = False
-            local.step_opts = {}
+            if local.step_opts:
+                local.step_opts = {}
         fetch = local.pending_fetch
         local.pending_fetch = None
         index = None if implicit else next(self.steps)
@@ -472,9 +473,12 @@ class TrainingState:
                 trained = times["backward"] or times["optimizer_step"]
                 span.name = "step" if trained else "eval_step"
                 span.index = next(self.steps) if trained else next(self.eval_steps)
-        if len(local.step_opts) > 1:  # several optimizers in one iteration: each named, with its time
-            span.attrs = {**(span.attrs or {}), "optimizers": local.step_opts}
-        local.step_opts = {}
+        opts = local.step_opts
+        if len(opts) > 1:  # several optimizers in one iteration: each named, with its time
+            span.attrs = {**(span.attrs or {}), "optimizers": opts}
+            local.step_opts = {}
+        elif opts:
+            opts.clear()  # the usual one optimizer: no new dict a step
         if self.epoch is None and local.source is not None and self.auto_epochs:
             self._open_auto_epoch(span, local)
         if error is not None:  # rare: built here, so that "error" follows the breakdown as it always has
