@@ -438,7 +438,7 @@ def _print_call_table(title: str, samples: dict[str, list[int]], steps: int, flo
 # the stepwatch entry points the loop reaches, and what they call; "*" marks the top-level ones
 _TIMED = (
     ("class", "trace_step.__enter__ *"), ("class", "trace_step.__exit__ *"),
-    ("state", "record_fetch *"), ("state", "begin_phase *"), ("state", "end_phase *"),
+    ("state", "record_fetch *"), ("state", "phase_begin *"), ("state", "phase_end *"),
     ("state", "open_step"), ("state", "close_step"), ("state", "_data_load_span"),
     ("spans", "open"), ("spans", "close"),
 )
