@@ -17,6 +17,7 @@ from typing import Any
 
 from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest, write_run_manifest_in_place
 from ..lifetime import LAUNCHER_PID_ENV, preexec_die_with_parent
+from ..log import logger
 from ..schema import SessionStatus, new_session_id
 
 __all__ = ["LaunchOptions", "launch"]
@@ -138,8 +139,7 @@ class AggregatorEvents:
                 try:
                     self._handle(message)
                 except Exception as exc:  # noqa: BLE001 - a live line must never end the run
-                    print(f"[stepwatch] could not act on the aggregator's {message.get('event')!r} line: {exc}",
-                          file=sys.stderr)
+                    logger.warning("could not act on the aggregator's %r line: %s", message.get("event"), exc)
         except (OSError, ValueError):
             pass
 
