@@ -51,8 +51,6 @@ def _r4(value: float | None) -> float | None:
 
 
 class _Sample:
-    __slots__ = ("rank", "ts", "device", "collector", "allocated", "reserved", "free", "total", "host")
-
     def __init__(self, row: Mapping[str, Any]) -> None:
         self.rank = _int(row.get("rank"))
         self.ts = _int(row.get("timestamp_ns"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .step_windows import RankWindow, StepWindow
+from .step_windows import COMPONENTS, COMPUTE_PHASES, RankWindow, StepWindow
 from .verdict_policy import VerdictPolicy
 from .verdict_types import SEVERITY_RANK, Severity, Verdict
 
@@ -64,7 +64,7 @@ class _Shares:
     def __init__(self, window: StepWindow, policy: VerdictPolicy) -> None:
         coverage = policy.min_phase_coverage
         self.per_rank: dict[str, dict[int, float]] = {}
-        for name in ("input", "h2d", "compute", "residual", "forward", "backward", "optimizer", "recompute"):
+        for name in COMPONENTS:
             shares = {rank: s for rank, w in window.ranks.items() if (s := w.share(name, coverage)) is not None}
             self.per_rank[name] = shares
         between = {rank: s for rank, w in window.ranks.items() if (s := w.between_share) is not None}
@@ -180,7 +180,7 @@ def _compute_bound(window: StepWindow, policy: VerdictPolicy, shares: _Shares, b
         other = shares.median[component]
         if other is None or other >= warn:
             return None  # another share unknown: dominance cannot be established
-    phases = {p: shares.median[p] for p in ("forward", "backward", "optimizer", "recompute")
+    phases = {p: shares.median[p] for p in COMPUTE_PHASES
               if shares.median[p] is not None}
     largest = max(sorted(phases), key=lambda p: phases[p] or 0.0) if phases else "compute"
     message = f"compute-bound: forward, backward and optimizer take {value * 100:.1f}% of step time; {largest} is the largest"

@@ -25,14 +25,14 @@ from typing import Any
 
 from ..phases import PHASES, RESIDUAL
 
-__all__ = ["COMPONENTS", "RankWindow", "StepWindow", "build_window", "clean_number"]
+__all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
 
 # phase columns (stepwatch.phases), named by their share
 _PHASE_COLUMNS: dict[str, str] = {p.share: p.column for p in PHASES}
 _WAIT = RESIDUAL.column
-_COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
+COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
 # the components that add up to a step's time, then the phases reported on their own
-COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute", "residual", *_COMPUTE_PHASES)
+COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute", "residual", *COMPUTE_PHASES)
 
 
 def clean_number(value: Any) -> float | int | None:
@@ -206,14 +206,14 @@ def _reduce(rank: int, rows: list[Mapping[str, Any]]) -> RankWindow:
     totals = [s + o for s, o in zip(step_ns, overhang)]  # type: ignore[operator]
     residual = [None if d is None or w is None else (w - d if w > d else 0) for d, w in zip(fetch, wait)]
     phases = {share: _column(rows, column) for share, column in _PHASE_COLUMNS.items() if share != "data_load"}
-    compute_parts = [phases[p] for p in _COMPUTE_PHASES]
+    compute_parts = [phases[p] for p in COMPUTE_PHASES]
     compute = [None if None in parts else sum(parts) for parts in zip(*compute_parts)]
     window = RankWindow(rank=rank, steps=len(rows), first_step=_clean_int(rows[0]["step"]) or 0,
                         last_step=_clean_int(rows[-1]["step"]) or 0,
                         start_ns=_clean_int(rows[0].get("start_ns")), end_ns=_clean_int(rows[-1].get("end_ns")),
                         step_total_ns=float(sum(totals)))
     for name, values in (("input", fetch), ("h2d", phases["h2d"]), ("compute", compute), ("residual", residual),
-                         *((p, phases[p]) for p in _COMPUTE_PHASES)):
+                         *((p, phases[p]) for p in COMPUTE_PHASES)):
         total, known, denominator = _sum_known(values, totals)
         window.sums[name], window.known[name], window.denominators[name] = total, known, denominator
     _between(window, rows, totals, overhang)
