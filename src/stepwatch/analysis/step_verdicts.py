@@ -106,7 +106,8 @@ def step_time_verdicts(window: StepWindow, policy: VerdictPolicy) -> list[Verdic
         found.append(compute)
     found = [v for v in found if policy.enabled(v.name)]
     judged = shares.median["input"] is not None or shares.median["compute"] is not None
-    if judged and not any(SEVERITY_RANK[v.severity] > 0 for v in found) and policy.enabled("BALANCED"):
+    quiet = not any(SEVERITY_RANK[v.severity] > 0 or v.name == "COMPUTE_BOUND" for v in found)
+    if judged and quiet and policy.enabled("BALANCED"):
         found.append(_balanced(window, shares, base))
     return sorted(found, key=_rank_key)
 
