@@ -104,8 +104,9 @@ def _source(samples: list[_Sample]) -> tuple[str, list[_Sample]]:
 
 def _series(window: StepWindow, samples: list[_Sample], field: str) -> tuple[list[float], list[float],
                                                                             dict[int, list[float]]]:
-    """Per step (of the window's step numbers): the worst rank's value, the median over ranks, and
-    each rank's own series; steps before every rank has a sample are left out."""
+    """Per sampled step (a step during which some rank took a sample): the worst rank's value, the
+    median over ranks, and each rank's own series; a rank without a sample in that step carries
+    its last one forward, and steps before every rank has a sample are left out."""
     by_rank: dict[int, dict[int, float]] = {}
     of_rank: dict[int, list[_Sample]] = {}
     for sample in samples:
@@ -127,22 +128,24 @@ def _series(window: StepWindow, samples: list[_Sample], field: str) -> tuple[lis
             if value > per_step.get(step, -1.0):
                 per_step[step] = value
         by_rank[rank] = per_step
-    if not by_rank or window.first_step is None or window.last_step is None:
+    if not by_rank:
         return [], [], {}
     worst: list[float] = []
     median: list[float] = []
     own: dict[int, list[float]] = {rank: [] for rank in by_rank}
     last: dict[int, float] = {}
-    for step in range(window.first_step, window.last_step + 1):
-        for rank, per_step in by_rank.items():
-            if step in per_step:
-                last[rank] = per_step[step]
-        if len(last) < len(by_rank):
+    order = sorted(by_rank)
+    for step in sorted({step for per_step in by_rank.values() for step in per_step}):
+        for rank in order:
+            value = by_rank[rank].get(step)
+            if value is not None:
+                last[rank] = value
+        if len(last) < len(order):
             continue
-        values = [last[r] for r in sorted(by_rank)]
+        values = [last[r] for r in order]
         worst.append(max(values))
         median.append(_median(values))
-        for rank in by_rank:
+        for rank in order:
             own[rank].append(last[rank])
     return worst, median, own
 
@@ -255,7 +258,7 @@ def _creep(window: StepWindow, samples: list[_Sample], field: str, policy: Verdi
     if not counts or min(counts.get(r, 0) for r in window.ranks) < MIN_SAMPLES:
         return None
     worst, median, own = _series(window, samples, field)
-    if len(worst) < policy.memory_min_steps:
+    if len(worst) < MIN_SAMPLES:
         return None
     w_base, w_mid, w_recent = _bands(worst, policy)
     m_base, m_mid, m_recent = _bands(median, policy)

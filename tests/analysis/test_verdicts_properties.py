@@ -1,0 +1,114 @@
+"""Properties of the verdict engine over any rows (hypothesis): it never crashes, its shares stay
+in [0, 1], it is deterministic, and a missing phase is never read as 0."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepwatch.analysis.step_windows import build_window
+from stepwatch.analysis.verdicts import diagnose
+from stepwatch.phases import STEP_COLUMNS
+
+from .verdict_rows import steps
+
+COLUMNS = ("start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
+junk = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True, allow_infinity=True),
+                 st.integers(-(1 << 70), 1 << 70), st.lists(st.integers(), max_size=2))
+plausible = st.one_of(st.none(), st.integers(0, 50_000_000), st.floats(0, 5e7))
+value = st.one_of(plausible, plausible, junk)
+row = st.fixed_dictionaries(
+    {"rank": st.one_of(st.integers(0, 4), junk), "step": st.one_of(st.integers(-2, 40), junk)},
+    optional=dict.fromkeys(COLUMNS, value),
+)
+any_rows = st.lists(st.one_of(row, st.integers(), st.none()), max_size=60)
+sample = st.fixed_dictionaries({
+    "rank": st.integers(0, 4), "timestamp_ns": st.one_of(st.integers(0, 2_000_000_000), junk),
+    "collector": st.sampled_from(["stepwatch.cpu_tracker", "stepwatch.cuda_tracker", "stepwatch.nvml_tracker", 3]),
+    "device_id": st.one_of(st.integers(-1, 2), junk), "allocated": value, "reserved": value, "free": value,
+    "total": value, "host": st.one_of(st.just("h"), junk), "event_type": st.sampled_from(["sample", "start"]),
+})
+system = st.fixed_dictionaries({"rank": st.integers(0, 3), "timestamp_ns": value, "device_id": value,
+                                "gpu_util_pct": value})
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return True
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(any_rows, st.lists(sample, max_size=30), st.lists(system, max_size=10), st.one_of(st.none(), st.integers(1, 50)))
+def test_any_rows_give_a_diagnosis_with_shares_in_range_and_the_same_twice(rows: list, memory: list, sys: list,
+                                                                        window: int | None) -> None:
+    first = diagnose(rows, memory, sys, window=window)
+    again = diagnose(rows, memory, sys, window=window)
+    assert first.to_dict() == again.to_dict()
+    assert first.primary.severity in ("info", "warn", "crit")
+    for verdict in first.all():
+        assert _finite(verdict.to_dict())
+        assert "\n" not in verdict.message
+        for key in ("share", "share_of_wall"):
+            if key in verdict.evidence:
+                assert 0.0 <= verdict.evidence[key] <= 1.0
+        for share in verdict.evidence.get("shares", {}).values():
+            assert share is None or 0.0 <= share <= 1.0
+    clean = [r for r in rows if isinstance(r, dict)]
+    built = build_window(clean, window)
+    for rank_window in built.ranks.values():
+        for component in rank_window.sums:
+            share = rank_window.share(component, 0.5)
+            assert share is None or 0.0 <= share <= 1.0
+        assert rank_window.between_share is None or 0.0 <= rank_window.between_share <= 1.0
+
+
+phase = st.sampled_from(list(STEP_COLUMNS))
+
+
+@settings(max_examples=150, deadline=None)
+@given(phase, st.integers(1, 3), st.integers(20, 80), st.floats(0.5, 6.0))
+def test_a_missing_phase_is_never_read_as_zero(column: str, ranks: int, count: int, fetch: float) -> None:
+    """A phase that no step of a rank measured is unknown there: the shares it feeds are not
+    given for that rank, INCOMPLETE_DATA names it, and nothing is judged from a 0 put in its place."""
+    rows: list[dict[str, Any]] = []
+    for rank in range(ranks):
+        rows += steps(rank, count, fetch=fetch)
+    lacking = ranks - 1
+    zeroed = [dict(r) for r in rows]
+    for r in rows:
+        if r["rank"] == lacking:
+            r[column] = None
+    for r in zeroed:
+        if r["rank"] == lacking:
+            r[column] = 0
+    window = build_window(rows, None)
+    affected = {"data_load_ns": ("input", "residual"), "wait_ns": ("residual",), "h2d_ns": ("h2d",),
+                "recompute_ns": ("compute", "recompute")}.get(column, ("compute", column.removesuffix("_ns")))
+    for component in affected:
+        assert window.ranks[lacking].share(component, 0.5) is None
+        if ranks > 1:
+            assert window.ranks[0].share(component, 0.5) is not None
+    diagnosis = diagnose(rows)
+    incomplete = [v for v in diagnosis.step_time if v.name == "INCOMPLETE_DATA"]
+    assert incomplete and lacking in incomplete[0].ranks
+    for verdict in diagnosis.step_time:
+        if verdict.name in ("INPUT_BOUND", "H2D_BOUND", "RESIDUAL_HEAVY", "COMPUTE_BOUND"):
+            assert str(lacking) not in verdict.evidence.get("share_per_rank", {}) or \
+                verdict.evidence["share_per_rank"][str(lacking)] is not None
+        assert lacking not in verdict.ranks or verdict.name == "INCOMPLETE_DATA" or "STRAGGLER" not in verdict.name
+    assert not any("STRAGGLER" in v.name for v in diagnosis.step_time)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.permutations(list(range(40))))
+def test_row_order_does_not_matter(order: list[int]) -> None:
+    rows = steps(0, 20, fetch=2.0) + steps(1, 20, forward=5.0)
+    assert diagnose([rows[i] for i in order]).to_dict() == diagnose(rows).to_dict()
