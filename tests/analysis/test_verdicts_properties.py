@@ -112,3 +112,37 @@ def test_a_missing_phase_is_never_read_as_zero(column: str, ranks: int, count: i
 def test_row_order_does_not_matter(order: list[int]) -> None:
     rows = steps(0, 20, fetch=2.0) + steps(1, 20, forward=5.0)
     assert diagnose([rows[i] for i in order]).to_dict() == diagnose(rows).to_dict()
+
+
+number = st.one_of(st.none(), st.integers(0, 10_000_000), st.floats(0, 1e7))
+clock = st.one_of(st.none(), st.integers(0, 1_000_000_000))
+plausible_row = st.fixed_dictionaries(
+    {"rank": st.integers(0, 3), "step": st.integers(0, 30), "step_ns": st.integers(0, 20_000_000)},
+    optional={"start_ns": clock, "end_ns": clock, **dict.fromkeys(STEP_COLUMNS, number)},
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(plausible_row, max_size=80), st.one_of(st.none(), st.integers(1, 20)))
+def test_the_numpy_reduction_gives_what_the_row_reduction_gives(rows: list, window: int | None) -> None:
+    by_rows = build_window(rows, window, columnar=False)
+    by_columns = build_window(rows, window, columnar=True)
+    assert (by_rows.first_step, by_rows.last_step, by_rows.rows_ignored, by_rows.ranks_without_steps) == \
+        (by_columns.first_step, by_columns.last_step, by_columns.rows_ignored, by_columns.ranks_without_steps)
+    assert sorted(by_rows.ranks) == sorted(by_columns.ranks)
+    for rank, a in by_rows.ranks.items():
+        b = by_columns.ranks[rank]
+        assert (a.steps, a.first_step, a.last_step, a.start_ns, a.end_ns) == \
+            (b.steps, b.first_step, b.last_step, b.start_ns, b.end_ns)
+        assert a.known == b.known
+        for name in a.sums:
+            assert math.isclose(a.sums[name], b.sums[name], rel_tol=1e-9, abs_tol=1e-3)
+            assert math.isclose(a.denominators[name], b.denominators[name], rel_tol=1e-9, abs_tol=1e-3)
+        assert math.isclose(a.step_total_ns, b.step_total_ns, rel_tol=1e-9, abs_tol=1e-3)
+        assert (a.between_ns is None) == (b.between_ns is None)
+        if a.between_ns is not None:
+            assert math.isclose(a.between_ns, b.between_ns, rel_tol=1e-9, abs_tol=1e-3)
+            assert math.isclose(a.between_wall_ns, b.between_wall_ns, rel_tol=1e-9, abs_tol=1e-3)
+        assert a.step_clock() == b.step_clock()
+    assert diagnose(rows, window=window, columnar=False).to_dict() == \
+        diagnose(rows, window=window, columnar=True).to_dict()

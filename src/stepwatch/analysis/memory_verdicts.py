@@ -112,10 +112,7 @@ def _series(window: StepWindow, samples: list[_Sample], field: str) -> tuple[lis
     for sample in samples:
         of_rank.setdefault(sample.rank, []).append(sample)  # type: ignore[arg-type]
     for rank, w in window.ranks.items():
-        starts = [(s if type(s) is int else None) for s in w.step_starts]
-        pairs = sorted((s, n) for s, n in zip(starts, w.step_numbers) if s is not None)
-        times = [p[0] for p in pairs]
-        numbers = [p[1] for p in pairs]
+        times, numbers = w.step_clock()
         per_step: dict[int, float] = {}
         for sample in of_rank.get(rank, ()):
             value = getattr(sample, field)
