@@ -182,9 +182,9 @@ def build_window(steps: Iterable[Mapping[str, Any]], window: int | None, *,
     columns or large)."""
     expected = {int(r) for r in expected_ranks if _clean_int(r) is not None}
     columns = steps if isinstance(steps, StepColumns) else None
-    if columns is None and columnar is not False:
-        if columnar or (isinstance(steps, Sequence) and len(steps) >= COLUMNAR_MIN_ROWS):
-            columns = StepColumns.from_rows(steps)
+    large = isinstance(steps, Sequence) and len(steps) >= COLUMNAR_MIN_ROWS
+    if columns is None and (columnar or (columnar is None and large)):
+        columns = StepColumns.from_rows(steps)
     if columns is not None and columnar is not False:
         reduced, ignored, last, seen = reduce_columns(columns, window)
         ranks = {item["rank"]: RankWindow(**item) for item in reduced}
