@@ -77,19 +77,24 @@ def step_tuples(ranks: int, steps: int, seed: int = 0) -> list[tuple[int, ...]]:
     wait) per step, by rank then step, as the history's steps table orders them. Under DDP the
     ranks wait in backward's all-reduce for the slow rank's extra forward millisecond."""
     rng = random.Random(seed)
+    slow = slow_rank(ranks)
     out = []
     for rank in range(ranks):
         t = T0
         for step in range(steps):
             fetch = 200_000 + rng.randrange(50_000)
-            forward = 3 * MS + rng.randrange(100_000) + (MS if rank == SLOW_RANK else 0)
-            backward = 4 * MS + rng.randrange(100_000) + (0 if rank == SLOW_RANK else MS)
+            forward = 3 * MS + rng.randrange(100_000) + (MS if rank == slow else 0)
+            backward = 4 * MS + rng.randrange(100_000) + (0 if rank == slow else MS)
             optimizer = MS
             other = 300_000
             step_ns = fetch + forward + backward + optimizer + other
             out.append((rank, step, t, t + step_ns, step_ns, fetch, 0, forward, backward, optimizer, 0, fetch + other))
             t += step_ns + 50_000
     return out
+
+
+def slow_rank(ranks: int) -> int:
+    return min(SLOW_RANK, ranks - 1)
 
 
 def memory_rows(steps: list[tuple[int, ...]]) -> list[dict[str, Any]]:
@@ -134,7 +139,7 @@ def worker_stepwatch(args: list[str]) -> dict[str, Any]:
     gc.collect()
     rss_input = peak_rss_bytes()
     result = diagnose(steps_in, memory, window=window)
-    if result.primary.name != "COMPUTE_STRAGGLER" or result.primary.ranks != (SLOW_RANK,):
+    if result.primary.name != "COMPUTE_STRAGGLER" or result.primary.ranks != (slow_rank(ranks),):
         raise SystemExit(f"unexpected primary: {result.primary.to_dict()}")
     figures = _measure(lambda: diagnose(steps_in, memory, window=window), repeat)
     return {**figures, "rows": len(steps_in), "samples": len(memory), "rss_with_input_bytes": rss_input,
