@@ -12,15 +12,31 @@ numpy is imported inside the functions, never at import, so ``stepwatch.analysis
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..phases import PHASES, RESIDUAL, STEP_COLUMNS
 
-__all__ = ["COLUMNS", "StepColumns", "numpy_or_none", "reduce_columns"]
+__all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_number", "numpy_or_none", "reduce_columns"]
 
 COLUMNS: tuple[str, ...] = ("rank", "step", "start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
 _INT_LIMIT = float(1 << 62)
+# the phases that make up compute (stepwatch.phases: in the residual, and not h2d)
+COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
+
+
+def clean_number(value: Any) -> float | int | None:
+    """A non-negative finite number, or None (unknown): bools, strings, NaN, negatives are unknown."""
+    kind = type(value)
+    if kind is int:
+        return value if value >= 0 else None
+    if kind is float:
+        return value if value >= 0 and math.isfinite(value) else None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        return number if number >= 0 and math.isfinite(number) else None
+    return None
 
 
 def numpy_or_none() -> Any:
@@ -118,8 +134,6 @@ def _array(np: Any, values: Sequence[Any], *, clock: bool = False) -> Any:
     except (TypeError, ValueError, OverflowError):
         array = None
     if array is None or array.ndim != 1:
-        from .step_windows import clean_number
-
         array = np.array([clean_number(v) for v in values], dtype=np.float64)
     with np.errstate(invalid="ignore"):
         array[~(np.isfinite(array) & (array >= 0))] = np.nan
@@ -184,8 +198,6 @@ def reduce_columns(columns: StepColumns, window: int | None) -> tuple[list[dict[
     totals = step_ns + overhang
     residual = np.where(both, np.maximum(wait - fetch, 0.0), np.nan)
     phases = {share: col(column) for share, column in _IN_STEP.items()}
-    from .step_windows import COMPUTE_PHASES
-
     compute = sum(phases[p] for p in COMPUTE_PHASES)
     starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
     components = {"input": fetch, "h2d": phases["h2d"], "compute": compute, "residual": residual,

@@ -18,37 +18,22 @@ steps (so one partial last step leaves the others' phases standing).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..phases import PHASES, RESIDUAL
-from .step_columns import StepColumns, reduce_columns
+from .step_columns import COMPUTE_PHASES, StepColumns, clean_number, reduce_columns
 
 __all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
 
 # phase columns (stepwatch.phases), named by their share
 _PHASE_COLUMNS: dict[str, str] = {p.share: p.column for p in PHASES}
 _WAIT = RESIDUAL.column
-COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
 # the components that add up to a step's time, then the phases reported on their own
 # from this many rows on, rows are turned into columns and reduced with numpy (where importable)
 COLUMNAR_MIN_ROWS = 2000
 COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute", "residual", *COMPUTE_PHASES)
-
-
-def clean_number(value: Any) -> float | int | None:
-    """A non-negative finite number, or None (unknown): bools, strings, NaN, negatives are unknown."""
-    kind = type(value)
-    if kind is int:
-        return value if value >= 0 else None
-    if kind is float:
-        return value if value >= 0 and math.isfinite(value) else None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        return number if number >= 0 and math.isfinite(number) else None
-    return None
 
 
 def _clean_int(value: Any) -> int | None:
