@@ -146,3 +146,34 @@ def test_the_numpy_reduction_gives_what_the_row_reduction_gives(rows: list, wind
         assert a.step_clock() == b.step_clock()
     assert diagnose(rows, window=window, columnar=False).to_dict() == \
         diagnose(rows, window=window, columnar=True).to_dict()
+
+
+mem_number = st.one_of(st.none(), st.integers(0, 80 << 30))
+mem_sample = st.fixed_dictionaries({
+    "rank": st.integers(0, 3), "timestamp_ns": st.integers(0, 1_200_000_000),
+    "collector": st.sampled_from(["stepwatch.cpu_tracker", "stepwatch.cuda_tracker", "stepwatch.nvml_tracker"]),
+    "device_id": st.integers(-1, 2), "allocated": mem_number, "reserved": mem_number, "free": mem_number,
+    "total": st.one_of(st.none(), st.integers(0, 80 << 30)), "host": st.sampled_from(["a", "b"]),
+}, optional={"event_type": st.sampled_from(["sample", "stop"])})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 120), st.lists(mem_sample, max_size=120), st.booleans())
+def test_the_numpy_memory_facts_are_the_row_facts(ranks: int, count: int, samples: list, columns: bool) -> None:
+    from stepwatch.analysis.memory_arrays import facts_from_arrays
+    from stepwatch.analysis.memory_verdicts import _facts_from_samples, parse_samples
+
+    rows: list[dict[str, Any]] = []
+    for rank in range(ranks):
+        rows += [{**r, "start_ns": r["start_ns"] // 10, "end_ns": r["end_ns"] // 10}
+                 for r in steps(rank, count, t0=0)]
+    window = build_window(rows, None, columnar=columns)
+    by_rows = _facts_from_samples(parse_samples(samples, window), window)
+    by_arrays = facts_from_arrays(samples, window)
+    assert by_arrays is not None
+    for name in ("kind", "samples", "peaks", "totals", "hosts", "counts", "worst", "median", "host_used",
+                 "host_ranks", "rss"):
+        assert getattr(by_rows, name) == getattr(by_arrays, name), name
+    for rank in by_rows.own.ranks():
+        assert by_rows.own[rank] == by_arrays.own[rank]
+    assert diagnose(rows, samples, columnar=False).to_dict() == diagnose(rows, samples, columnar=True).to_dict()

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .memory_arrays import facts_from_arrays
+from .memory_facts import COLUMNAR_MIN_SAMPLES, CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
 from .step_columns import numpy_or_none
 from .step_windows import RankWindow, StepWindow, clean_number
 from .verdict_policy import VerdictPolicy
 from .verdict_types import Severity, Verdict
 
-__all__ = ["Sample", "memory_verdicts", "parse_samples", "system_verdicts"]
+__all__ = ["MemoryFacts", "Sample", "memory_facts", "memory_verdicts", "parse_samples", "system_verdicts"]
 
-CPU_COLLECTOR = "stepwatch.cpu_tracker"
-NVML_COLLECTOR = "stepwatch.nvml_tracker"
 MIN_SAMPLES = 3  # per rank in the window, for a creep trend
 _GIB = float(1 << 30)
 
@@ -57,8 +57,6 @@ def _n(value: Any) -> Any:
 
 class Sample:
     """One memory sample of a window rank, its counters cleaned (None: unknown)."""
-
-    __slots__ = ("allocated", "collector", "device", "free", "host", "rank", "reserved", "total", "ts")
 
     def __init__(self, row: Mapping[str, Any], rank: int, ts: int) -> None:
         self.rank, self.ts = rank, ts
@@ -116,7 +114,7 @@ def _source(samples: list[Sample]) -> tuple[str, list[Sample]]:
     return "rss", [s for s in samples if s.collector == CPU_COLLECTOR and s.allocated is not None]
 
 
-def _series(window: StepWindow, samples: list[Sample], field: str) -> tuple[list[float], list[float], _Columns]:
+def _series(window: StepWindow, samples: list[Sample], field: str) -> tuple[list[float], list[float], SeriesColumns]:
     """Per sampled step (a step during which some rank took a sample): the worst rank's value, the
     median over ranks, and each rank's own series; a rank without a sample in that step carries
     its last one forward, and steps before every rank has a sample are left out."""
@@ -134,7 +132,7 @@ def _series(window: StepWindow, samples: list[Sample], field: str) -> tuple[list
                 per_step[step] = value
         by_rank[rank] = per_step
     if not by_rank:
-        return [], [], _Columns([], [])
+        return [], [], SeriesColumns([], [])
     worst: list[float] = []
     median: list[float] = []
     rows: list[list[float]] = []  # each point's values, in the order of ``last``'s ranks
@@ -151,25 +149,8 @@ def _series(window: StepWindow, samples: list[Sample], field: str) -> tuple[list
         rows.append(values)
     # a rank's own series, asked for only once the worst and median series say memory rises
     order = list(last)
-    own = _Columns(order, rows)
+    own = SeriesColumns(order, rows) if rows else SeriesColumns([], [])
     return worst, median, own
-
-
-class _Columns(dict):  # type: ignore[type-arg]
-    """rank -> its series, each built on first use from the points' rows."""
-
-    def __init__(self, order: list[int], rows: list[list[float]]) -> None:
-        super().__init__()
-        self._index = {rank: i for i, rank in enumerate(order)}
-        self._rows = rows
-
-    def __missing__(self, rank: int) -> list[float]:
-        i = self._index[rank]
-        series = self[rank] = [row[i] for row in self._rows]
-        return series
-
-    def ranks(self) -> list[int]:
-        return sorted(self._index)
 
 
 def _steps_of(window: RankWindow, stamps: list[int]) -> list[int | None]:
@@ -208,27 +189,53 @@ def _bands(series: list[float], policy: VerdictPolicy) -> tuple[float, float, fl
             _band(series, policy.creep_recent_band))
 
 
-def memory_verdicts(window: StepWindow, parsed: list[Sample], policy: VerdictPolicy) -> list[Verdict]:
-    """HIGH_PRESSURE, IMBALANCE, CREEP_CONFIRMED or CREEP_EARLY, once the window holds
-    ``memory_min_steps`` steps."""
-    if window.steps < policy.memory_min_steps:
-        return []
+
+
+def memory_facts(rows: Iterable[Any], window: StepWindow, *, columnar: bool | None = None) -> MemoryFacts:
+    """The facts of the window's memory samples."""
+    if not window.ranks:
+        return MemoryFacts(own=SeriesColumns([], []))
+    large = isinstance(rows, Sequence) and len(rows) >= COLUMNAR_MIN_SAMPLES
+    if columnar or (columnar is None and large):
+        facts = facts_from_arrays(rows, window)
+        if facts is not None:
+            return facts
+    return _facts_from_samples(parse_samples(rows, window), window)
+
+
+def _facts_from_samples(parsed: list[Sample], window: StepWindow) -> MemoryFacts:
     kind, samples = _source(parsed)
-    if not samples:
-        return []
-    label = "device memory (allocator reserved)" if kind == "device" else "process RSS"
-    base = {"window": window.evidence(), "memory": kind, "samples": len(samples)}
-    found: list[Verdict] = []
+    facts = MemoryFacts(kind=kind if samples else "", samples=len(samples))
     value_field = "reserved" if kind == "device" else "allocated"
-    peaks: dict[int, float] = {}
-    totals: dict[int, float] = {}
-    hosts: dict[int, str] = {}
     for s in samples:
         value = getattr(s, value_field)
-        peaks[s.rank] = max(peaks.get(s.rank, 0.0), value)  # type: ignore[index]
+        facts.peaks[s.rank] = max(facts.peaks.get(s.rank, 0.0), value)  # type: ignore[index]
         if s.total is not None:
-            totals[s.rank] = max(totals.get(s.rank, 0.0), s.total)  # type: ignore[index]
-        hosts[s.rank] = s.host  # type: ignore[index]
+            facts.totals[s.rank] = max(facts.totals.get(s.rank, 0.0), s.total)  # type: ignore[index]
+        facts.hosts[s.rank] = s.host  # type: ignore[index]
+        facts.counts[s.rank] = facts.counts.get(s.rank, 0) + 1  # type: ignore[index]
+    facts.worst, facts.median, facts.own = _series(window, samples, "allocated")
+    for s in parsed:
+        if s.collector != CPU_COLLECTOR or not s.total:
+            continue
+        if s.free is not None:
+            used = max(0.0, min(1.0, (s.total - s.free) / s.total))
+            facts.host_used[s.host] = max(facts.host_used.get(s.host, 0.0), used)
+            facts.host_ranks.setdefault(s.host, set()).add(s.rank)  # type: ignore[arg-type]
+        if s.allocated is not None:
+            facts.rss[s.rank] = max(facts.rss.get(s.rank, 0.0), min(1.0, s.allocated / s.total))  # type: ignore[index]
+    return facts
+
+
+def memory_verdicts(window: StepWindow, facts: MemoryFacts, policy: VerdictPolicy) -> list[Verdict]:
+    """HIGH_PRESSURE, IMBALANCE, CREEP_CONFIRMED or CREEP_EARLY, once the window holds
+    ``memory_min_steps`` steps."""
+    if window.steps < policy.memory_min_steps or not facts.kind:
+        return []
+    kind, peaks, totals, hosts = facts.kind, facts.peaks, facts.totals, facts.hosts
+    label = "device memory (allocator reserved)" if kind == "device" else "process RSS"
+    base = {"window": window.evidence(), "memory": kind, "samples": facts.samples}
+    found: list[Verdict] = []
     pressure = _pressure(kind, peaks, totals, hosts)
     if pressure:
         worst_rank = max(sorted(pressure), key=lambda r: pressure[r])
@@ -247,7 +254,7 @@ def memory_verdicts(window: StepWindow, parsed: list[Sample], policy: VerdictPol
     imbalance = _imbalance(peaks, totals, policy, label, base)
     if imbalance is not None:
         found.append(imbalance)
-    creep = _creep(window, samples, "allocated", policy, label if kind == "rss" else "device memory (allocated)", base)
+    creep = _creep(window, facts, "allocated", policy, label if kind == "rss" else "device memory (allocated)", base)
     if creep is not None:
         found.append(creep)
     return found
@@ -292,17 +299,15 @@ def _imbalance(peaks: dict[int, float], totals: dict[int, float], policy: Verdic
                                    "pressure_crit": policy.imbalance_pressure_crit}})
 
 
-def _creep(window: StepWindow, samples: list[Sample], field: str, policy: VerdictPolicy, label: str,
+def _creep(window: StepWindow, facts: MemoryFacts, field: str, policy: VerdictPolicy, label: str,
            base: dict[str, Any]) -> Verdict | None:
     """Memory rising across the window: the averages of the baseline, middle and recent bands
     rise in turn for the worst rank and the median rank; CREEP_CONFIRMED once the worst rank's
     recent band is ``creep_confirmed_delta_bytes`` above its baseline, else CREEP_EARLY."""
-    counts: dict[int, int] = {}
-    for s in samples:
-        counts[s.rank] = counts.get(s.rank, 0) + 1  # type: ignore[index]
+    counts = facts.counts
     if not counts or min(counts.get(r, 0) for r in window.ranks) < MIN_SAMPLES:
         return None
-    worst, median, own = _series(window, samples, field)
+    worst, median, own = facts.worst, facts.median, facts.own
     if len(worst) < MIN_SAMPLES:
         return None
     w_base, w_mid, w_recent = _bands(worst, policy)
@@ -338,26 +343,15 @@ def _creep(window: StepWindow, samples: list[Sample], field: str, policy: Verdic
                                    "confirmed_delta_bytes": policy.creep_confirmed_delta_bytes}})
 
 
-def system_verdicts(window: StepWindow, parsed: list[Sample], system: Iterable[Mapping[str, Any]],
+def system_verdicts(window: StepWindow, facts: MemoryFacts, system: Iterable[Mapping[str, Any]],
                     policy: VerdictPolicy) -> list[Verdict]:
     """HOST_MEMORY_HIGH and PROCESS_RSS_HIGH from the cpu collector's samples (RSS, the host's
     available and total memory), GPU_UTILIZATION_LOW from NVML utilisation samples."""
     if not window.ranks:
         return []
     base = {"window": window.evidence()}
-    cpu = [s for s in parsed if s.collector == CPU_COLLECTOR]
     found: list[Verdict] = []
-    host_used: dict[str, float] = {}
-    host_ranks: dict[str, set[int]] = {}
-    rss: dict[int, float] = {}
-    for s in cpu:
-        if s.total:
-            if s.free is not None:
-                used = max(0.0, min(1.0, (s.total - s.free) / s.total))
-                host_used[s.host] = max(host_used.get(s.host, 0.0), used)
-                host_ranks.setdefault(s.host, set()).add(s.rank)  # type: ignore[arg-type]
-            if s.allocated is not None:
-                rss[s.rank] = max(rss.get(s.rank, 0.0), min(1.0, s.allocated / s.total))  # type: ignore[index]
+    host_used, host_ranks, rss = facts.host_used, facts.host_ranks, facts.rss
     for host in sorted(host_used):
         used = host_used[host]
         if used >= policy.host_memory_warn:

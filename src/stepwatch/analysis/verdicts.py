@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .memory_verdicts import memory_verdicts, parse_samples, system_verdicts
+from .memory_verdicts import memory_facts, memory_verdicts, system_verdicts
 from .step_verdicts import pick_primary, step_time_verdicts
 from .step_windows import build_window
 from .verdict_policy import (
@@ -40,13 +40,13 @@ def diagnose(steps: Iterable[Mapping[str, Any]], memory: Iterable[Mapping[str, A
     ``window``: the last N steps completed on every rank (live), None: all of them.
     ``expected_ranks``: the ranks the run has, so a rank with no step at all is named in
     ``INCOMPLETE_DATA``. Memory and system samples are read over the window's time span.
-    ``columnar``: reduce the steps on numpy columns (None: for ``StepColumns`` and large inputs,
+    ``columnar``: reduce the steps and samples on numpy arrays (None: for ``StepColumns`` and large inputs,
     where numpy is importable; the result is the same either way).
     """
     step_window = build_window(steps, window, expected_ranks=expected_ranks, columnar=columnar)
     step_time = step_time_verdicts(step_window, policy)
     primary = pick_primary(step_time, step_window)
-    samples = parse_samples(memory, step_window) if step_window.ranks else []
-    memory_found = [v for v in memory_verdicts(step_window, samples, policy) if policy.enabled(v.name)]
-    system_found = [v for v in system_verdicts(step_window, samples, system, policy) if policy.enabled(v.name)]
+    facts = memory_facts(memory, step_window, columnar=columnar)
+    memory_found = [v for v in memory_verdicts(step_window, facts, policy) if policy.enabled(v.name)]
+    system_found = [v for v in system_verdicts(step_window, facts, system, policy) if policy.enabled(v.name)]
     return Diagnosis(primary, tuple(step_time), tuple(memory_found), tuple(system_found))
