@@ -11,7 +11,7 @@ __all__ = ["COLUMNAR_MIN_SAMPLES", "CPU_COLLECTOR", "NVML_COLLECTOR", "MemoryFac
 CPU_COLLECTOR = "stepwatch.cpu_tracker"
 NVML_COLLECTOR = "stepwatch.nvml_tracker"
 # from this many samples on, they are reduced on numpy arrays (where importable)
-COLUMNAR_MIN_SAMPLES = 2000
+COLUMNAR_MIN_SAMPLES = 256
 
 
 class SeriesColumns(dict):  # type: ignore[type-arg]
