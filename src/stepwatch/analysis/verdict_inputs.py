@@ -1,0 +1,135 @@
+"""What ``diagnose`` takes, read from a history store: only the window's rows.
+
+The live window is read every few seconds from a history that keeps growing, so nothing here
+scans a session: each rank's last step comes from one seek down the steps' unique index
+(session, rank, step), the ranks from a skip-scan of the same index, and the window's rows and
+memory samples from range seeks per rank (``rank IN (...)`` with a step or time range). Reading
+the last 100 steps costs the same on a history of 100 steps as on one of 20,000.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from ..store.base import HistoryStore
+from .step_columns import COLUMNS, StepColumns
+from .verdict_policy import DEFAULT_POLICY, VerdictPolicy
+from .verdict_types import Diagnosis
+
+__all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
+
+_STEP_SELECT = ", ".join(COLUMNS)  # rank, step, clocks, step_ns, then the phases (stepwatch.phases)
+_MEMORY_SELECT = "rank, timestamp_ns, event_type, collector, device_id, allocated, reserved, free, total, host"
+# each rank and its last step, by seeks down steps_unique (session_key, rank, step)
+_LAST_STEPS = """
+WITH RECURSIVE ranks(rank) AS (
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
+    UNION ALL
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
+    FROM ranks WHERE ranks.rank IS NOT NULL
+)
+SELECT rank, (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step DESC LIMIT 1) AS last
+FROM ranks WHERE rank IS NOT NULL
+"""
+
+
+class VerdictInputs(NamedTuple):
+    """``diagnose(steps, memory, system, window=..., expected_ranks=...)``'s arguments."""
+
+    steps: Sequence[Mapping[str, Any]]  # StepColumns where numpy is importable: a sequence of row dicts too
+    memory: list[dict[str, Any]]
+    system: list[dict[str, Any]]
+    expected_ranks: tuple[int, ...] = ()
+    window: int | None = None
+
+
+def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int | None = None) -> VerdictInputs:
+    """The rows of ``session_id``'s window: the last ``last_steps`` steps completed on every rank
+    (None: every step completed on every rank), the memory samples taken during them, and the
+    NVML utilisation samples of the same span. Raises StoreError on a damaged history."""
+    lasts = [r for r in store.query(_LAST_STEPS, (session_id,)) if r["last"] is not None]
+    expected = _expected_ranks(store, session_id)
+    if not lasts:
+        return VerdictInputs([], [], [], expected, last_steps)
+    ranks = sorted(int(r["rank"]) for r in lasts)
+    high = min(int(r["last"]) for r in lasts)
+    marks = ", ".join("?" * len(ranks))
+    if last_steps is None:
+        where, bounds = "step <= ?", (high,)
+    else:
+        where, bounds = "step BETWEEN ? AND ?", (high - max(1, int(last_steps)) + 1, high)
+    sql = f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) AND {where} ORDER BY rank, step"
+    params = (session_id, *ranks, *bounds)
+    steps = _step_columns(store, sql, params)
+    span = _span(steps)
+    if span is None:
+        return VerdictInputs(steps, [], [], expected, last_steps)
+    memory = store.query(f"SELECT {_MEMORY_SELECT} FROM telemetry WHERE session_id = ? AND rank IN ({marks}) "
+                         f"AND timestamp_ns BETWEEN ? AND ? AND event_type = 'sample' ORDER BY rank, timestamp_ns",
+                         (session_id, *ranks, *span))
+    system = _gpu_utilisation(store, session_id, ranks, span)
+    return VerdictInputs(steps, memory, system, expected, last_steps)
+
+
+def _step_columns(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> Sequence[Mapping[str, Any]]:
+    """The window's step rows as columns (numpy importable), from tuples where the store gives
+    them; else as the store's row dicts."""
+    query_tuples = getattr(store, "query_tuples", None)
+    if query_tuples is not None:
+        columns = StepColumns.from_tuples(query_tuples(sql, params))
+        if columns is not None:
+            return columns
+    rows = store.query(sql, params)
+    return StepColumns.from_rows(rows) or rows
+
+
+def _span(steps: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """(first start, last end) of the window's steps."""
+    if isinstance(steps, StepColumns):
+        starts, ends = steps.arrays["start_ns"], steps.arrays["end_ns"]
+        if starts.dtype.kind == "f":
+            starts = starts[starts == starts]
+        if ends.dtype.kind == "f":
+            ends = ends[ends == ends]
+        return (int(starts.min()), int(ends.max())) if len(starts) and len(ends) else None
+    first = [r["start_ns"] for r in steps if r["start_ns"] is not None]
+    last = [r["end_ns"] for r in steps if r["end_ns"] is not None]
+    return (min(first), max(last)) if first and last else None
+
+
+def _expected_ranks(store: HistoryStore, session_id: str) -> tuple[int, ...]:
+    rows = store.query("SELECT world_size FROM sessions WHERE session_id = ?", (session_id,))
+    world = rows[0]["world_size"] if rows else None
+    return tuple(range(world)) if isinstance(world, int) and 0 < world <= 1 << 16 else ()
+
+
+def _gpu_utilisation(store: HistoryStore, session_id: str, ranks: list[int], span: tuple[int, int]) -> list[dict[str, Any]]:
+    """NVML samples that carry the device's utilisation (``gpu_util_pct`` in their metadata)."""
+    marks = ", ".join("?" * len(ranks))
+    rows = store.query(f"SELECT rank, timestamp_ns, device_id, metadata FROM telemetry WHERE session_id = ? "
+                       f"AND rank IN ({marks}) AND timestamp_ns BETWEEN ? AND ? AND event_type = 'sample' "
+                       f"AND collector = 'stepwatch.nvml_tracker' AND metadata LIKE '%gpu_util_pct%'",
+                       (session_id, *ranks, *span))
+    out = []
+    for row in rows:
+        try:
+            metadata = json.loads(row["metadata"] or "{}")
+        except ValueError:
+            continue
+        value = metadata.get("gpu_util_pct") if isinstance(metadata, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out.append({"rank": row["rank"], "timestamp_ns": row["timestamp_ns"], "device_id": row["device_id"],
+                        "gpu_util_pct": value})
+    return out
+
+
+def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None = None,
+                   policy: VerdictPolicy = DEFAULT_POLICY) -> Diagnosis:
+    """``diagnose`` on ``session_id``'s window, read from ``store`` (live: ``window=policy.live_window_steps``)."""
+    from .verdicts import diagnose
+
+    inputs = load_verdict_inputs(store, session_id, last_steps=window)
+    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=policy,
+                    expected_ranks=inputs.expected_ranks)
