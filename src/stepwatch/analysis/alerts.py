@@ -19,8 +19,8 @@ that are not advancing, the culprit is
    where some tied ranks still beat and others do not;
 3. else the rank(s) whose current ``phase`` (heartbeat records) is not one where the collectives
    of a step run (``backward``, ``optimizer_step``), where the others are in one;
-4. else the rank whose last activity (a closed span, a step, a progress record) is the oldest:
-   the others went on until they blocked;
+4. else the rank whose last activity (a closed span, a step, a progress record) is the oldest,
+   by a millisecond at least: the others went on until they blocked;
 5. else all of the tied ranks (said as ``culprit_rule: "undecided"``).
 
 The other ranks that are not advancing are the ``waiting`` ranks of the evidence.
@@ -45,6 +45,7 @@ SEVERITY = {"STALL": "crit", "RANK_LOST": "crit", "NONFINITE": "crit", "THROUGHP
 # of them may be waiting for another rank, a rank elsewhere is not waiting in a collective
 COLLECTIVE_PHASES = frozenset({"backward", "optimizer_step"})
 WATCHED_METRICS = ("loss", "grad_norm")
+ACTIVITY_GAP_S = 0.001
 _NONFINITE_TEXT = {"nan": "nan", "+nan": "nan", "-nan": "nan", "inf": "inf", "+inf": "inf", "infinity": "inf",
                    "+infinity": "inf", "-inf": "-inf", "-infinity": "-inf"}
 
@@ -416,7 +417,8 @@ class AlertRules:
         waiting = [self._rank_evidence(s, now) for s in sorted(candidates, key=lambda s: s.rank)
                    if s.rank not in culprit_set]
         phase = f", phase {first.phase}" if first.phase else ""
-        wait_text = f"; {_fmt_ranks(w['rank'] for w in waiting)} wait for it" if waiting else ""
+        wait_text = (f"; {_fmt_ranks(w['rank'] for w in waiting)} "
+                     f"{'waits' if len(waiting) == 1 else 'wait'} for it") if waiting else ""
         message = (f"{_fmt_ranks(culprit_set)} made no progress for {stuck:.0f} s "
                    f"(last step {first.step if first.step is not None else '-'}{phase}){wait_text}")
         evidence = {
@@ -453,10 +455,11 @@ class AlertRules:
                 return None
         with_ts = [s for s in tied if s.activity_ts is not None]
         if len(with_ts) == len(tied):
-            oldest = min(s.activity_ts for s in with_ts)  # type: ignore[type-var]
-            first = [s for s in with_ts if s.activity_ts == oldest]
-            if len(first) == 1:
-                return first, "earliest last activity"
+            by_time = sorted(with_ts, key=lambda s: s.activity_ts)  # type: ignore[arg-type,return-value]
+            # the others went on after it (a step's data_load, forward) until they blocked; a
+            # millisecond apart at least, so that the same step's end on two ranks is no answer
+            if by_time[1].activity_ts - by_time[0].activity_ts >= ACTIVITY_GAP_S:  # type: ignore[operator]
+                return [by_time[0]], "earliest last activity"
         return tied, "undecided"
 
     def _nonfinite_alerts(self, now: float) -> list[Alert]:
