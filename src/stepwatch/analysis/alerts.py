@@ -299,6 +299,8 @@ class AlertRules:
         if name != "grad_norm":
             return
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if step is not None:
+            key = ("step", step)  # one step's value, from a mark and a progress record alike
         if number is not None and number == 0 and bad is None:
             if key is not None and key == state.zero_key:
                 return  # the same step's value from a second source
