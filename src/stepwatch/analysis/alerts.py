@@ -20,7 +20,7 @@ that are not advancing, the culprit is
 3. else the rank(s) whose current ``phase`` (heartbeat records) is not one where the collectives
    of a step run (``backward``, ``optimizer_step``), where the others are in one;
 4. else the rank whose last activity (a closed span, a step, a progress record) is the oldest,
-   by a millisecond at least: the others went on until they blocked;
+   by a second at least: the others went on until they blocked;
 5. else all of the tied ranks (said as ``culprit_rule: "undecided"``).
 
 The other ranks that are not advancing are the ``waiting`` ranks of the evidence.
@@ -45,7 +45,8 @@ SEVERITY = {"STALL": "crit", "RANK_LOST": "crit", "NONFINITE": "crit", "THROUGHP
 # of them may be waiting for another rank, a rank elsewhere is not waiting in a collective
 COLLECTIVE_PHASES = frozenset({"backward", "optimizer_step"})
 WATCHED_METRICS = ("loss", "grad_norm")
-ACTIVITY_GAP_S = 0.001
+ACTIVITY_GAP_S = 1.0
+STEP_WAIT_S = 2.0  # how long a non-finite value without its step waits for the step's span
 _NONFINITE_TEXT = {"nan": "nan", "+nan": "nan", "-nan": "nan", "inf": "inf", "+inf": "inf", "infinity": "inf",
                    "+infinity": "inf", "-inf": "-inf", "-infinity": "-inf"}
 
@@ -209,6 +210,8 @@ class AlertRules:
         self._nonfinite_open: set[str] = set()
         self._drop_open = False
         self._zero_new: list[int] = []
+        self._unnamed: dict[int, dict[Any, float]] = {}
+        self._first_key: dict[tuple[str, int], Any] = {}  # the key of a rank's first non-finite value  # rank -> key -> when: values waiting for their step
 
     # -- observations --------------------------------------------------------------------------
 
@@ -292,10 +295,16 @@ class AlertRules:
         bad = is_nonfinite(value, null_is_nonfinite=null_is_nonfinite)
         ranks = self._nonfinite.setdefault(name, {})
         if bad is not None:
-            ranks.setdefault(rank, {"value": bad, "step": step, "source": source,
-                                    "ts": ts, "iso": iso_time(ts) if ts is not None else None})
+            seen = ranks.setdefault(rank, {"value": bad, "step": step, "source": source,
+                                           "ts": ts, "iso": iso_time(ts) if ts is not None else None})
+            if seen["step"] is None and step is not None:  # a mark whose step span had not come yet
+                seen["step"] = step
+            if seen["step"] is None:
+                self._unnamed.setdefault(rank, {})[key] = at
+                self._first_key.setdefault((name, rank), key)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            ranks.pop(rank, None)
+            if ranks.pop(rank, None) is not None:
+                self._first_key.pop((name, rank), None)
         if name != "grad_norm":
             return
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -313,6 +322,16 @@ class AlertRules:
                 self._zero_new.append(rank)
         elif number is not None or bad is not None:
             state.zero_run, state.zero_key, state.zero_steps, state.zero_alerted = 0, None, [], False
+
+    def name_step(self, rank: int, key: Any, step: int) -> None:
+        """The step a value's ``key`` (a mark's span) turned out to be: a mark made after the
+        optimizer step arrives before its step span, which names the step."""
+        if self._unnamed.get(rank, {}).pop(("mark", key), None) is None:
+            return
+        for name, ranks in self._nonfinite.items():
+            seen = ranks.get(rank)
+            if seen is not None and seen["step"] is None and self._first_key.get((name, rank)) == ("mark", key):
+                seen["step"] = step
 
     def observe_stop(self, rank: int, at: float) -> None:
         """The rank's stop record (heartbeat ``stop``, telemetry ``stop`` event, or its
@@ -458,8 +477,10 @@ class AlertRules:
         with_ts = [s for s in tied if s.activity_ts is not None]
         if len(with_ts) == len(tied):
             by_time = sorted(with_ts, key=lambda s: s.activity_ts)  # type: ignore[arg-type,return-value]
-            # the others went on after it (a step's data_load, forward) until they blocked; a
-            # millisecond apart at least, so that the same step's end on two ranks is no answer
+            # the others went on after it until they blocked; a second apart at least: ranks in
+            # lockstep end a step within a millisecond of each other, in either order, and a
+            # step's spans are shipped when it closes (measured: the waiting rank's last activity
+            # came 1 ms *before* the stuck one's), so a small gap is no answer
             if by_time[1].activity_ts - by_time[0].activity_ts >= ACTIVITY_GAP_S:  # type: ignore[operator]
                 return [by_time[0]], "earliest last activity"
         return tied, "undecided"
@@ -473,6 +494,9 @@ class AlertRules:
                 continue
             if name in self._nonfinite_open:
                 continue
+            waiting = [at for r in ranks for at in self._unnamed.get(r, {}).values()]
+            if waiting and all(v["step"] is None for v in ranks.values()) and now - min(waiting) < STEP_WAIT_S:
+                continue  # give the step a moment to be named (the next frame, within a second)
             self._nonfinite_open.add(name)
             first_rank = min(ranks, key=lambda r: (ranks[r]["ts"] or 0, r))
             first = ranks[first_rank]

@@ -207,14 +207,14 @@ class JobActions:
             self._halt(alert)
 
     def _halt(self, alert: dict[str, Any]) -> None:
-        from ..artifacts import controls
+        from ..artifacts.halt import request_halt
 
         try:
-            controls.request_halt(self.run_dir, reason=f"NONFINITE: {alert.get('message')}")
+            request = request_halt(self.run_dir, reason=f"NONFINITE: {alert.get('message')}", by="stepwatch run")
         except Exception as exc:  # noqa: BLE001 - the run goes on; say why it was not halted
             self.echo(f"[stepwatch] --on-nonfinite halt: could not request the halt: {exc}")
             return
-        self.echo("[stepwatch] --on-nonfinite halt: every rank stops at the next common step boundary")
+        self.echo(f"[stepwatch] --on-nonfinite halt: every rank stops at step {request.target_step}")
 
     def _end_job(self) -> None:
         import psutil
@@ -241,7 +241,18 @@ class JobActions:
                 pass
 
     def fold(self, manifest: RunManifest) -> None:
-        """The run's outcome says why it ended: ``killed`` by the watchdog, with the stall."""
+        """The run's outcome says why it ended: ``killed`` by the watchdog, with the stall, or
+        ``halted`` on a non-finite value (the ranks' end records say they halted)."""
+        if self.halted_for is not None and manifest.outcome == "succeeded":
+            from ..artifacts.run_outcome import read_rank_ends
+
+            ends, _ = read_rank_ends(self.run_dir, manifest.session_id)
+            halts = [end.get("halt") for end in ends.values() if end.get("outcome") == "halted"]
+            if halts:
+                manifest.outcome = "halted"
+                manifest.error = halts[0] if isinstance(halts[0], dict) else None
+                manifest.extra["halted_by"] = {"alert": self.halted_for.get("kind"),
+                                               "message": self.halted_for.get("message")}
         if self._killer is not None:
             self._killer.join(KILL_GRACE_S + 1)
         alert = self.killed_for

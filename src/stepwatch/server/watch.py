@@ -75,6 +75,7 @@ class RunWatcher:
         self._batches: set[str] = set()
         self._ends: set[int] = set()
         self._span_rank: dict[str, int] = {}
+        self._step_index: dict[Any, int] = {}
         # alerts of an earlier watch of this run are not raised twice
         self._known = {self._key(alert_from_dict(r)) for r in self._earlier()}
 
@@ -161,6 +162,8 @@ class RunWatcher:
                 at = min(end / 1e9, now)
                 if span.get("name") == "step" and type(span.get("index")) is int:
                     rules.observe_step(rank, span["index"], end_ts=end / 1e9, at=at)
+                    self._step_index[span.get("id")] = span["index"]
+                    rules.name_step(rank, span.get("id"), span["index"])
                 else:
                     rules.observe_activity(rank, ts=end / 1e9, at=at)
             for mark in batch.marks:
@@ -172,6 +175,7 @@ class RunWatcher:
                 value = mark.get("value") if mark.get("value") is not None else mark.get("value_nonfinite")
                 span_id = mark.get("span_id")
                 rules.observe_mark(self._span_rank.get(span_id, 0), name_, value, key=span_id, ts=ts_s,
+                                   step=self._step_index.get(span_id),
                                    at=min(ts_s, now) if ts_s is not None else now)
 
     def _read_ends(self, now: float) -> None:

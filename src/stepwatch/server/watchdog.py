@@ -40,13 +40,6 @@ def alert_row(alert: Alert, session_id: str) -> tuple[Any, ...]:
     return tuple(values[name] for name, _ in COLUMNS["alerts"])
 
 
-def _controls() -> Any:
-    """The controls' requesting side (stack dumps, coherent halt), loaded on first use."""
-    from ..artifacts import controls
-
-    return controls
-
-
 class _Process:
     """Whether a rank's process still exists (same host only; psutil)."""
 
@@ -166,6 +159,7 @@ class Watchdog:
                 latest[rank] = end
             if row[idx["name"]] == "step" and type(row[idx["idx"]]) is int:
                 self._step_spans[row[idx["span_id"]]] = row[idx["idx"]]
+                rules.name_step(rank, row[idx["span_id"]], row[idx["idx"]])
         while len(self._step_spans) > 4096:
             self._step_spans.popitem(last=False)
         for rank, end in latest.items():
@@ -245,10 +239,13 @@ class Watchdog:
         if action is not None:
             evidence["action"] = action
         if alert.kind == "STALL" and self.dump_stacks:
+            from ..artifacts.stacks import dump_stacks
+
             try:
-                paths = _controls().dump_stacks(self.run_dir, timeout_s=DUMP_TIMEOUT_S,
-                                                reason=f"STALL: {alert.message}")
-                evidence["stacks"] = [str(p) for p in paths]
+                paths = dump_stacks(self.run_dir, timeout_s=DUMP_TIMEOUT_S, reason=f"STALL: {alert.message}")
+                evidence["stacks"] = [str(Path(p).resolve()) for p in paths]
+                if getattr(paths, "problems", None):
+                    evidence["stacks_problems"] = dict(paths.problems)
             except Exception as exc:  # noqa: BLE001 - the alert goes out without its dumps, saying why
                 evidence["stacks"] = []
                 evidence["stacks_error"] = f"{type(exc).__name__}: {exc}"
