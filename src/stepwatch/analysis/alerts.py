@@ -302,9 +302,8 @@ class AlertRules:
             if seen["step"] is None:
                 self._unnamed.setdefault(rank, {})[key] = at
                 self._first_key.setdefault((name, rank), key)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            if ranks.pop(rank, None) is not None:
-                self._first_key.pop((name, rank), None)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and ranks.pop(rank, None) is not None:
+            self._first_key.pop((name, rank), None)
         if name != "grad_norm":
             return
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
