@@ -17,6 +17,7 @@ import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -151,26 +152,24 @@ class Watchdog:
             rules.observe_step(row[idx["rank"]], row[idx["step"]], end_ts=row[idx["end_ns"]] / 1e9, at=at)
 
     def _rows_spans(self, rules: AlertRules, session_id: str, rows: list[tuple[Any, ...]], at: float) -> None:
+        # one frame's rows are one rank's (the frame's meta): its latest span end is its activity
         idx = _IDX["spans"]
-        latest: dict[int, int] = {}
+        rank_i, end_i, name_i, idx_i, id_i = idx["rank"], idx["end_ns"], idx["name"], idx["idx"], idx["span_id"]
+        ends = [end for end in map(itemgetter(end_i), rows) if type(end) is int]
+        if ends:
+            rules.observe_activity(rows[0][rank_i], ts=max(ends) / 1e9, at=at)
         for row in rows:
-            rank, end = row[idx["rank"]], row[idx["end_ns"]]
-            if type(end) is int and end > latest.get(rank, 0):
-                latest[rank] = end
-            if row[idx["name"]] == "step" and type(row[idx["idx"]]) is int:
-                self._step_spans[row[idx["span_id"]]] = row[idx["idx"]]
-                rules.name_step(rank, row[idx["span_id"]], row[idx["idx"]])
+            if row[name_i] == "step" and type(row[idx_i]) is int:
+                self._step_spans[row[id_i]] = row[idx_i]
+                rules.name_step(row[rank_i], row[id_i], row[idx_i])
         while len(self._step_spans) > 4096:
             self._step_spans.popitem(last=False)
-        for rank, end in latest.items():
-            rules.observe_activity(rank, ts=end / 1e9, at=at)
 
     def _rows_marks(self, rules: AlertRules, session_id: str, rows: list[tuple[Any, ...]], at: float) -> None:
         idx = _IDX["marks"]
-        for row in rows:
-            name = row[idx["name"]]
-            if name not in WATCHED_METRICS:
-                continue
+        name_i = idx["name"]
+        for row in [row for row in rows if row[name_i] in WATCHED_METRICS]:
+            name = row[name_i]
             number, text = row[idx["value_num"]], row[idx["value_text"]]
             value = number if number is not None else text
             span = row[idx["span_id"]]
