@@ -70,7 +70,7 @@ class RunWatcher:
         self.run_dir = run_dir
         self.clock = clock
         self.session_id = _session_of(run_dir)
-        self.watchdog = Watchdog(run_dir, policy, dump_stacks=dump_stacks, clock=clock)
+        self.watchdog = Watchdog(run_dir, policy, dump_stacks=dump_stacks, clock=clock, forget_after_s=None)
         self._offsets: dict[Path, tuple[int, int]] = {}  # heartbeat file -> (inode, bytes read)
         self._batches: set[str] = set()
         self._ends: set[int] = set()

@@ -77,7 +77,7 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, policy: AlertPolicy | None = None, *, dump_stacks: bool = True,
                  actions: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time,
-                 check_processes: bool = True) -> None:
+                 check_processes: bool = True, forget_after_s: float | None = 600.0) -> None:
         self.run_dir = Path(run_dir)
         self.policy = policy or AlertPolicy()
         self.dump_stacks = dump_stacks
@@ -92,6 +92,10 @@ class Watchdog:
         self._processes = _Process() if check_processes else None
         self._log_failed = False
         self.alerts: list[Alert] = []
+        # a standing server sees session after session: one whose ranks have all ended is
+        # forgotten this long after (None: never; ``stepwatch watch`` ends with its run)
+        self.forget_after_s = forget_after_s
+        self._ended: dict[str, float] = {}
 
     def rules_of(self, session_id: str) -> AlertRules:
         rules = self.rules.get(session_id)
@@ -229,7 +233,23 @@ class Watchdog:
                 self._write(alert)
                 self.alerts.append(alert)
                 out.append((alert, alert_row(alert, session_id)))
+            self._forget(session_id, rules, now)
+        del self.alerts[:-1000]
         return out
+
+    def _forget(self, session_id: str, rules: AlertRules, now: float) -> None:
+        if self.forget_after_s is None:
+            return
+        if not rules.all_ended():
+            self._ended.pop(session_id, None)
+            return
+        if now - self._ended.setdefault(session_id, now) >= self.forget_after_s:
+            del self.rules[session_id]
+            del self._ended[session_id]
+            for key in [k for k in self._hosts if k[0] == session_id]:
+                del self._hosts[key]
+            for key in [k for k in self._first_ts if k[0] == session_id]:
+                del self._first_ts[key]
 
     def _act(self, alert: Alert) -> Alert:
         """The evidence of what was done: stack dumps for a STALL, the action ``run`` takes."""
