@@ -162,13 +162,18 @@ class _Rank:
     __slots__ = ("rank", "pid", "first_seen_at", "step", "advanced_at", "activity_ts", "hb_seen_at", "hb_ts",
                  "hb_gaps", "has_phase", "phase", "phase_ts", "stopped", "gone_at", "lost", "last_step_end",
                  "origin", "buckets", "closed_cache", "in_drop", "zero_run", "zero_key", "zero_steps",
-                 "zero_alerted")
+                 "zero_alerted", "hb_step", "has_steps")
 
     def __init__(self, rank: int, at: float) -> None:
         self.rank = rank
         self.pid: int | None = None
         self.first_seen_at = at
         self.step: int | None = None  # the last completed step
+        # A heartbeat's ``step`` counts the steps done (1 after the first); a completed step's
+        # index starts at 0. Once a rank's steps come, its step is theirs alone, so that ranks
+        # are compared in one numbering.
+        self.hb_step: int | None = None
+        self.has_steps = False
         self.advanced_at: float | None = None  # watchdog clock: when it last advanced
         self.activity_ts: float | None = None  # rank clock: its last sign of work
         self.hb_seen_at: float | None = None
@@ -254,9 +259,12 @@ class AlertRules:
         if ts is not None:
             state.hb_ts = ts if state.hb_ts is None else max(state.hb_ts, ts)
         step = record.get("step")
-        if type(step) is int and step > 0 and (state.step is None or step > state.step):
-            state.step = step
-            self._advance(state, at, None)
+        if type(step) is int and (state.hb_step is None or step > state.hb_step):
+            if state.hb_step is not None:  # the first record a rank is seen with sets the baseline
+                self._advance(state, at, None)
+            state.hb_step = step
+            if step > 0 and not state.has_steps:  # completed steps name them by index; a heartbeat by count
+                state.step = step
         if msg == "progress":
             self._advance(state, at, ts)
             for name in WATCHED_METRICS:
@@ -268,8 +276,9 @@ class AlertRules:
     def observe_step(self, rank: int, step: int, *, end_ts: float, at: float) -> None:
         """A completed training step (its index and end time on the rank's clock)."""
         state = self._rank(rank, at)
-        if state.step is None or step > state.step:
+        if not state.has_steps or state.step is None or step > state.step:
             state.step = step
+            state.has_steps = True
         self._advance(state, at, end_ts)
         if step > state.last_step_end:
             state.last_step_end = step
