@@ -339,3 +339,12 @@ def test_a_stall_alerts_once_per_episode(ranks: int, gaps: list[float]) -> None:
         t += gap
         alerts += rules.check(t)
     assert len([a for a in alerts if a.kind == "STALL"]) <= 1
+
+
+def test_a_late_heartbeat_count_is_no_progress_once_steps_come() -> None:
+    rules = AlertRules(AlertPolicy(stall_after_s=3))
+    rules.observe_heartbeat(0, hb(0, T0, "boot"), at=T0)
+    t = stepped(rules, [0], 21)  # indexes 1..21 here
+    rules.observe_heartbeat(0, hb(21, t + 2), at=t + 2)  # the periodic record, counting the same steps
+    [alert] = rules.check(t + 3.1)
+    assert alert.kind == "STALL" and alert.step == 21

@@ -260,7 +260,10 @@ class AlertRules:
             state.hb_ts = ts if state.hb_ts is None else max(state.hb_ts, ts)
         step = record.get("step")
         if type(step) is int and (state.hb_step is None or step > state.hb_step):
-            if state.hb_step is not None:  # the first record a rank is seen with sets the baseline
+            # the first record a rank is seen with sets the baseline; once its completed steps
+            # come (at every tick), they say when it advanced: a periodic heartbeat's count
+            # catches up with them seconds late and would restart a stalled rank's clock
+            if state.hb_step is not None and not state.has_steps:
                 self._advance(state, at, None)
             state.hb_step = step
             if step > 0 and not state.has_steps:  # completed steps name them by index; a heartbeat by count
