@@ -20,6 +20,7 @@ from .phase_replay import PhaseReplayIndex
 
 __all__ = [
     "TimelineMarker",
+    "derive_alert_markers",
     "derive_outcome_markers",
     "derive_session_timeline_markers",
     "derive_timeline_markers",
@@ -47,7 +48,7 @@ class TimelineMarker(msgspec.Struct, kw_only=True, frozen=True):
     start_ns: int
     end_ns: int | None
     kind: MarkerKind
-    source: Literal["telemetry_event", "phase_replay", "annotation", "run_manifest"]
+    source: Literal["telemetry_event", "phase_replay", "annotation", "run_manifest", "watchdog"]
     severity: Severity
     label: str
     rank: int
@@ -139,6 +140,33 @@ def derive_outcome_markers(run: dict[str, Any]) -> list[TimelineMarker]:
             session_id=session_id, start_ns=error["at_ns"], end_ns=None, kind="failure", source="run_manifest",
             severity="critical", label=failure_label(error), rank=rank, local_rank=rank, world_size=world_size,
             event_type="error", metadata={"failure": dict(error)},
+        ))
+    markers.sort(key=lambda m: m.start_ns)
+    return markers
+
+
+_ALERT_SEVERITY: dict[str, Severity] = {"crit": "critical", "warn": "warning", "info": "info"}
+
+
+def derive_alert_markers(alerts: Iterable[dict[str, Any]], *, session_id: str = "",
+                         world_size: int = 1) -> list[TimelineMarker]:
+    """A point marker (kind ``alert``, source ``watchdog``) per watchdog alert, as alerts.jsonl
+    or final_summary.json's ``alerts`` hold them (docs/watchdog.md), on the culprit's rank (the
+    first one named; -1 for none)."""
+    markers = []
+    for alert in alerts:
+        ts = alert.get("ts")
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+            continue
+        ranks = [r for r in alert.get("ranks") or [] if isinstance(r, int)]
+        rank = ranks[0] if ranks else -1
+        markers.append(TimelineMarker(
+            session_id=str(alert.get("session_id") or session_id), start_ns=int(ts * 1e9), end_ns=None,
+            kind="alert", source="watchdog", severity=_ALERT_SEVERITY.get(str(alert.get("severity")), "warning"),
+            label=f"{alert.get('kind')}: {str(alert.get('message') or '')[:120]}", rank=rank, local_rank=rank,
+            world_size=world_size, event_type="alert",
+            metadata={"kind": alert.get("kind"), "ranks": ranks, "step": alert.get("step"),
+                      "evidence": alert.get("evidence") if isinstance(alert.get("evidence"), dict) else {}},
         ))
     markers.sort(key=lambda m: m.start_ns)
     return markers

@@ -145,7 +145,40 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
                                                         "write_errors", "disk_full_errors")
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
+        "alerts": session_alerts(store, session_id, run_dir),
     }
+
+
+def session_alerts(store: HistoryStore, session_id: str, run_dir: Path | None = None) -> list[dict[str, Any]]:
+    """The watchdog's alerts of the session (docs/watchdog.md), oldest first, as alerts.jsonl
+    has them: from the history's ``alerts`` table, else from the run's alerts.jsonl (a run
+    watched by ``stepwatch watch`` has no aggregator to store them)."""
+    from ..errors import StoreError
+    from .alerts import iso_time
+
+    try:
+        rows = store.query("SELECT ts_ns, kind, severity, ranks, step, message, evidence FROM alerts "
+                           "WHERE session_id = ? ORDER BY ts_ns", (session_id,))
+    except StoreError:  # a history written before the alerts table, opened read-only
+        rows = []
+    if rows:
+        return [{"ts": r["ts_ns"] / 1e9, "iso": iso_time(r["ts_ns"] / 1e9), "kind": r["kind"],
+                 "severity": r["severity"], "ranks": json.loads(r["ranks"] or "[]"), "step": r["step"],
+                 "message": r["message"], "evidence": json.loads(r["evidence"] or "{}")} for r in rows]
+    if run_dir is None:
+        return []
+    from ..artifacts.alerts_log import read_alerts
+    from ..errors import ArtifactError
+
+    try:
+        return [{k: v for k, v in r.items() if k != "session_id"} for r in read_alerts(run_dir, session_id)]
+    except ArtifactError:
+        return []
+
+
+def _alert_lines(summary: dict[str, Any]) -> list[str]:
+    return [f"alert {a.get('iso', '?')} {a.get('kind')} ({a.get('severity')}): {a.get('message')}"
+            for a in summary.get("alerts") or []]
 
 
 def run_outcome(run_dir: Path | None, session_id: str) -> dict[str, Any]:
@@ -176,6 +209,8 @@ def _fmt_time_ns(value: Any) -> str:
 def _describe_error(error: dict[str, Any]) -> str:
     who = "the training process" if error.get("rank") is None else f"rank {error['rank']}"
     when = _fmt_time_ns(error.get("at_ns"))
+    if error.get("kind") == "watchdog":  # --on-stall kill (docs/watchdog.md)
+        return f"at {when}: {error.get('message')}"
     if error.get("kind") == "signal":
         if not error.get("signal"):
             return f"{who} ended without a word (no end record; SIGKILL or a crash), last seen at {when}"
@@ -270,6 +305,7 @@ def render_summary_text(summary: dict[str, Any]) -> str:
     lines.append(f"drops: {dropped if dropped else ('none counted' if tails else 'none')}")
     lines.extend(tails)
     lines.extend(_loss_lines(summary))
+    lines.extend(_alert_lines(summary))
     degraded = [h for h in summary["collector_health"] if h["event_type"] == "collector_degraded"]
     lines.append("collector health: " + (", ".join(f"rank {h['rank']} {h['collector']} degraded x{h['n']}" for h in degraded)
                                          if degraded else "all healthy"))

@@ -23,9 +23,10 @@ from ..schema import SessionStatus
 from . import children, phases, training
 from .children import ChildProcess
 from .config import RuntimeConfig
+from .controls import Halt
 from .runtime import NullRuntime, Runtime, is_oom
 
-__all__ = ["current_runtime", "init", "oom_guard", "progress", "shutdown"]
+__all__ = ["Halt", "current_runtime", "halt_requested", "init", "oom_guard", "progress", "shutdown"]
 
 _lock = threading.RLock()
 _runtime: Runtime | NullRuntime = NullRuntime()
@@ -160,6 +161,13 @@ def progress(step: int, **metrics: Any) -> None:
     """Reports training progress: a ``progress`` heartbeat record (loss, toks_per_s, ...)."""
     with guarded:
         _runtime.progress(step, **metrics)
+
+
+def halt_requested() -> bool:
+    """True once this rank has completed the step a ``stepwatch halt`` named: the loop may save a
+    checkpoint and stop itself; if it goes on, the next step raises ``stepwatch.Halt``
+    (docs/halt.md). Cheap enough to call every step (one attribute read)."""
+    return _runtime.halt_step is not None
 
 
 class oom_guard:  # noqa: N801 - reads as a statement: `with stepwatch.oom_guard():`

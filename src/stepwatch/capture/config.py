@@ -39,6 +39,9 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
         oom_ring: how many recent records an OOM bundle keeps.
         handle_signals: close the session as completed on SIGTERM, then end as before.
         capture_oom: record OOM errors that end the program (``sys.excepthook`` chain).
+        memory_history: record the CUDA allocator's history (``torch.cuda.memory``) from init,
+            so memory snapshots taken on request hold each allocation's stack (docs/stacks.md);
+            also ``STEPWATCH_MEMORY_HISTORY=1``.
     """
 
     out: str | None = None
@@ -60,6 +63,7 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, frozen=True):
     endpoint: str | None = None
     api_key: str | None = None
     aggregator: str | None = None
+    memory_history: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.interval, (int, float)) and 0.01 <= self.interval <= 3600):

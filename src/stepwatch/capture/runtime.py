@@ -38,6 +38,20 @@ from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
+from .controls import (
+    HALT_FILENAME,
+    MEMORY_SNAPSHOT_FILENAME,
+    Halt,
+    RequestFile,
+    answer_memory_snapshot,
+    current_phase,
+    halt_exit_code,
+    memory_history_from_env,
+    read_halt_request,
+    read_snapshot_request,
+    record_memory_history,
+    register_stack_signal,
+)
 from .events import EventFactory
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
@@ -79,6 +93,7 @@ class NullRuntime:
     active = False
     run_dir: Path | None = None
     session_id: str | None = None
+    halt_step: int | None = None
 
     def progress(self, step: int, **metrics: Any) -> None:
         return None
@@ -237,6 +252,23 @@ class Runtime:
         self._progress_calls = 0
         # What ended this rank (uncaught exceptions, a caught signal): see record_failure.
         self.failures: list[dict[str, Any]] = []
+        # Requests from outside (capture/controls.py, docs/halt.md, docs/stacks.md): read by the
+        # sampler; the training thread sees a halt only through ``training.on_step`` once one is asked.
+        self.halt: Any = None  # the HaltRequest this rank follows
+        self.halt_step: int | None = None  # set (on the training thread) once the target step completed
+        self._halt_said = False
+        self._halt_late = False
+        self._halt_file: RequestFile | None = None
+        self._snapshot_file: RequestFile | None = None
+        self._snapshot_answered: str | None = None
+        self._stack_signal: tuple[int, str] | None = None
+        self._poll_s = min(config.interval, config.heartbeat_interval, 1.0)
+        self._want_memory_history = config.memory_history or memory_history_from_env()
+        self._memory_history = False
+        self._next_history_try = 0.0
+        if self._want_memory_history:
+            with guarded:
+                self._memory_history = record_memory_history()
         # False while a child's identity is pending: nothing is written, ticks only install patches.
         self.opened = False
         if child is not None and child.identity is None:
@@ -299,13 +331,22 @@ class Runtime:
                 RunManifest(session_id=self.session_id, started_at_ns=self.started_ns, command_line=list(sys.argv),
                             world_size=identity.world_size, pid=self.pid, versions=current_versions()),
             )
+        name = f"rank{rank}{suffix}"
+        with guarded:
+            self._stack_signal = register_stack_signal(self.run_dir, name)
+        self._halt_file = RequestFile(self.run_dir / HALT_FILENAME)
+        self._snapshot_file = RequestFile(self.run_dir / MEMORY_SNAPSHOT_FILENAME)
+        self._name = name
         # First sample now, so every later record carries real counters.
         self._sample(time.time())
         metadata: dict[str, Any] = {"run_dir": str(self.run_dir)}
         if process is not None:
             metadata["process"] = process
         self._write(self.factory.point("start", context="stepwatch capture started", metadata=metadata))
-        self._heartbeat_write(self._heartbeat("boot", phase="start"))
+        self._heartbeat_write(self._heartbeat(
+            "boot", phase="start", host=self.host, session_id=self.session_id, poll_s=self._poll_s,
+            stack_signal=self._stack_signal[0] if self._stack_signal else None,
+            stack_file=self._stack_signal[1] if self._stack_signal else None))
         self.heartbeat.flush()
         self.opened = True
         self.training.on_step = self._on_step
@@ -399,7 +440,8 @@ class Runtime:
                 metadata={"failure": {k: v for k, v in error.items() if k not in ("pid", "host")}, "step": self.step}))
 
     def outcome(self) -> str:
-        return rank_outcome(self.failures)
+        outcome = rank_outcome(self.failures)
+        return "halted" if outcome == "exited" and self.halt_step is not None else outcome
 
     def _write_rank_end(self) -> None:
         with guarded:
@@ -407,7 +449,7 @@ class Runtime:
                 "schema_version": 1, "session_id": self.session_id, "rank": self.identity.rank,
                 "local_rank": self.identity.local_rank, "world_size": self.identity.world_size, "pid": self.pid,
                 "host": self.host, "outcome": self.outcome(), "errors": list(self.failures),
-                "ended_at_ns": time.time_ns(),
+                "ended_at_ns": time.time_ns(), **({"halt": self.halt_record()} if self.halt_step is not None else {}),
             })
 
     # -- background thread ---------------------------------------------------------------------
@@ -451,6 +493,7 @@ class Runtime:
             self._enable_gpu_timing()
         if self.patches is None and self.config.auto_instrument:
             self.install_patches()
+        self._poll_controls(mono)
         if mono >= self._next_sample:
             self._next_sample = mono + self.config.interval
             self._sample(now)
@@ -463,7 +506,9 @@ class Runtime:
             self._ship_spans_early()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
-            self._heartbeat_write(self._heartbeat("heartbeat"))
+            record = self._heartbeat("heartbeat", **self._phase_fields())
+            record.setdefault("phase", None)  # null between steps (heartbeat_record drops None)
+            self._heartbeat_write(record)
         self.heartbeat.flush()
         self._flush_sink()
         self._ship()
@@ -631,6 +676,95 @@ class Runtime:
                 report_internal(exc, Site.STEP_LEDGER_WRITE)
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
             self._note_program_device()
+
+    # -- coherent halt (docs/halt.md) --------------------------------------------------------------
+
+    def _on_step_halting(self, step: int, span: OpenSpan | None = None) -> None:
+        """``_on_step`` while a halt is pending: installed by the sampler when it reads ``.HALT``,
+        so no step pays for the check before one is asked for."""
+        self._on_step(step, span)
+        halt = self.halt
+        if halt is not None and step >= halt.target_step:
+            self._reach_halt(step)
+
+    def _reach_halt(self, step: int) -> None:
+        """The target step is done: ``halt_requested()`` is true from now on, and the next step
+        to open raises ``Halt`` (the loop's own check after ``optimizer.step()`` comes first)."""
+        if self.halt_step is not None:
+            return
+        self.halt_step = step
+        if self.training.on_step == self._on_step_halting:
+            self.training.on_step = self._on_step
+        self.training.open_step = self._halt_trap  # shadows the method: one raise at the next step
+        self._write_rank_end()
+
+    def _halt_trap(self, *args: Any, **kwargs: Any) -> Any:
+        self.training.__dict__.pop("open_step", None)  # once: a program that catches Halt goes on
+        halt = self.halt
+        raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
+
+    def halt_record(self) -> dict[str, Any] | None:
+        """The rank's halt, for its end file and run.json (None: not halted)."""
+        halt = self.halt
+        if self.halt_step is None or halt is None:
+            return None
+        return {"kind": "halt", "rank": self.identity.rank, "type": "Halt", "step": self.halt_step,
+                "target_step": halt.target_step, "late": self._halt_late, "reason": halt.reason,
+                "requested_at": halt.requested_at, "by": halt.by, "fatal": False,
+                "message": f"halted at step {self.halt_step} on request: {halt.reason}",
+                "traceback": None, "at_ns": time.time_ns()}
+
+    def _poll_halt(self) -> None:
+        """Sampler: a new or changed ``.HALT`` for this session arms the halt."""
+        data = self._halt_file.poll() if self._halt_file is not None else None
+        if data is None or self.halt_step is not None:
+            return
+        request = read_halt_request(data, self.run_dir / HALT_FILENAME, self.session_id)
+        if request is None:
+            return
+        self.halt = request
+        if self.step >= request.target_step:  # seen too late: stop at the next boundary, and say so
+            self._halt_late = True
+            self._reach_halt(self.step)
+        elif self.training.on_step == self._on_step:
+            self.training.on_step = self._on_step_halting
+        self._heartbeat_write(self._heartbeat("halt_requested", target_step=request.target_step,
+                                              reason=request.reason, late=self._halt_late or None))
+
+    def _poll_memory_snapshot(self) -> None:
+        """Sampler: answers a new ``.MEMORY_SNAPSHOT`` request once."""
+        data = self._snapshot_file.poll() if self._snapshot_file is not None else None
+        if data is None:
+            return
+        request = read_snapshot_request(data, self.run_dir / MEMORY_SNAPSHOT_FILENAME, self.session_id,
+                                        self.started_ns)
+        if request is None or request.request_id == self._snapshot_answered:
+            return
+        self._snapshot_answered = request.request_id
+        answer = answer_memory_snapshot(self.run_dir, self._name, self.identity.rank, request,
+                                        history=self._memory_history)
+        self._heartbeat_write(self._heartbeat("memory_snapshot", request_id=request.request_id,
+                                              status=answer["status"], path=answer.get("path"),
+                                              note=answer.get("note")))
+
+    def _poll_controls(self, mono: float) -> None:
+        with guarded:
+            self._poll_halt()
+        if self.halt_step is not None and not self._halt_said:
+            self._halt_said = True
+            with guarded:
+                self._heartbeat_write(self._heartbeat("halt", step=self.halt_step, target_step=self.halt.target_step,
+                                                      reason=self.halt.reason))
+        with guarded:
+            self._poll_memory_snapshot()
+        if self._want_memory_history and not self._memory_history and mono >= self._next_history_try:
+            self._next_history_try = mono + _DISCOVER_EVERY_S  # torch imported, or CUDA set up, later
+            with guarded:
+                self._memory_history = record_memory_history()
+
+    def _phase_fields(self) -> dict[str, Any]:
+        phase, seconds = current_phase(self.training, time.time_ns())
+        return {"phase": phase, "phase_s": seconds} if phase is not None else {"phase": None}
 
     def _open_ledger(self) -> StepLedger | None:
         """This rank's step ledger (artifacts/step_ledger.py): the steps a SIGKILL would take
@@ -826,7 +960,7 @@ class Runtime:
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
                 manifest.outcome = "killed" if ending else self.outcome()
-                manifest.error = next((e for e in self.failures if e.get("fatal")), None)
+                manifest.error = next((e for e in self.failures if e.get("fatal")), None) or self.halt_record()
                 manifest.errors = list(self.failures)
                 if ending:
                     manifest.extra.update(ending)

@@ -112,8 +112,9 @@ class _PerThread(threading.local):
     call and then plain slots: a thread-local attribute costs ~38 ns to read and ~49 to write
     against ~9 for a slot (timeit), and a step reads and writes the bookkeeping ~80 times."""
 
-    def __init__(self, recorder: SpanRecorder) -> None:
+    def __init__(self, recorder: SpanRecorder, states: dict[int, _ThreadState]) -> None:
         self.me = _ThreadState(recorder)
+        states[self.me.ident] = self.me  # for the sampler's view of the current phase (controls.py)
 
 
 class TrainingState:
@@ -127,7 +128,8 @@ class TrainingState:
         self.snapshot_sink = snapshot_sink
         self.blob_uri = blob_uri
         self.on_step = on_step
-        self.threads = _PerThread(recorder)
+        self.thread_states: dict[int, _ThreadState] = {}  # each thread's, by ident: read by the sampler
+        self.threads = _PerThread(recorder, self.thread_states)
         # What the hot paths below take from the recorder, held here: one attribute read each.
         self._new_id = recorder.new_id
         self._push = recorder.closed.push  # with _tally: SpanTable.append, inline

@@ -89,8 +89,10 @@ class Aggregator:
     def __init__(self, store: HistoryStore, *, max_frame: int = DEFAULT_MAX_FRAME, tick_s: float = 0.2,
                  max_pending_rows: int = 2_000_000, flush_rows: int = 10_000, pause_rows: int = 50_000,
                  session_id: str | None = None, retention_ns: int | None = None,
-                 emit: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 emit: Callable[[dict[str, Any]], None] | None = None, watchdog: Any = None) -> None:
         self.store = store
+        # the alert rules' runner (server/watchdog.py), fed the rows of every accepted frame
+        self.watchdog = watchdog
         # live event lines (a verdict change, an alert) for whoever started this server: ``stepwatch
         # run`` reads them from stdout (launcher.AggregatorEvents) and prints them as they come
         self.emit = emit or (lambda message: None)
@@ -255,6 +257,10 @@ class Aggregator:
             stops = [row for row in telemetry if row[3] == "stop"]
             if stops:
                 self._note_stops(session_id, rank, stops)
+                if self.watchdog is not None:
+                    self.watchdog.feed_stop(session_id, rank)
+        if self.watchdog is not None:
+            self.watchdog.feed(session_id, rank, meta.get("host"), rows)
         count = 0
         pending = self._pending
         for table, table_rows in rows.items():
@@ -434,6 +440,36 @@ class Aggregator:
             await self.flush()
         finally:
             gc.set_threshold(*thresholds)
+
+    # -- the watchdog (docs/watchdog.md) -----------------------------------------------------------
+
+    async def watch_loop(self, period_s: float = 1.0) -> None:
+        """Runs the watchdog's checks every ``period_s`` off the intake path, until stopped."""
+        if self.watchdog is None:
+            return
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), period_s)
+            except TimeoutError:
+                pass
+            if not self._stopping.is_set():
+                await self.check_alerts()
+
+    async def check_alerts(self, *, final: bool = False) -> int:
+        """One watchdog check on a worker thread (stack dumps can take seconds); each new alert's
+        row is queued for the history and its line emitted (``stepwatch run`` prints it)."""
+        if self.watchdog is None:
+            return 0
+        try:
+            found = await asyncio.to_thread(self.watchdog.tick, final=final)
+        except Exception as exc:  # noqa: BLE001 - the watchdog must never take the aggregator down
+            logger.warning("aggregator: the watchdog's check failed: %s: %s", type(exc).__name__, exc)
+            return 0
+        for alert, row in found:
+            self._pending.setdefault("alerts", []).append(row)
+            self._pending_rows += 1
+            self.emit({"event": "alert", "line": alert.line(), "alert": alert.to_dict()})
+        return len(found)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -20,11 +20,15 @@ from ..lifetime import LAUNCHER_PID_ENV, preexec_die_with_parent
 from ..log import logger
 from ..schema import SessionStatus, new_session_id
 
-__all__ = ["LaunchOptions", "launch"]
+__all__ = ["KILL_GRACE_S", "STALL_KILL_EXIT", "LaunchOptions", "launch"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
 REMOTE_DRAIN_S = 60.0  # how long node 0 waits for other nodes' ranks after its own are done
 _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
+# ``--on-stall kill``: ``run``'s exit code when the watchdog ended a stalled job (as timeout(1)
+# says a command ran too long), and how long the job has between SIGTERM and SIGKILL
+STALL_KILL_EXIT = 124
+KILL_GRACE_S = 5.0
 
 
 class LaunchOptions:
@@ -32,8 +36,14 @@ class LaunchOptions:
                  master_addr: str = "127.0.0.1", master_port: int = 29500, use_torchrun: bool = False,
                  host: str = "127.0.0.1", port: int = 0, http_port: int | None = None, aggregator: str | None = None,
                  session_id: str | None = None, out: Path | None = None, interval_ms: int = 1000,
-                 token_env: str | None = None) -> None:
+                 token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
+                 on_stall: str = "dump", on_nonfinite: str = "alert") -> None:
         self.script = list(script)
+        # the watchdog (docs/watchdog.md): its thresholds go to the aggregator, the actions are ours
+        self.stall_after = stall_after
+        self.throughput_window = throughput_window
+        self.on_stall = on_stall
+        self.on_nonfinite = on_nonfinite
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes
         self.node_rank = node_rank
@@ -52,7 +62,9 @@ class LaunchOptions:
 
 def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     command = [sys.executable, "-m", "stepwatch.server", "--out", str(run_dir), "--host", options.host,
-               "--port", str(options.port), "--launched"]
+               "--port", str(options.port), "--launched", "--stall-after", repr(float(options.stall_after)),
+               "--throughput-window", repr(float(options.throughput_window)), "--on-stall", options.on_stall,
+               "--on-nonfinite", options.on_nonfinite]
     if options.http_port is not None:
         command += ["--http-port", str(options.http_port)]
     if options.token_env:
@@ -149,13 +161,113 @@ class AggregatorEvents:
         return self.stats
 
 
-def _echo_event(echo: Any) -> Callable[[dict[str, Any]], None]:
-    """Prints each live event's ``line`` (a verdict change, an alert) as the run goes."""
+def _echo_event(echo: Any, actions: JobActions | None = None) -> Callable[[dict[str, Any]], None]:
+    """Prints each live event's ``line`` (a verdict change, an alert) as the run goes, and hands
+    alerts to ``actions`` (``--on-stall kill``, ``--on-nonfinite halt``)."""
     def handle(message: dict[str, Any]) -> None:
         if isinstance(message.get("line"), str):
             echo(message["line"])
+        if actions is not None and message.get("event") == "alert" and isinstance(message.get("alert"), dict):
+            actions.on_alert(message["alert"])
 
     return handle
+
+
+class JobActions:
+    """What ``run`` does about an alert (docs/watchdog.md): ``--on-stall kill`` ends the job
+    (SIGTERM to the training and every process under it, SIGKILL to those left after
+    ``KILL_GRACE_S``; ``run`` then exits ``STALL_KILL_EXIT``); ``--on-nonfinite halt`` asks every
+    rank to stop at the same step boundary (the controls' coherent halt). Once each."""
+
+    def __init__(self, run_dir: Path, on_stall: str, on_nonfinite: str, echo: Any) -> None:
+        self.run_dir = run_dir
+        self.on_stall = on_stall
+        self.on_nonfinite = on_nonfinite
+        self.echo = echo
+        self.training: subprocess.Popen[bytes] | None = None
+        self.killed_for: dict[str, Any] | None = None
+        self.halted_for: dict[str, Any] | None = None
+        self.killed_at_ns: int | None = None
+        self._lock = threading.Lock()
+        self._killer: threading.Thread | None = None
+
+    def on_alert(self, alert: dict[str, Any]) -> None:
+        with self._lock:
+            if alert.get("kind") == "STALL" and self.on_stall == "kill" and self.killed_for is None:
+                self.killed_for = alert
+            elif alert.get("kind") == "NONFINITE" and self.on_nonfinite == "halt" and self.halted_for is None:
+                self.halted_for = alert
+            else:
+                return
+        if alert.get("kind") == "STALL":
+            self.echo(f"[stepwatch] --on-stall kill: ending the job (SIGTERM, then SIGKILL after {KILL_GRACE_S:g} s)")
+            self._killer = threading.Thread(target=self._end_job, name="stepwatch-stall-kill", daemon=True)
+            self._killer.start()
+        else:
+            self._halt(alert)
+
+    def _halt(self, alert: dict[str, Any]) -> None:
+        from ..artifacts.halt import request_halt
+
+        try:
+            request = request_halt(self.run_dir, reason=f"NONFINITE: {alert.get('message')}", by="stepwatch run")
+        except Exception as exc:  # noqa: BLE001 - the run goes on; say why it was not halted
+            self.echo(f"[stepwatch] --on-nonfinite halt: could not request the halt: {exc}")
+            return
+        self.echo(f"[stepwatch] --on-nonfinite halt: every rank stops at step {request.target_step}")
+
+    def _end_job(self) -> None:
+        import psutil
+
+        training = self.training
+        if training is None or training.poll() is not None:
+            return
+        self.killed_at_ns = time.time_ns()
+        try:
+            leader = psutil.Process(training.pid)
+            processes = [leader, *leader.children(recursive=True)]  # torchrun's ranks have sessions of their own
+        except psutil.NoSuchProcess:
+            return
+        for process in processes:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(processes, timeout=KILL_GRACE_S)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def fold(self, manifest: RunManifest) -> None:
+        """The run's outcome says why it ended: ``killed`` by the watchdog, with the stall, or
+        ``halted`` on a non-finite value (the ranks' end records say they halted)."""
+        if self.halted_for is not None and manifest.outcome == "succeeded":
+            from ..artifacts.run_outcome import read_rank_ends
+
+            ends, _ = read_rank_ends(self.run_dir, manifest.session_id)
+            halts = [end.get("halt") for end in ends.values() if end.get("outcome") == "halted"]
+            if halts:
+                manifest.outcome = "halted"
+                manifest.error = halts[0] if isinstance(halts[0], dict) else None
+                manifest.extra["halted_by"] = {"alert": self.halted_for.get("kind"),
+                                               "message": self.halted_for.get("message")}
+        if self._killer is not None:
+            self._killer.join(KILL_GRACE_S + 1)
+        alert = self.killed_for
+        if alert is None or self.killed_at_ns is None:
+            return
+        ranks = alert.get("ranks") or []
+        error = {"kind": "watchdog", "type": "STALL", "rank": ranks[0] if len(ranks) == 1 else None,
+                 "message": f"stepwatch ended the job (--on-stall kill): {alert.get('message')}",
+                 "traceback": None, "fatal": True, "seen_by": "watchdog",
+                 "at_ns": self.killed_at_ns or int(float(alert.get("ts") or 0) * 1e9),
+                 "stacks": (alert.get("evidence") or {}).get("stacks") or []}
+        manifest.outcome = "killed"
+        manifest.error = error
+        manifest.errors = [*(manifest.errors or []), error]
+        manifest.extra["ended_by"] = "watchdog_stall"
 
 
 def _write_manifest_or_say(run_dir: Path, manifest: RunManifest, echo: Any) -> None:
@@ -219,6 +331,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     write_run_manifest(run_dir, manifest)
     aggregator_process = None
     events: AggregatorEvents | None = None
+    actions = JobActions(run_dir, options.on_stall, options.on_nonfinite, echo)
     address = options.aggregator
     local_history = address is None  # this node keeps the history (else the remote aggregator does)
     if address is None:
@@ -232,7 +345,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
             host, _, port = ready["tcp"].rpartition(":")
             address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             echo(f"[stepwatch] aggregator on {ready['tcp']}" + (f", HTTP on {ready['http']}" if ready.get("http") else ""))
-            events = AggregatorEvents(aggregator_process, _echo_event(echo))
+            events = AggregatorEvents(aggregator_process, _echo_event(echo, actions))
     env = dict(os.environ)
     env.update(
         STEPWATCH_AUTOSTART="1", STEPWATCH_RUN_DIR=str(run_dir.resolve()), STEPWATCH_SESSION_ID=options.session_id,
@@ -245,6 +358,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     training = _start_job(_training_command(options), env)
+    actions.training = training
     hangup: list[int] = []
     forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome
     forward = _signal_forwarder(training, hangup, forwarded)
@@ -255,6 +369,8 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = 128 - returncode if returncode < 0 else returncode
+    if actions.killed_at_ns is not None:
+        code = STALL_KILL_EXIT  # the watchdog ended it: a scheduler may restart it
     manifest.extra["training_ended_ns"] = time.time_ns()  # the summary's bound on a killed rank's unrecorded tail
     if local_history and aggregator_process is None:
         _rebuild_history(run_dir, echo)
@@ -282,6 +398,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
         manifest.extra["ended_by"] = "launcher_hangup"
         status = manifest.status = "interrupted" if status == "completed" else status
     fold_outcome(run_dir, manifest, returncode, forwarded, torchrun=options.use_torchrun, echo=echo)
+    actions.fold(manifest)
     _write_manifest_or_say(run_dir, manifest, echo)
     summary = None
     if local_history:

@@ -55,13 +55,13 @@ def _own_session(run_dir: Path) -> str | None:
 
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
-                 say_losses: bool = True) -> dict[str, Any]:
+                 say_losses: bool = True, watch: dict[str, Any] | None = None) -> dict[str, Any]:
     from ..store.sqlite import SqliteStore
     from .aggregator import Aggregator
 
     store = SqliteStore(run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or _own_session(run_dir),
-                            retention_ns=retention_ns, emit=_event_writer(ready))
+                            retention_ns=retention_ns, emit=_event_writer(ready), watchdog=_watchdog(run_dir, watch))
     tcp = runner = None
     http_bound = None
     try:
@@ -95,6 +95,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, aggregator.stop)
     writer = asyncio.create_task(aggregator.write_loop())
+    watcher = asyncio.create_task(aggregator.watch_loop())
     ready.write(json.dumps({"event": "ready", "tcp": f"{host}:{tcp_port}",
                             "http": f"{host}:{http_bound}" if http_bound else None,
                             "store": str(run_dir / "history.sqlite"), "pid": os.getpid()}) + "\n")
@@ -107,7 +108,9 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     if runner is not None:
         await runner.cleanup()
     await writer
-    await aggregator.flush()  # rows accepted while the listeners were closing
+    await watcher
+    await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
+    await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
     if say_losses:
         aggregator.report_losses()
     stats = aggregator.stats()
@@ -116,6 +119,19 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
         logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
     return stats
+
+
+def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:
+    """The aggregator's watchdog (server/watchdog.py) with ``watch``'s options: ``stall_after_s``,
+    ``throughput_window_s``, ``on_stall``, ``on_nonfinite``."""
+    from ..analysis.alerts import AlertPolicy
+    from .watchdog import Watchdog
+
+    watch = watch or {}
+    policy = AlertPolicy(stall_after_s=watch.get("stall_after_s") or 180.0,
+                         throughput_window_s=watch.get("throughput_window_s") or 10.0)
+    return Watchdog(run_dir, policy, actions={"STALL": watch.get("on_stall") or "dump",
+                                              "NONFINITE": watch.get("on_nonfinite") or "alert"})
 
 
 def _event_writer(stream: Any) -> Any:
@@ -132,16 +148,18 @@ def _event_writer(stream: Any) -> Any:
 
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
           token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
-          session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True) -> dict[str, Any]:
+          session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True,
+          watch: dict[str, Any] | None = None) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
     nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank;
-    ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself)."""
+    ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself);
+    ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
     _configure_logging()
     ready = ready or sys.stdout
     stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready, session_id,
-                               retention_ns, say_losses))
+                               retention_ns, say_losses, watch))
     _write_stats(run_dir, stats, ready)
     return stats
 
@@ -186,7 +204,15 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"history window per session and rank, e.g. 7d, 12h (default: ${RETENTION_ENV}, else none)")
     parser.add_argument("--launched", action="store_true",
                         help="started by `stepwatch run`, which reports lost writes itself (from the stopped line)")
+    parser.add_argument("--stall-after", type=float, default=180.0,
+                        help="seconds without progress before a rank is STALLed (docs/watchdog.md)")
+    parser.add_argument("--throughput-window", type=float, default=10.0,
+                        help="seconds per THROUGHPUT_DROP window")
+    parser.add_argument("--on-stall", choices=("dump", "kill"), default="dump")
+    parser.add_argument("--on-nonfinite", choices=("alert", "halt"), default="alert")
     args = parser.parse_args(argv)
+    if not args.stall_after > 0 or not args.throughput_window > 0:
+        parser.error("--stall-after and --throughput-window must be positive")
     token = os.environ.get(args.token_env) if args.token_env else None
     try:
         retention_ns = parse_duration(args.retention) if args.retention else None
@@ -194,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--retention: {exc}")
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
-              session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched)
+              session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched,
+              watch={"stall_after_s": args.stall_after, "throughput_window_s": args.throughput_window,
+                     "on_stall": args.on_stall, "on_nonfinite": args.on_nonfinite})
     except StepwatchError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -14,7 +14,7 @@ from ..schema import synthetic_session_id
 from .base import HistoryStore
 from .rows import heartbeat_row, to_rows
 
-__all__ = ["import_ledgers", "import_path"]
+__all__ = ["import_alerts", "import_ledgers", "import_path"]
 
 
 def _run_session(path: Path) -> str | None:
@@ -104,6 +104,10 @@ def import_path(path: str | Path, store: HistoryStore) -> dict[str, int]:
         added = import_ledgers(root, run_session, store)
         if added:
             written["steps"] = written.get("steps", 0) + added
+    if root.is_dir() and (root / "alerts.jsonl").is_file():
+        added = import_alerts(root, store, run_session)
+        if added:
+            written["alerts"] = written.get("alerts", 0) + added
     if not found:
         raise ArtifactError(root, "nothing to import (no telemetry, spool or heartbeat files)")
     return written
@@ -122,3 +126,34 @@ def import_ledgers(run_dir: Path, session_id: str, store: HistoryStore) -> int:
     before = store.count("steps", session_id)
     store.append_many({"steps": rows})
     return store.count("steps", session_id) - before
+
+
+def import_alerts(run_dir: Path, store: HistoryStore, session_id: str | None = None) -> int:
+    """The watchdog's alerts of ``<run>/alerts.jsonl`` (docs/watchdog.md) that the history lacks
+    (the alerts table has no unique key: an alert already stored, by session, time and kind, is
+    skipped); a line without a session is the run's (``session_id``). Returns how many were added."""
+    from ..artifacts.alerts_log import read_alerts
+
+    rows = []
+    seen: dict[str, set[tuple[int, str]]] = {}
+    for record in read_alerts(run_dir):
+        session = record.get("session_id") if isinstance(record.get("session_id"), str) else session_id
+        if session is None:
+            continue
+        if session not in seen:
+            seen[session] = {(r["ts_ns"], r["kind"]) for r in store.query(
+                "SELECT ts_ns, kind FROM alerts WHERE session_id = ?", (session,))}
+        key = (int(float(record["ts"]) * 1e9), str(record["kind"]))
+        if key in seen[session]:
+            continue
+        seen[session].add(key)
+        ranks = record.get("ranks")
+        step = record.get("step")
+        rows.append({"session_id": session, "ts_ns": key[0], "kind": key[1],
+                     "severity": str(record.get("severity") or ""),
+                     "ranks": ranks if isinstance(ranks, list) else [],
+                     "step": step if type(step) is int else None, "message": str(record.get("message") or ""),
+                     "evidence": record.get("evidence") if isinstance(record.get("evidence"), dict) else {}})
+    if rows:
+        store.append_many({"alerts": rows})
+    return len(rows)

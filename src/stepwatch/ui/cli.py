@@ -12,8 +12,10 @@ import click
 
 from .. import __version__
 from .commands_capture import diagnose, track
+from .commands_control import dump_stacks_command, halt, memory_snapshot
 from .commands_read import inspect, sessions, validate
 from .commands_run import compare, import_command, run, serve, summary
+from .commands_watch import watch
 
 __all__ = ["cli", "main"]
 
@@ -24,7 +26,8 @@ def cli() -> None:
     """stepwatch: a flight recorder for deep-learning training runs."""
 
 
-for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command):
+for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command, halt,
+                 dump_stacks_command, memory_snapshot, watch):
     cli.add_command(_command)
 
 

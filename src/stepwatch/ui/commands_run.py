@@ -34,13 +34,22 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
               help="Memory sampling interval in milliseconds.")
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
+@click.option("--stall-after", type=click.FloatRange(min=0, min_open=True), default=180.0, show_default=True,
+              metavar="SECONDS", help="Alert STALL when a rank makes no progress this long (docs/watchdog.md).")
+@click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")
+@click.option("--on-stall", type=click.Choice(["dump", "kill"]), default="dump", show_default=True,
+              help="On STALL: dump every rank's stacks; kill: dump, then end the job (exit code 124).")
+@click.option("--on-nonfinite", type=click.Choice(["alert", "halt"]), default="alert", show_default=True,
+              help="On NONFINITE: alert only, or halt every rank at the same step.")
 @click.option("--quiet", is_flag=True, help="Do not print the summary.")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 @_reports_errors
 def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank under stepwatch, with the aggregator and final summary.
 
-    The training script needs no change. Exits with the training's exit code.
+    The training script needs no change. Exits with the training's exit code, or 124 when
+    --on-stall kill ended a stalled job.
     """
     from ..server.launcher import LaunchOptions, launch
     from ..server.serve import RETENTION_ENV, parse_duration
@@ -101,9 +110,13 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--session-id", help="Session of frames that name none (legacy senders).")
+@click.option("--stall-after", type=click.FloatRange(min=0, min_open=True), default=180.0, show_default=True,
+              metavar="SECONDS", help="Alert STALL when a rank makes no progress this long (docs/watchdog.md).")
+@click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")
 @_reports_errors
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
-          session_id: str | None) -> None:
+          session_id: str | None, stall_after: float, throughput_window: float) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
@@ -124,7 +137,8 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
         if not token:
             raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
     stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
-                       retention_ns=retention_ns)
+                       retention_ns=retention_ns,
+                       watch={"stall_after_s": stall_after, "throughput_window_s": throughput_window})
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 
 

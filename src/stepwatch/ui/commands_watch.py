@@ -1,0 +1,66 @@
+"""``stepwatch watch RUN_DIR``: the watchdog for a job stepwatch did not launch (docs/watchdog.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .base import _console, _reports_errors
+
+__all__ = ["watch"]
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--stall-after", type=click.FloatRange(min=0, min_open=True), default=180.0, show_default=True,
+              metavar="SECONDS", help="Alert STALL when a rank makes no progress this long.")
+@click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")
+@click.option("--no-dump", is_flag=True, help="Do not ask the ranks for stack dumps on a STALL.")
+@click.option("--json", "as_json", is_flag=True, help="Print each alert as its alerts.jsonl line.")
+@_reports_errors
+def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: bool, as_json: bool) -> None:
+    """Watch a running job's run directory and alert on STALL, RANK_LOST, THROUGHPUT_DROP,
+    NONFINITE and ZERO_GRAD (into RUN_DIR/alerts.jsonl, and printed).
+
+    Ends when every rank has stopped, or on Ctrl-C. Exit codes: 0 no alert, 1 one alert or
+    more, 2 RUN_DIR is no run directory or cannot take alerts.jsonl.
+    """
+    from ..analysis.alerts import AlertPolicy
+    from ..server.watch import RunWatcher, check_run_dir, exit_code
+
+    check_run_dir(run_dir)
+    watcher = RunWatcher(run_dir, AlertPolicy(stall_after_s=stall_after, throughput_window_s=throughput_window),
+                         dump_stacks=not no_dump)
+    console = _console(stderr=True)
+    if not as_json:
+        console.print(f"[stepwatch] watching {run_dir} (stall after {stall_after:g} s); Ctrl-C ends", markup=False)
+    raised = []
+    try:
+        while True:
+            for alert in watcher.poll():
+                raised.append(alert)
+                if as_json:
+                    sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
+                    sys.stdout.flush()
+                else:
+                    console.print(alert.line(), markup=False, soft_wrap=True)
+            if watcher.done:
+                break
+            time.sleep(0.5)
+        for alert in watcher.poll(final=True):
+            raised.append(alert)
+            if as_json:
+                sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
+            else:
+                console.print(alert.line(), markup=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        pass
+    if not as_json:
+        console.print(f"[stepwatch] {len(raised)} alert(s); every rank has stopped" if watcher.done
+                      else f"[stepwatch] {len(raised)} alert(s); stopped watching", markup=False)
+    sys.exit(exit_code(raised))
