@@ -176,6 +176,8 @@ def _fmt_time_ns(value: Any) -> str:
 def _describe_error(error: dict[str, Any]) -> str:
     who = "the training process" if error.get("rank") is None else f"rank {error['rank']}"
     when = _fmt_time_ns(error.get("at_ns"))
+    if error.get("kind") == "halt":
+        return f"{who if error.get('rank') is not None else 'every rank'} {error.get('message')} (at {when})"
     if error.get("kind") == "signal":
         if not error.get("signal"):
             return f"{who} ended without a word (no end record; SIGKILL or a crash), last seen at {when}"
