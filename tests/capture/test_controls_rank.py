@@ -202,3 +202,44 @@ def test_the_stack_signal_is_configurable_by_env(tmp_path: Path) -> None:
                        env={**env, "STEPWATCH_STACK_SIGNAL": value})
         boot = read_heartbeat(out / "heartbeat_rank0.jsonl")[0]
         assert boot.get("stack_signal") == expected
+
+
+def test_removing_halt_before_its_step_cancels_it(run_dir: Path) -> None:
+    model = _Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt)
+    stepwatch.request_halt(run_dir, at_step=3, reason="cancel me")
+    runtime = api.current_runtime()
+    _until(lambda: runtime.halt is not None)  # type: ignore[union-attr]
+    (run_dir / HALT_FILENAME).unlink()
+    _until(lambda: runtime.halt is None)  # type: ignore[union-attr]
+    for _ in range(4):
+        _step(model, opt)
+    assert not stepwatch.halt_requested() and runtime.step == 5  # type: ignore[union-attr]
+
+
+def test_the_halt_is_raised_on_the_training_thread_only(run_dir: Path) -> None:
+    import threading
+
+    model = _Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt)
+    stepwatch.request_halt(run_dir, at_step=2, reason="threads")
+    _until(lambda: api.current_runtime().halt is not None)  # type: ignore[union-attr]
+    _step(model, opt)
+    assert stepwatch.halt_requested()
+    other: list[BaseException] = []
+
+    def infer() -> None:
+        try:
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+        except BaseException as exc:  # noqa: BLE001
+            other.append(exc)
+
+    thread = threading.Thread(target=infer)
+    thread.start()
+    thread.join()
+    assert other == []  # another thread's forward runs as ever
+    with pytest.raises(stepwatch.Halt):
+        model(torch.randn(2, 4))

@@ -197,13 +197,16 @@ class RequestFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._seen: tuple[int, int, int] | None = None
+        self.present = False  # the file existed at the last poll
 
     def poll(self) -> bytes | None:
         try:
             st = os.stat(self.path)
         except OSError:
             self._seen = None
+            self.present = False
             return None
+        self.present = True
         key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key == self._seen:
             return None

@@ -735,8 +735,15 @@ class Runtime:
 
     def _poll_halt(self) -> None:
         """Sampler: a new or changed ``.HALT`` for this session arms the halt."""
-        data = self._halt_file.poll() if self._halt_file is not None else None
-        if data is None or self.halt_step is not None:
+        if self._halt_file is None or self.halt_step is not None:
+            return
+        data = self._halt_file.poll()
+        if data is None:
+            if not self._halt_file.present and self.halt is not None:  # .HALT removed in time: cancelled
+                self.halt = None
+                if self.training.on_step == self._on_step_halting:
+                    self.training.on_step = self._on_step
+                self._heartbeat_write(self._heartbeat("halt_cancelled"))
             return
         request = read_halt_request(data, self.run_dir / HALT_FILENAME, self.session_id)
         if request is None:
