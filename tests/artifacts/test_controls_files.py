@@ -244,3 +244,12 @@ def test_memory_snapshot_answers_are_read_per_request(tmp_path: Path) -> None:
                         + msgspec.json.encode({"request_id": request.request_id, "ts": 2, "status": "no_cuda"}) + b"\n")
     assert [a["status"] for a in read_memory_snapshot_answers(run, request.request_id)] == ["no_cuda"]
     assert len(read_memory_snapshot_answers(run)) == 2
+
+
+def test_a_stall_inside_the_window_does_not_slow_the_rate_a_halt_step_is_chosen_from(tmp_path: Path) -> None:
+    from stepwatch.artifacts.live_ranks import _fastest_rate
+
+    # 20 steps at 50 steps/s, an 8 s stall, then 20 more at 50 steps/s
+    points = [(i, i * 0.02) for i in range(20)] + [(20 + i, 8.4 + i * 0.02) for i in range(20)]
+    assert _fastest_rate(points) == pytest.approx(50.0)
+    assert _fastest_rate(points[:1]) is None
