@@ -175,7 +175,7 @@ def test_a_loop_that_asks_halt_requested_saves_and_stops_itself(tmp_path: Path) 
         assert passed.returncode == 2
         assert passed.stderr.startswith("error:") and "already passed" in passed.stderr
         assert not (out / ".HALT").exists()
-        target = max(_ledger_steps(out).values()) + 150
+        target = max(_ledger_steps(out).values()) + 300
         asked = _cli("halt", str(out), "--at-step", str(target), "--reason", "checkpoint and stop")
         assert asked.returncode == 0, asked.stderr
         assert f"halt requested at step {target} (as asked)" in asked.stdout
