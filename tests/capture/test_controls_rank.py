@@ -243,3 +243,14 @@ def test_the_halt_is_raised_on_the_training_thread_only(run_dir: Path) -> None:
     assert other == []  # another thread's forward runs as ever
     with pytest.raises(stepwatch.Halt):
         model(torch.randn(2, 4))
+
+
+def test_memory_history_on_a_cpu_only_process_is_a_no_op(tmp_path: Path) -> None:
+    assert not api.current_runtime().active
+    reset_swallowed()
+    runtime = stepwatch.init(out=tmp_path / "run", memory_history=True, handle_signals=False, capture_oom=False)
+    try:
+        assert runtime._want_memory_history and not runtime._memory_history  # type: ignore[union-attr]
+    finally:
+        stepwatch.shutdown()
+    assert swallowed() == {}
