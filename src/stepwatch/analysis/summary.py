@@ -211,6 +211,8 @@ def _describe_error(error: dict[str, Any]) -> str:
     when = _fmt_time_ns(error.get("at_ns"))
     if error.get("kind") == "watchdog":  # --on-stall kill (docs/watchdog.md)
         return f"at {when}: {error.get('message')}"
+    if error.get("kind") == "halt":
+        return f"{who if error.get('rank') is not None else 'every rank'} {error.get('message')} (at {when})"
     if error.get("kind") == "signal":
         if not error.get("signal"):
             return f"{who} ended without a word (no end record; SIGKILL or a crash), last seen at {when}"

@@ -12,7 +12,8 @@ The step stepwatch chooses (``at_step=None``) is one every rank can still reach:
     target  = max(floor(max_r reach_r) + 1, max_r step_r + 1)
 
 ``step_r`` is rank r's latest completed step, ``seen_r`` when that was known, ``rate_r`` its
-steps/s (its step ledger, else its heartbeat file), ``poll_s`` the slowest rank's tick period
+steps/s (its step ledger, else its heartbeat file; the fastest over its last 10, 50 and 200
+steps, so a stall in the window does not make the step too near), ``poll_s`` the slowest rank's tick period
 (1 s by default). Twice the poll period plus two seconds is the margin for a rank that is one
 tick late and for the clocks of the ranks' files.
 """

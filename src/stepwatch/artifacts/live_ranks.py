@@ -181,13 +181,7 @@ def _from_boot(path: Path, rank: int, name: str, boot: dict[str, Any], after: li
     stopped = any(r.get("msg") == "stop" for r in after)
     stepped = [(r["step"], r["ts"]) for r in after if type(r.get("step")) is int and _num(r.get("ts")) is not None]
     step, step_ts = (stepped[0] if stepped else (_int(boot.get("step")) or 0, booted))
-    rate = None
-    if stepped:
-        # the newest record against the oldest within the last minute
-        recent = [(s, t) for s, t in stepped if t >= step_ts - 60.0]
-        first_step, first_ts = recent[-1]
-        if step_ts - first_ts >= 1.0 and step > first_step:
-            rate = (step - first_step) / (step_ts - first_ts)
+    rate = _fastest_rate([(s, t) for s, t in reversed(stepped) if t >= step_ts - 60.0], min_span_s=1.0)
     host = boot.get("host")
     session = boot.get("session_id")
     signal_number = _int(boot.get("stack_signal"))
@@ -197,6 +191,24 @@ def _from_boot(path: Path, rank: int, name: str, boot: dict[str, Any], after: li
                        step=step, step_ts=step_ts, steps_per_s=rate, stack_signal=signal_number,
                        stack_file=stack_file if isinstance(stack_file, str) else None,
                        poll_s=_num(boot.get("poll_s")), heartbeat=path)
+
+
+def _fastest_rate(points: list[tuple[int, float]], *, min_span_s: float = 0.0) -> float | None:
+    """Steps per second from (step, time) points, oldest first: the fastest over the last 10, 50
+    and all of them. The fastest, because a stall inside the window (a slow rank, a checkpoint)
+    would make the average too slow, and a halt step chosen from too slow a rate is one a rank
+    has passed before it reads the request."""
+    best = None
+    if len(points) < 2:
+        return None
+    last_step, last_ts = points[-1]
+    for size in (10, 50, len(points)):
+        first_step, first_ts = points[max(0, len(points) - size)]
+        span = last_ts - first_ts
+        if span > 0 and span >= min_span_s and last_step > first_step:
+            rate = (last_step - first_step) / span
+            best = rate if best is None else max(best, rate)
+    return best
 
 
 def _with_ledger(run_dir: Path, rank: RankProcess) -> RankProcess:
@@ -218,8 +230,6 @@ def _with_ledger(run_dir: Path, rank: RankProcess) -> RankProcess:
     step, step_ts = last.index + 1, last.end_ns / 1e9
     if step < rank.step:
         return rank
-    rate = rank.steps_per_s
-    window = records[-_RATE_WINDOW:]
-    if len(window) >= 2 and last.end_ns > window[0].end_ns:
-        rate = (last.index - window[0].index) / ((last.end_ns - window[0].end_ns) / 1e9)
+    rate = _fastest_rate([(r.index, r.end_ns / 1e9) for r in records[-_RATE_WINDOW:]])
+    rate = rate if rate is not None else rank.steps_per_s
     return RankProcess(**{**rank.__dict__, "step": step, "step_ts": step_ts, "steps_per_s": rate})

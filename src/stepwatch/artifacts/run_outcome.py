@@ -54,7 +54,8 @@ OUTCOMES: dict[str, str] = {
     "failed": "a rank raised an uncaught exception, or the training exited with a non-zero code",
     "killed": "a rank (or the training process) was ended by a signal nobody asked the run to stop with",
     "interrupted": "Ctrl-C: SIGINT reached the run, or a rank ended on KeyboardInterrupt",
-    "halted": "stopped on request: the launcher was sent SIGTERM and passed it on to the training",
+    "halted": "stopped on request: every rank stopped at the step a `stepwatch halt` named, or the launcher "
+              "was sent SIGTERM and passed it on to the training",
     "exited": "in-process view only (stepwatch.init() with no launcher): the program ended without an "
               "uncaught exception or a signal; its exit code is not visible from inside",
 }
@@ -228,6 +229,9 @@ def decide_outcome(*, returncode: int, rank_ends: dict[int, dict[str, Any]], wor
                 errors.append(_mute_rank(rank, at_ns))
     errors.sort(key=lambda e: (e.get("at_ns") or 0, e.get("rank") if isinstance(e.get("rank"), int) else -1))
     fatal = [e for e in errors if e.get("fatal")]
+    halt = _halt_error(rank_ends)
+    if halt is not None and not fatal and (returncode == 0 or not forwarded and returncode > 0):
+        return "halted", halt, errors  # ``stepwatch halt``: the ranks stopped at its step (Halt's exit code)
     if returncode == 0:  # whatever a rank saw on the way, the training says it succeeded
         return "succeeded", None, errors
     if signal.SIGINT in forwarded:
@@ -242,6 +246,22 @@ def decide_outcome(*, returncode: int, rank_ends: dict[int, dict[str, Any]], wor
         errors.append(error)
         return ("interrupted" if -returncode == signal.SIGINT else "killed"), error, errors
     return "failed", None, errors
+
+
+def _halt_error(rank_ends: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The ranks' halt (``stepwatch halt``, docs/halt.md) as the run's ``error``: the first
+    rank's record, with the step every rank stopped at (``steps``: by rank)."""
+    halts = {rank: end["halt"] for rank, end in sorted(rank_ends.items()) if isinstance(end.get("halt"), dict)}
+    if not halts:
+        return None
+    first = dict(next(iter(halts.values())))
+    steps = {str(rank): h.get("step") for rank, h in halts.items()}
+    first.update(rank=None if len(halts) > 1 else first.get("rank"), steps=steps)
+    if len(set(steps.values())) == 1:
+        first["message"] = f"halted at step {first.get('step')} on request: {first.get('reason')}"
+    else:
+        first["message"] = f"halted on request at steps {steps} (not all the same): {first.get('reason')}"
+    return first
 
 
 def _mute_rank(rank: int, at_ns: int) -> dict[str, Any]:

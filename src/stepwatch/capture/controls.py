@@ -35,7 +35,7 @@ __all__ = [
     "HALT_EXIT_CODE_ENV", "HALT_FILENAME", "MEMORY_HISTORY_ENV", "MEMORY_SNAPSHOT_FILENAME", "STACK_SIGNAL_ENV", "Halt",
     "RequestFile", "answer_memory_snapshot", "cuda_in_use", "current_phase", "dump_cuda_snapshot", "halt_exit_code",
     "memory_history_from_env", "read_halt_request", "read_snapshot_request", "record_memory_history",
-    "register_stack_signal", "stack_signal_from_env",
+    "register_stack_signal", "stack_signal_from_env", "training_thread",
 ]
 
 STACK_SIGNAL_ENV = "STEPWATCH_STACK_SIGNAL"
@@ -137,17 +137,12 @@ def register_stack_signal(run_dir: Path, name: str) -> tuple[int, str] | None:
 _STEPS = frozenset({"step", "eval_step"})
 
 
-def current_phase(training: Any, now_ns: int) -> tuple[str | None, float | None]:
-    """(innermost open phase or scope of the training thread, seconds in it), or (None, None)
-    between steps. Inside a step with no phase open, the phase is ``step``.
-
-    Read from the sampler thread: the training thread's bookkeeping (``thread_states``) and
-    span stack are plain objects; a copy of the stack is taken in C (``list(...)``), so a span
-    pushed or popped meanwhile gives the state just before or after, never a torn one.
-    """
+def _training_state(training: Any) -> Any:
+    """The bookkeeping of the thread that trains: the one with the latest open step, else one
+    with open spans."""
     states = getattr(training, "thread_states", None)
     if not states:
-        return None, None
+        return None
     if len(states) > 8:  # threads that ran phases and ended: forget them
         alive = {t.ident for t in threading.enumerate()}
         for ident in [i for i in list(states) if i not in alive]:
@@ -158,6 +153,24 @@ def current_phase(training: Any, now_ns: int) -> tuple[str | None, float | None]
         newer = step is not None and (chosen is None or chosen.step is None or step.start_ns > chosen.step.start_ns)
         if newer or (chosen is None and state.stack):
             chosen = state
+    return chosen
+
+
+def training_thread(training: Any) -> int | None:
+    """The ident of the thread that trains (None: not known yet)."""
+    state = _training_state(training)
+    return state.ident if state is not None else None
+
+
+def current_phase(training: Any, now_ns: int) -> tuple[str | None, float | None]:
+    """(innermost open phase or scope of the training thread, seconds in it), or (None, None)
+    between steps. Inside a step with no phase open, the phase is ``step``.
+
+    Read from the sampler thread: the training thread's bookkeeping (``thread_states``) and
+    span stack are plain objects; a copy of the stack is taken in C (``list(...)``), so a span
+    pushed or popped meanwhile gives the state just before or after, never a torn one.
+    """
+    chosen = _training_state(training)
     if chosen is None:
         return None, None
     stack = list(chosen.stack)
@@ -184,13 +197,16 @@ class RequestFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._seen: tuple[int, int, int] | None = None
+        self.present = False  # the file existed at the last poll
 
     def poll(self) -> bytes | None:
         try:
             st = os.stat(self.path)
         except OSError:
             self._seen = None
+            self.present = False
             return None
+        self.present = True
         key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key == self._seen:
             return None

@@ -51,6 +51,7 @@ from .controls import (
     read_snapshot_request,
     record_memory_history,
     register_stack_signal,
+    training_thread,
 )
 from .events import EventFactory
 from .identity import DistributedIdentity, resolve_distributed_identity
@@ -258,6 +259,7 @@ class Runtime:
         self.halt_step: int | None = None  # set (on the training thread) once the target step completed
         self._halt_said = False
         self._halt_late = False
+        self._halt_thread: int | None = None
         self._halt_file: RequestFile | None = None
         self._snapshot_file: RequestFile | None = None
         self._snapshot_answered: str | None = None
@@ -685,21 +687,38 @@ class Runtime:
         self._on_step(step, span)
         halt = self.halt
         if halt is not None and step >= halt.target_step:
-            self._reach_halt(step)
+            self._reach_halt(step, threading.get_ident())
 
-    def _reach_halt(self, step: int) -> None:
-        """The target step is done: ``halt_requested()`` is true from now on, and the next step
-        to open raises ``Halt`` (the loop's own check after ``optimizer.step()`` comes first)."""
+    def _reach_halt(self, step: int, thread: int | None) -> None:
+        """The target step is done: ``halt_requested()`` is true from now on, and the training
+        thread's next phase or step raises ``Halt`` (the loop's own check after
+        ``optimizer.step()`` comes first). Both traps shadow ``TrainingState`` methods on this
+        instance: nothing is checked on any step before."""
         if self.halt_step is not None:
             return
         self.halt_step = step
+        self._halt_thread = thread
         if self.training.on_step == self._on_step_halting:
             self.training.on_step = self._on_step
-        self.training.open_step = self._halt_trap  # shadows the method: one raise at the next step
+        self.training.begin_phase = self._halt_at_phase  # type: ignore[method-assign]
+        self.training.open_step = self._halt_at_step  # type: ignore[method-assign]
         self._write_rank_end()
 
-    def _halt_trap(self, *args: Any, **kwargs: Any) -> Any:
-        self.training.__dict__.pop("open_step", None)  # once: a program that catches Halt goes on
+    def _halt_at_phase(self, name: str, *, timed: bool = True) -> OpenSpan | None:
+        if self._halt_thread not in (None, threading.get_ident()):  # not the training thread: as ever
+            return TrainingState.begin_phase(self.training, name, timed=timed)
+        self._raise_halt()
+        return None  # pragma: no cover - raised above
+
+    def _halt_at_step(self, *args: Any, **kwargs: Any) -> OpenSpan | None:
+        if self._halt_thread not in (None, threading.get_ident()):
+            return TrainingState.open_step(self.training, *args, **kwargs)
+        self._raise_halt()
+        return None  # pragma: no cover
+
+    def _raise_halt(self) -> None:
+        self.training.__dict__.pop("begin_phase", None)  # once: a program that catches Halt goes on
+        self.training.__dict__.pop("open_step", None)
         halt = self.halt
         raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
 
@@ -716,8 +735,15 @@ class Runtime:
 
     def _poll_halt(self) -> None:
         """Sampler: a new or changed ``.HALT`` for this session arms the halt."""
-        data = self._halt_file.poll() if self._halt_file is not None else None
-        if data is None or self.halt_step is not None:
+        if self._halt_file is None or self.halt_step is not None:
+            return
+        data = self._halt_file.poll()
+        if data is None:
+            if not self._halt_file.present and self.halt is not None:  # .HALT removed in time: cancelled
+                self.halt = None
+                if self.training.on_step == self._on_step_halting:
+                    self.training.on_step = self._on_step
+                self._heartbeat_write(self._heartbeat("halt_cancelled"))
             return
         request = read_halt_request(data, self.run_dir / HALT_FILENAME, self.session_id)
         if request is None:
@@ -725,7 +751,7 @@ class Runtime:
         self.halt = request
         if self.step >= request.target_step:  # seen too late: stop at the next boundary, and say so
             self._halt_late = True
-            self._reach_halt(self.step)
+            self._reach_halt(self.step, training_thread(self.training))
         elif self.training.on_step == self._on_step:
             self.training.on_step = self._on_step_halting
         self._heartbeat_write(self._heartbeat("halt_requested", target_step=request.target_step,

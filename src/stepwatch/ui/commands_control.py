@@ -39,8 +39,9 @@ def halt(run_dir: Path, at_step: int | None, reason: str, as_json: bool) -> None
 
     Each rank's background thread reads the request within a second; once a rank has completed
     the target step, stepwatch.halt_requested() is true (a loop can save a checkpoint and stop),
-    and the next step to start raises stepwatch.Halt (SystemExit, exit code 0). The run's outcome
-    is `halted`. Exit codes: 0 written, 2 not a run directory / step passed / no running rank /
+    and the training thread's next phase or step raises stepwatch.Halt (SystemExit, exit code 0;
+    STEPWATCH_HALT_EXIT_CODE to change it). Removing .HALT before then cancels it. The run's
+    outcome is `halted` (docs/halt.md). Exit codes: 0 written, 2 not a run directory / step passed / no running rank /
     cannot write.
     """
     from ..artifacts.halt import request_halt
