@@ -700,6 +700,8 @@ class Runtime:
         self._halt_thread = thread
         if self.training.on_step == self._on_step_halting:
             self.training.on_step = self._on_step
+        # the patches enter through phase_begin (forward, backward, optimizer), the rest through begin_phase
+        self.training.phase_begin = self._halt_at_phase_begin  # type: ignore[method-assign]
         self.training.begin_phase = self._halt_at_phase  # type: ignore[method-assign]
         self.training.open_step = self._halt_at_step  # type: ignore[method-assign]
         self._write_rank_end()
@@ -710,6 +712,12 @@ class Runtime:
         self._raise_halt()
         return None  # pragma: no cover - raised above
 
+    def _halt_at_phase_begin(self, local: Any, name: str, timed: bool = True) -> OpenSpan | None:
+        if self._halt_thread not in (None, threading.get_ident()):
+            return TrainingState.phase_begin(self.training, local, name, timed)
+        self._raise_halt()
+        return None  # pragma: no cover
+
     def _halt_at_step(self, *args: Any, **kwargs: Any) -> OpenSpan | None:
         if self._halt_thread not in (None, threading.get_ident()):
             return TrainingState.open_step(self.training, *args, **kwargs)
@@ -717,7 +725,8 @@ class Runtime:
         return None  # pragma: no cover
 
     def _raise_halt(self) -> None:
-        self.training.__dict__.pop("begin_phase", None)  # once: a program that catches Halt goes on
+        self.training.__dict__.pop("phase_begin", None)  # once: a program that catches Halt goes on
+        self.training.__dict__.pop("begin_phase", None)
         self.training.__dict__.pop("open_step", None)
         halt = self.halt
         raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
