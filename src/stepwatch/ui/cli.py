@@ -14,6 +14,7 @@ from .. import __version__
 from .commands_capture import diagnose, track
 from .commands_read import inspect, sessions, validate
 from .commands_run import compare, import_command, run, serve, summary
+from .commands_verdicts import explain
 
 __all__ = ["cli", "main"]
 
@@ -24,7 +25,7 @@ def cli() -> None:
     """stepwatch: a flight recorder for deep-learning training runs."""
 
 
-for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command):
+for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command, explain):
     cli.add_command(_command)
 
 
