@@ -1,0 +1,110 @@
+"""What ``diagnose`` takes, read from a history store: only the window's rows.
+
+The live window is read every few seconds from a history that keeps growing, so nothing here
+scans a session: each rank's last step comes from one seek down the steps' unique index
+(session, rank, step), the ranks from a skip-scan of the same index, and the window's rows and
+memory samples from range seeks per rank (``rank IN (...)`` with a step or time range). Reading
+the last 100 steps costs the same on a history of 100 steps as on one of 20,000.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+from ..phases import STEP_COLUMNS
+from ..store.base import HistoryStore
+from .verdict_policy import DEFAULT_POLICY, VerdictPolicy
+from .verdict_types import Diagnosis
+
+__all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
+
+_STEP_SELECT = "rank, step, start_ns, end_ns, step_ns, " + ", ".join(STEP_COLUMNS)
+_MEMORY_SELECT = "rank, timestamp_ns, event_type, collector, device_id, allocated, reserved, free, total, host"
+# each rank and its last step, by seeks down steps_unique (session_key, rank, step)
+_LAST_STEPS = """
+WITH RECURSIVE ranks(rank) AS (
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
+    UNION ALL
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
+    FROM ranks WHERE ranks.rank IS NOT NULL
+)
+SELECT rank, (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step DESC LIMIT 1) AS last
+FROM ranks WHERE rank IS NOT NULL
+"""
+
+
+class VerdictInputs(NamedTuple):
+    """``diagnose(steps, memory, system, window=..., expected_ranks=...)``'s arguments."""
+
+    steps: list[dict[str, Any]]
+    memory: list[dict[str, Any]]
+    system: list[dict[str, Any]]
+    expected_ranks: tuple[int, ...] = ()
+    window: int | None = None
+
+
+def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int | None = None) -> VerdictInputs:
+    """The rows of ``session_id``'s window: the last ``last_steps`` steps completed on every rank
+    (None: every step completed on every rank), the memory samples taken during them, and the
+    NVML utilisation samples of the same span. Raises StoreError on a damaged history."""
+    lasts = [r for r in store.query(_LAST_STEPS, (session_id,)) if r["last"] is not None]
+    expected = _expected_ranks(store, session_id)
+    if not lasts:
+        return VerdictInputs([], [], [], expected, last_steps)
+    ranks = sorted(int(r["rank"]) for r in lasts)
+    high = min(int(r["last"]) for r in lasts)
+    marks = ", ".join("?" * len(ranks))
+    if last_steps is None:
+        steps = store.query(f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) "
+                            f"AND step <= ? ORDER BY rank, step", (session_id, *ranks, high))
+    else:
+        low = high - max(1, int(last_steps)) + 1
+        steps = store.query(f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) "
+                            f"AND step BETWEEN ? AND ? ORDER BY rank, step", (session_id, *ranks, low, high))
+    starts = [r["start_ns"] for r in steps if r["start_ns"] is not None]
+    ends = [r["end_ns"] for r in steps if r["end_ns"] is not None]
+    if not starts or not ends:
+        return VerdictInputs(steps, [], [], expected, last_steps)
+    span = (min(starts), max(ends))
+    memory = store.query(f"SELECT {_MEMORY_SELECT} FROM telemetry WHERE session_id = ? AND rank IN ({marks}) "
+                         f"AND timestamp_ns BETWEEN ? AND ? AND event_type = 'sample' ORDER BY rank, timestamp_ns",
+                         (session_id, *ranks, *span))
+    system = _gpu_utilisation(store, session_id, ranks, span)
+    return VerdictInputs(steps, memory, system, expected, last_steps)
+
+
+def _expected_ranks(store: HistoryStore, session_id: str) -> tuple[int, ...]:
+    rows = store.query("SELECT world_size FROM sessions WHERE session_id = ?", (session_id,))
+    world = rows[0]["world_size"] if rows else None
+    return tuple(range(world)) if isinstance(world, int) and 0 < world <= 1 << 16 else ()
+
+
+def _gpu_utilisation(store: HistoryStore, session_id: str, ranks: list[int], span: tuple[int, int]) -> list[dict[str, Any]]:
+    """NVML samples that carry the device's utilisation (``gpu_util_pct`` in their metadata)."""
+    marks = ", ".join("?" * len(ranks))
+    rows = store.query(f"SELECT rank, timestamp_ns, device_id, metadata FROM telemetry WHERE session_id = ? "
+                       f"AND rank IN ({marks}) AND timestamp_ns BETWEEN ? AND ? AND event_type = 'sample' "
+                       f"AND collector = 'stepwatch.nvml_tracker' AND metadata LIKE '%gpu_util_pct%'",
+                       (session_id, *ranks, *span))
+    out = []
+    for row in rows:
+        try:
+            metadata = json.loads(row["metadata"] or "{}")
+        except ValueError:
+            continue
+        value = metadata.get("gpu_util_pct") if isinstance(metadata, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out.append({"rank": row["rank"], "timestamp_ns": row["timestamp_ns"], "device_id": row["device_id"],
+                        "gpu_util_pct": value})
+    return out
+
+
+def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None = None,
+                   policy: VerdictPolicy = DEFAULT_POLICY) -> Diagnosis:
+    """``diagnose`` on ``session_id``'s window, read from ``store`` (live: ``window=policy.live_window_steps``)."""
+    from .verdicts import diagnose
+
+    inputs = load_verdict_inputs(store, session_id, last_steps=window)
+    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=policy,
+                    expected_ranks=inputs.expected_ranks)
