@@ -17,18 +17,19 @@ __all__ = ["diagnosis_lines", "evidence_text", "load_inputs", "session_diagnosis
 
 # The telemetry columns the memory verdicts read (analysis.verdicts.diagnose's ``memory`` rows).
 _MEMORY_COLUMNS = "rank, timestamp_ns, collector, device_id, allocated, reserved, free, total, host"
-_EVIDENCE_ITEMS = 8  # scalar evidence items shown in the text; the JSON has all of them
+_EVIDENCE_ITEMS = 10  # scalar evidence items shown in the text; the JSON has all of them
 
 
 def load_inputs(store: HistoryStore, session_id: str, *, last_steps: int | None = None) -> dict[str, Any]:
     """``{"steps", "memory", "system", "expected_ranks"}`` of ``session_id`` for ``diagnose``:
     the engine's own loader (``load_verdict_inputs``) where it has one, else the steps table
     (each rank's last ``last_steps`` when given) and the memory samples over the same span."""
-    from . import verdicts
-
-    loader = getattr(verdicts, "load_verdict_inputs", None)
-    if loader is not None:
-        return _as_inputs(loader(store, session_id, last_steps=last_steps))
+    try:
+        from .verdict_inputs import load_verdict_inputs
+    except ImportError:  # an engine without its own loader
+        pass
+    else:
+        return _as_inputs(load_verdict_inputs(store, session_id, last_steps=last_steps))
     if last_steps is None:
         steps = store.step_rows(session_id)
     else:
@@ -62,7 +63,7 @@ def session_diagnosis(store: HistoryStore, session_id: str, *, window: int | Non
     from . import verdicts
 
     if inputs is None:
-        inputs = load_inputs(store, session_id, last_steps=None if window is None else 2 * window)
+        inputs = load_inputs(store, session_id, last_steps=window)
     kwargs: dict[str, Any] = {"window": window}
     if policy is not None:
         kwargs["policy"] = policy
@@ -92,16 +93,26 @@ def _fmt(value: Any) -> str:
 
 
 def evidence_text(evidence: Mapping[str, Any]) -> str:
-    """The evidence's scalar items (and short lists) as ``key value`` pairs, nested maps one
-    level deep as ``outer.key``; the JSON keeps every number."""
-    items: list[str] = []
+    """The evidence in one line: its numbers first (``key value``), then nested maps one level
+    deep (``outer.key value``), the window as the steps it covers; the JSON keeps everything."""
+    scalars: list[str] = []
+    nested: list[str] = []
+    window = evidence.get("window")
     for key, value in evidence.items():
+        if key == "window":
+            continue
         if isinstance(value, Mapping):
-            items += [f"{key}.{k} {_fmt(v)}" for k, v in value.items() if not isinstance(v, (Mapping, list))]
+            nested += [f"{key}.{k} {_fmt(v)}" for k, v in value.items() if not isinstance(v, (Mapping, list))]
         elif not isinstance(value, list) or len(value) <= 8:
-            items.append(f"{key} {_fmt(value)}")
+            scalars.append(f"{key} {_fmt(value)}")
+    items = scalars + nested
     shown = items[:_EVIDENCE_ITEMS]
-    return ", ".join(shown) + (f", ... ({len(items) - len(shown)} more in the JSON)" if len(items) > len(shown) else "")
+    text = ", ".join(shown) + (f", ... ({len(items) - len(shown)} more in the JSON)" if len(items) > len(shown) else "")
+    if isinstance(window, Mapping) and window.get("steps") is not None:
+        span = (f"steps {window.get('first_step')}-{window.get('last_step')}, "
+                if window.get("first_step") is not None else "")
+        text += f"; window: {span}{window.get('steps')} steps"
+    return text
 
 
 def verdict_line(verdict: Mapping[str, Any]) -> str:
@@ -117,7 +128,7 @@ def verdict_line(verdict: Mapping[str, Any]) -> str:
 
 def diagnosis_lines(diagnosis: Mapping[str, Any] | None) -> list[str]:
     """The text summary's diagnosis: the primary verdict with its evidence and next step, then
-    the other warn and crit findings, one line each."""
+    the other findings (step time: warn and crit only), one line each."""
     if not isinstance(diagnosis, Mapping):
         return []
     primary = diagnosis.get("primary")
@@ -128,8 +139,10 @@ def diagnosis_lines(diagnosis: Mapping[str, Any] | None) -> list[str]:
         lines.append(f"  evidence: {evidence_text(primary['evidence'])}")
     if primary.get("next_step"):
         lines.append(f"  next step: {primary['next_step']}")
+    # the other step-time findings that matter (warn, crit); every memory and system finding,
+    # since each is only made when something is found (a CREEP_EARLY is info, and worth a line)
     others = [v for group in ("step_time", "memory", "system") for v in _verdicts(diagnosis.get(group))
-              if v.get("severity") in ("warn", "crit") and not _same(v, primary)]
+              if (group != "step_time" or v.get("severity") in ("warn", "crit")) and not _same(v, primary)]
     for verdict in others:
         lines.append(f"  also {verdict_line(verdict)}"
                      + (f"; next step: {verdict['next_step']}" if verdict.get("next_step") else ""))

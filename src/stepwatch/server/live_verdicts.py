@@ -2,10 +2,10 @@
 
 A thread of its own, never the asyncio intake path nor the single writer: every ``interval_s``
 (``STEPWATCH_VERDICT_INTERVAL_S``, default 3 s; 0 turns it off) it reads, through a read-only
-connection of its own, the last ``2 * window`` steps of each rank of every session that received
-steps since it last looked (one index range per rank, so the cost does not grow with the run),
-and the memory samples over the same span, and runs ``analysis.verdicts.diagnose`` on the last
-``window`` (100) steps completed on every rank.
+connection of its own, the last ``window`` (100) steps completed on every rank of every session
+that received steps since it last looked, and the memory samples over the same span
+(``analysis.verdict_inputs``: index seeks, so the cost does not grow with the run), and runs
+``analysis.verdicts.diagnose`` on them.
 
 A change of a session's primary verdict (name, severity or ranks), once it holds for ``confirm``
 evaluations in a row (so a verdict on a threshold does not flap), is
@@ -27,14 +27,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INTERVAL_ENV", "LiveVerdicts", "interval_from_env", "live_inputs"]
+__all__ = ["INTERVAL_ENV", "LiveVerdicts", "interval_from_env"]
 
 INTERVAL_ENV = "STEPWATCH_VERDICT_INTERVAL_S"
 DEFAULT_INTERVAL_S = 3.0
 DEFAULT_WINDOW = 100
 _NOT_A_VERDICT = frozenset({"WARMUP", "INSUFFICIENT_STEP_TIME_DATA"})
 _SNAPSHOT_ON = frozenset({"HIGH_PRESSURE", "CREEP_CONFIRMED"})
-_MEMORY_COLUMNS = "rank, timestamp_ns, collector, device_id, allocated, reserved, free, total, host"
 log = logging.getLogger("stepwatch.aggregator")
 
 
@@ -49,24 +48,6 @@ def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
         log.warning("%s=%r is not a number of seconds: live verdicts are off", INTERVAL_ENV, text)
         return 0.0
     return value if value > 0 else 0.0
-
-
-def live_inputs(store: Any, session_id: str, ranks: list[int], last_steps: int) -> dict[str, Any]:
-    """Each rank's last ``last_steps`` step rows (newest first on the index, returned oldest
-    first) and its memory samples since the earliest of them: one index range per rank."""
-    steps: list[dict[str, Any]] = []
-    for rank in ranks:
-        rows = store.query("SELECT * FROM steps WHERE session_id = ? AND rank = ? ORDER BY step DESC LIMIT ?",
-                           (session_id, rank, last_steps))
-        steps.extend(reversed(rows))
-    memory: list[dict[str, Any]] = []
-    since = min((r["start_ns"] for r in steps if isinstance(r.get("start_ns"), int)), default=None)
-    if since is not None:
-        for rank in ranks:
-            memory.extend(store.query(
-                f"SELECT {_MEMORY_COLUMNS} FROM telemetry WHERE session_id = ? AND rank = ? AND timestamp_ns >= ? "
-                "AND event_type = 'sample' ORDER BY timestamp_ns", (session_id, rank, since)))
-    return {"steps": steps, "memory": memory, "system": [], "expected_ranks": tuple(ranks)}
 
 
 class LiveVerdicts:
@@ -151,9 +132,9 @@ class LiveVerdicts:
 
     def evaluate(self, session_id: str, ranks: list[int]) -> Any:
         """The session's diagnosis now; reports its primary verdict when that changed."""
-        from ..analysis.diagnosis import session_diagnosis
+        from ..analysis.diagnosis import load_inputs, session_diagnosis
 
-        inputs = live_inputs(self._open(), session_id, ranks, 2 * self.window)
+        inputs = load_inputs(self._open(), session_id, last_steps=self.window)
         diagnosis = session_diagnosis(self._open(), session_id, window=self.window, policy=self.policy,
                                       inputs=inputs)
         primary = diagnosis.primary
