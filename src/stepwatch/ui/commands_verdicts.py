@@ -93,6 +93,8 @@ def open_run_history(target: Path, session_id: str | None) -> Iterator[tuple[Any
         history = target
     elif target.is_dir():
         history = target / "history.sqlite"
+    elif not target.exists():
+        raise ArtifactError(target, "no such file or directory")
     else:
         raise ArtifactError(target, "not a run directory or a history store (history.sqlite)")
     if history.is_file():
@@ -106,7 +108,7 @@ def open_run_history(target: Path, session_id: str | None) -> Iterator[tuple[Any
         try:
             import_path(target, store)
         except ArtifactError as exc:
-            raise ArtifactError(target, f"not a run directory: no history.sqlite, and {exc}") from None
+            raise ArtifactError(target, f"not a run directory (no history.sqlite; {exc.reason})") from None
         yield store, _pick_session(store, target, session_id), "the run's artifacts (no history.sqlite)"
 
 
