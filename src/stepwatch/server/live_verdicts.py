@@ -7,6 +7,10 @@ that received steps since it last looked, and the memory samples over the same s
 (``analysis.verdict_inputs``: index seeks, so the cost does not grow with the run), and runs
 ``analysis.verdicts.diagnose`` on them.
 
+Intake comes first: a round is skipped while rows wait for the writer (``busy``: the aggregator
+has ``flush_rows`` pending), and the next round waits at least 20 times the last one's cost, so
+the evaluations take at most 5 % of wall time (of the GIL the intake and the writer share).
+
 A change of a session's primary verdict (name, severity or ranks), once it holds for ``confirm``
 evaluations in a row (so a verdict on a threshold does not flap), is
 - stored: a row of the history's ``verdicts`` table, queued to the aggregator's writer;
@@ -32,6 +36,7 @@ __all__ = ["INTERVAL_ENV", "LiveVerdicts", "interval_from_env"]
 INTERVAL_ENV = "STEPWATCH_VERDICT_INTERVAL_S"
 DEFAULT_INTERVAL_S = 3.0
 DEFAULT_WINDOW = 100
+MAX_DUTY = 0.05  # the evaluations' share of wall time at most: the next round waits 20x the last one's cost
 _NOT_A_VERDICT = frozenset({"WARMUP", "INSUFFICIENT_STEP_TIME_DATA"})
 _SNAPSHOT_ON = frozenset({"HIGH_PRESSURE", "CREEP_CONFIRMED"})
 log = logging.getLogger("stepwatch.aggregator")
@@ -61,7 +66,7 @@ class LiveVerdicts:
     def __init__(self, store_path: Path, *, progress: Callable[[], Mapping[str, tuple[int, set[int]]]],
                  emit: Callable[[dict[str, Any]], None], store_row: Callable[[str, dict[str, Any]], None],
                  interval_s: float = DEFAULT_INTERVAL_S, window: int = DEFAULT_WINDOW, confirm: int = 2,
-                 run_dir: Path | None = None, policy: Any = None) -> None:
+                 run_dir: Path | None = None, policy: Any = None, busy: Callable[[], bool] | None = None) -> None:
         self.store_path = store_path
         self.progress = progress
         self.emit = emit
@@ -71,6 +76,9 @@ class LiveVerdicts:
         self.confirm = max(1, confirm)
         self.run_dir = run_dir
         self.policy = policy
+        self.busy = busy or (lambda: False)  # rows wait for the writer: intake first, this round is skipped
+        self.skipped = 0
+        self._last_round_s = 0.0
         self.evaluations = 0
         self.changes = 0
         self.seconds = 0.0
@@ -94,13 +102,18 @@ class LiveVerdicts:
 
     def stats(self) -> dict[str, Any]:
         return {"interval_s": self.interval_s, "window_steps": self.window, "evaluations": self.evaluations,
-                "changes": self.changes, "errors": self.errors,
+                "changes": self.changes, "errors": self.errors, "skipped_busy": self.skipped,
                 "mean_ms": round(1000 * self.seconds / self.evaluations, 3) if self.evaluations else None,
                 "max_ms": round(1000 * self.max_seconds, 3)}
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(max(self.interval_s, self._last_round_s / MAX_DUTY)):
+            if self.busy():
+                self.skipped += 1
+                continue
+            started = time.perf_counter()
             self.tick()
+            self._last_round_s = time.perf_counter() - started
         if self._store is not None:
             self._store.close()
 
