@@ -47,8 +47,8 @@ class History:
 
     def close(self) -> None:
         self.live.stop()
-        if self.live._store is not None:  # noqa: SLF001 - tick() ran on this thread
-            self.live._store.close()  # noqa: SLF001
+        if self.live._store is not None:  # tick() ran on this thread: its connection
+            self.live._store.close()
         self.store.close()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..errors import StoreError
 from ..store.base import HistoryStore
 
 __all__ = ["diagnosis_lines", "evidence_text", "load_inputs", "session_diagnosis", "verdict_line"]
@@ -77,9 +78,9 @@ def summary_diagnosis(store: HistoryStore, session_id: str, policy: Any = None) 
     the diagnosis only, never the summary: then ``primary`` is None and ``error`` says why."""
     try:
         return session_diagnosis(store, session_id, policy=policy).to_dict()
-    except Exception as exc:  # noqa: BLE001 - the rest of the summary must still be written
-        if type(exc).__name__ == "StoreError":
-            raise
+    except StoreError:  # a damaged history is the caller's error to report
+        raise
+    except Exception as exc:  # the rest of the summary must still be written
         return {"primary": None, "step_time": [], "memory": [], "system": [],
                 "error": f"{type(exc).__name__}: {exc}"}
 
