@@ -21,12 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..phases import RESIDUAL
+
 __all__ = ["EXIT_FINE", "EXIT_INCONCLUSIVE", "EXIT_REGRESSION", "CompareRule", "compare_verdict"]
 
 EXIT_FINE = 0
 EXIT_INCONCLUSIVE = 3
 EXIT_REGRESSION = 4
-STALL_SHARES = ("data_load", "h2d", "wait")  # the shares of a step that are not compute
+# the shares of a step that are not compute: the fetch, the copies to the device, the residual
+STALL_SHARES = ("data_load", "h2d", RESIDUAL.share)
 
 
 @dataclass(frozen=True)
