@@ -80,7 +80,7 @@ def summary_diagnosis(store: HistoryStore, session_id: str, policy: Any = None) 
         return session_diagnosis(store, session_id, policy=policy).to_dict()
     except StoreError:  # a damaged history is the caller's error to report
         raise
-    except Exception as exc:  # the rest of the summary must still be written
+    except Exception as exc:  # noqa: BLE001 - the rest of the summary must still be written
         return {"primary": None, "step_time": [], "memory": [], "system": [],
                 "error": f"{type(exc).__name__}: {exc}"}
 

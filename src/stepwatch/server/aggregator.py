@@ -296,6 +296,12 @@ class Aggregator:
         self._pending.setdefault(table, []).extend(tuples)
         self._pending_rows += len(tuples)
 
+    def under_load(self) -> bool:
+        """Rows come faster than a tick's worth: ``flush_rows`` wait, or the last tick wrote as
+        many (a burst). Live verdicts skip their round then: intake first."""
+        last = self.write_batches[-1][0] if self.write_batches else 0
+        return self._pending_rows >= self.flush_rows or last >= self.flush_rows
+
     def live_progress(self) -> dict[str, tuple[int, set[int]]]:
         """session -> (step rows queued so far, its ranks): what live verdicts look at."""
         seen = dict(self.steps_seen)

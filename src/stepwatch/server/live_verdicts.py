@@ -7,8 +7,8 @@ that received steps since it last looked, and the memory samples over the same s
 (``analysis.verdict_inputs``: index seeks, so the cost does not grow with the run), and runs
 ``analysis.verdicts.diagnose`` on them.
 
-Intake comes first: a round is skipped while rows wait for the writer (``busy``: the aggregator
-has ``flush_rows`` pending), and the next round waits at least 20 times the last one's cost, so
+Intake comes first: a round is skipped while the aggregator is under load (``busy``:
+``flush_rows`` rows wait, or its last tick wrote as many), and the next round waits at least 20 times the last one's cost, so
 the evaluations take at most 5 % of wall time (of the GIL the intake and the writer share).
 
 A change of a session's primary verdict (name, severity or ranks), once it holds for ``confirm``

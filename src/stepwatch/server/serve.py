@@ -139,7 +139,7 @@ def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractE
 
     live = LiveVerdicts(run_dir / "history.sqlite", progress=aggregator.live_progress, emit=aggregator.emit,
                         store_row=store_row, interval_s=interval, run_dir=run_dir,
-                        busy=lambda: aggregator._pending_rows >= aggregator.flush_rows)  # noqa: SLF001
+                        busy=aggregator.under_load)
     live.start()
     return live
 
