@@ -93,6 +93,14 @@ def test_a_clean_balanced_run_has_no_warn_or_crit_verdict(runs: Callable[..., Ru
     assert all(severity == "info" for (severity,) in rows)
 
 
+def test_a_clean_two_rank_ddp_run_names_no_straggler(runs: Callable[..., Run]) -> None:
+    run = runs("clean-ddp", "--steps", "120", "--forward-ms", "5", nproc=2, STEPWATCH_VERDICT_INTERVAL_S="0.5")
+    assert serious(run.diagnosis) == [], run.diagnosis
+    assert not any(v["name"] in STRAGGLERS for v in findings(run.diagnosis))
+    assert not any(line.startswith("[stepwatch] verdict ") and "(info" not in line
+                   for line in run.proc.stderr.splitlines())
+
+
 def test_a_loader_turning_slow_mid_run_prints_a_live_verdict_and_stores_it(runs: Callable[..., Run]) -> None:
     run = runs("live", "--steps", "600", "--forward-ms", "2", "--slow-loader-ms", "8", "--slow-loader-after", "200",
                STEPWATCH_VERDICT_INTERVAL_S="0.5")
