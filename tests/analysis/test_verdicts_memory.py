@@ -120,3 +120,12 @@ def test_low_gpu_utilisation_where_sampled() -> None:
     assert diagnose(rows, system=busy).system == ()
     assert diagnose(rows, system=util[:2]).system == ()  # too few samples to say
     assert CPU != CUDA
+
+
+def test_sparse_step_numbers_cost_nothing_extra() -> None:
+    """Step numbers far apart (an importer's ids) are walked as they come, not as a range."""
+    rows = steps(0, 300)
+    for i, row in enumerate(rows):
+        row["step"] = i * 10**12
+    mem = samples(0, rows, [2 * GIB + i * 5 * MIB for i in range(300)])
+    assert names(diagnose(rows, mem).memory) == ["CREEP_CONFIRMED"]

@@ -228,6 +228,14 @@ def test_cpu_collector_without_machine_view_reports_partial_fields() -> None:
     check_records(records, collector)
 
 
+def test_nvml_collector_records_utilisation_where_the_driver_tells() -> None:
+    nvml = fake_pynvml([(3 * GB, 16 * GB)], {})
+    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=17, memory=3)  # type: ignore[attr-defined]
+    collector = NvmlCollector(nvml)
+    assert collector.read()[0].extra == {"gpu_util_pct": 17}
+    assert sample_records(CollectorHealth(collector))[0]["metadata"]["gpu_util_pct"] == 17
+
+
 # -- CUDA / ROCm ---------------------------------------------------------------------------------
 
 

@@ -19,6 +19,12 @@ _EXPORTS = {
     "PhaseInterval": "phase_replay",
     "PhaseReplayIndex": "phase_replay",
     "PhaseSummary": "phase_replay",
+    "Diagnosis": "verdicts",
+    "Verdict": "verdicts",
+    "VerdictPolicy": "verdicts",
+    "diagnose": "verdicts",
+    "load_policy": "verdicts",
+    "load_verdict_inputs": "verdict_inputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .step_windows import StepWindow, clean_number
+from .memory_arrays import facts_from_arrays
+from .memory_facts import COLUMNAR_MIN_SAMPLES, CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
+from .step_columns import numpy_or_none
+from .step_windows import RankWindow, StepWindow, clean_number
 from .verdict_policy import VerdictPolicy
 from .verdict_types import Severity, Verdict
 
-__all__ = ["memory_verdicts", "system_verdicts"]
+__all__ = ["MemoryFacts", "Sample", "memory_facts", "memory_verdicts", "parse_samples", "system_verdicts"]
 
-CPU_COLLECTOR = "stepwatch.cpu_tracker"
-NVML_COLLECTOR = "stepwatch.nvml_tracker"
 MIN_SAMPLES = 3  # per rank in the window, for a creep trend
 _GIB = float(1 << 30)
 
@@ -50,41 +51,52 @@ def _r4(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
-class _Sample:
-    def __init__(self, row: Mapping[str, Any]) -> None:
-        self.rank = _int(row.get("rank"))
-        self.ts = _int(row.get("timestamp_ns"))
-        self.device = _int(row.get("device_id"))
-        collector = row.get("collector")
-        self.collector = collector if isinstance(collector, str) else ""
-        self.allocated = clean_number(row.get("allocated"))
-        self.reserved = clean_number(row.get("reserved"))
-        self.free = clean_number(row.get("free"))
-        total = clean_number(row.get("total"))
-        self.total = total if total else None
-        host = row.get("host")
-        self.host = host if isinstance(host, str) else ""
+def _n(value: Any) -> Any:
+    return value if type(value) is int and value >= 0 else clean_number(value)
 
 
-def _samples(rows: Iterable[Mapping[str, Any]], window: StepWindow) -> list[_Sample]:
-    """The samples of the window's ranks taken during their window (memory samples only)."""
+class Sample:
+    """One memory sample of a window rank, its counters cleaned (None: unknown)."""
+
+    def __init__(self, row: Mapping[str, Any], rank: int, ts: int) -> None:
+        self.rank, self.ts = rank, ts
+        get = row.get
+        device = get("device_id")
+        self.device = device if type(device) is int else _int(device)
+        collector = get("collector")
+        self.collector = collector if type(collector) is str else ""
+        self.allocated = _n(get("allocated"))
+        self.reserved = _n(get("reserved"))
+        self.free = _n(get("free"))
+        self.total = _n(get("total")) or None
+        host = get("host")
+        self.host = host if type(host) is str else ""
+
+
+def parse_samples(rows: Iterable[Any], window: StepWindow) -> list[Sample]:
+    """The memory samples (telemetry ``sample`` rows) of the window's ranks taken during their
+    window: parsed once, for the memory and the system verdicts."""
     spans = {rank: (w.start_ns, w.end_ns) for rank, w in window.ranks.items()}
     out = []
     for row in rows:
-        if not isinstance(row, Mapping) or row.get("event_type", "sample") != "sample":
+        try:
+            if row.get("event_type", "sample") != "sample":
+                continue
+            rank, ts = row.get("rank"), row.get("timestamp_ns")
+        except AttributeError:  # not a mapping
             continue
-        sample = _Sample(row)
-        span = spans.get(sample.rank)  # type: ignore[arg-type]
-        if span is None or sample.ts is None:
+        span = spans.get(rank if type(rank) is int else _int(rank))  # type: ignore[arg-type]
+        ts = ts if type(ts) is int else _int(ts)
+        if span is None or ts is None:
             continue
         start, end = span
-        if (start is not None and sample.ts < start) or (end is not None and sample.ts > end):
+        if (start is not None and ts < start) or (end is not None and ts > end):
             continue
-        out.append(sample)
+        out.append(Sample(row, rank if type(rank) is int else _int(rank), ts))  # type: ignore[arg-type]
     return out
 
 
-def _source(samples: list[_Sample]) -> tuple[str, list[_Sample]]:
+def _source(samples: list[Sample]) -> tuple[str, list[Sample]]:
     """("device", the accelerator samples) where a GPU is used; else ("rss", the cpu collector's)."""
     device = [s for s in samples if s.collector not in (CPU_COLLECTOR, NVML_COLLECTOR) and s.device is not None
               and s.device >= 0 and s.reserved is not None]
@@ -102,49 +114,66 @@ def _source(samples: list[_Sample]) -> tuple[str, list[_Sample]]:
     return "rss", [s for s in samples if s.collector == CPU_COLLECTOR and s.allocated is not None]
 
 
-def _series(window: StepWindow, samples: list[_Sample], field: str) -> tuple[list[float], list[float],
-                                                                            dict[int, list[float]]]:
-    """Per step (of the window's step numbers): the worst rank's value, the median over ranks, and
-    each rank's own series; steps before every rank has a sample are left out."""
+def _series(window: StepWindow, samples: list[Sample], field: str) -> tuple[list[float], list[float], SeriesColumns]:
+    """Per sampled step (a step during which some rank took a sample): the worst rank's value, the
+    median over ranks, and each rank's own series; a rank without a sample in that step carries
+    its last one forward, and steps before every rank has a sample are left out."""
     by_rank: dict[int, dict[int, float]] = {}
-    of_rank: dict[int, list[_Sample]] = {}
+    of_rank: dict[int, list[Sample]] = {}
     for sample in samples:
-        of_rank.setdefault(sample.rank, []).append(sample)  # type: ignore[arg-type]
+        if getattr(sample, field) is not None:
+            of_rank.setdefault(sample.rank, []).append(sample)  # type: ignore[arg-type]
     for rank, w in window.ranks.items():
-        starts = [(s if type(s) is int else None) for s in w.step_starts]
-        pairs = sorted((s, n) for s, n in zip(starts, w.step_numbers) if s is not None)
-        times = [p[0] for p in pairs]
-        numbers = [p[1] for p in pairs]
+        mine = of_rank.get(rank, [])
         per_step: dict[int, float] = {}
-        for sample in of_rank.get(rank, ()):
+        for step, sample in zip(_steps_of(w, [s.ts for s in mine]), mine):
             value = getattr(sample, field)
-            if value is None:
-                continue
-            i = bisect_right(times, sample.ts) - 1
-            if i < 0:
-                continue
-            step = numbers[i]
-            if value > per_step.get(step, -1.0):
+            if step is not None and value > per_step.get(step, -1.0):
                 per_step[step] = value
         by_rank[rank] = per_step
-    if not by_rank or window.first_step is None or window.last_step is None:
-        return [], [], {}
+    if not by_rank:
+        return [], [], SeriesColumns([], [])
     worst: list[float] = []
     median: list[float] = []
-    own: dict[int, list[float]] = {rank: [] for rank in by_rank}
+    rows: list[list[float]] = []  # each point's values, in the order of ``last``'s ranks
     last: dict[int, float] = {}
-    for step in range(window.first_step, window.last_step + 1):
-        for rank, per_step in by_rank.items():
-            if step in per_step:
-                last[rank] = per_step[step]
-        if len(last) < len(by_rank):
-            continue
-        values = [last[r] for r in sorted(by_rank)]
+    ranks = len(by_rank)
+    events = sorted((step, rank, value) for rank, per_step in by_rank.items() for step, value in per_step.items())
+    for i, (step, rank, value) in enumerate(events):
+        last[rank] = value
+        if len(last) < ranks or (i + 1 < len(events) and events[i + 1][0] == step):
+            continue  # every rank's value once the step's last sample is in
+        values = list(last.values())
         worst.append(max(values))
         median.append(_median(values))
-        for rank in by_rank:
-            own[rank].append(last[rank])
+        rows.append(values)
+    # a rank's own series, asked for only once the worst and median series say memory rises
+    order = list(last)
+    own = SeriesColumns(order, rows) if rows else SeriesColumns([], [])
     return worst, median, own
+
+
+def _steps_of(window: RankWindow, stamps: list[int]) -> list[int | None]:
+    """The step each timestamp falls in (the last step started at or before it; None: before
+    the first), with numpy where the window's clocks are arrays."""
+    if not stamps:
+        return []
+    if window.starts_known is not None:
+        np = numpy_or_none()
+        times = window.step_starts[window.starts_known]
+        numbers = window.step_numbers[window.starts_known]
+        if len(times) > 1 and not bool(np.all(times[1:] >= times[:-1])):
+            order = np.argsort(times, kind="stable")
+            times, numbers = times[order], numbers[order]
+        index = np.searchsorted(times, np.array(stamps, dtype=times.dtype), side="right") - 1
+        found = numbers[np.maximum(index, 0)].tolist()
+        return [None if i < 0 else n for i, n in zip(index.tolist(), found)]
+    times, numbers = window.step_clock()
+    out: list[int | None] = []
+    for stamp in stamps:
+        i = bisect_right(times, stamp) - 1
+        out.append(numbers[i] if i >= 0 else None)
+    return out
 
 
 def _band(series: list[float], band: tuple[float, float]) -> float:
@@ -160,27 +189,53 @@ def _bands(series: list[float], policy: VerdictPolicy) -> tuple[float, float, fl
             _band(series, policy.creep_recent_band))
 
 
-def memory_verdicts(window: StepWindow, rows: Iterable[Mapping[str, Any]], policy: VerdictPolicy) -> list[Verdict]:
-    """HIGH_PRESSURE, IMBALANCE, CREEP_CONFIRMED or CREEP_EARLY, once the window holds
-    ``memory_min_steps`` steps."""
-    if window.steps < policy.memory_min_steps:
-        return []
-    kind, samples = _source(_samples(rows, window))
-    if not samples:
-        return []
-    label = "device memory (allocator reserved)" if kind == "device" else "process RSS"
-    base = {"window": window.evidence(), "memory": kind, "samples": len(samples)}
-    found: list[Verdict] = []
+
+
+def memory_facts(rows: Iterable[Any], window: StepWindow, *, columnar: bool | None = None) -> MemoryFacts:
+    """The facts of the window's memory samples."""
+    if not window.ranks:
+        return MemoryFacts(own=SeriesColumns([], []))
+    large = isinstance(rows, Sequence) and len(rows) >= COLUMNAR_MIN_SAMPLES
+    if columnar or (columnar is None and large):
+        facts = facts_from_arrays(rows, window)
+        if facts is not None:
+            return facts
+    return _facts_from_samples(parse_samples(rows, window), window)
+
+
+def _facts_from_samples(parsed: list[Sample], window: StepWindow) -> MemoryFacts:
+    kind, samples = _source(parsed)
+    facts = MemoryFacts(kind=kind if samples else "", samples=len(samples))
     value_field = "reserved" if kind == "device" else "allocated"
-    peaks: dict[int, float] = {}
-    totals: dict[int, float] = {}
-    hosts: dict[int, str] = {}
     for s in samples:
         value = getattr(s, value_field)
-        peaks[s.rank] = max(peaks.get(s.rank, 0.0), value)  # type: ignore[index]
+        facts.peaks[s.rank] = max(facts.peaks.get(s.rank, 0.0), value)  # type: ignore[index]
         if s.total is not None:
-            totals[s.rank] = max(totals.get(s.rank, 0.0), s.total)  # type: ignore[index]
-        hosts[s.rank] = s.host  # type: ignore[index]
+            facts.totals[s.rank] = max(facts.totals.get(s.rank, 0.0), s.total)  # type: ignore[index]
+        facts.hosts[s.rank] = s.host  # type: ignore[index]
+        facts.counts[s.rank] = facts.counts.get(s.rank, 0) + 1  # type: ignore[index]
+    facts.worst, facts.median, facts.own = _series(window, samples, "allocated")
+    for s in parsed:
+        if s.collector != CPU_COLLECTOR or not s.total:
+            continue
+        if s.free is not None:
+            used = max(0.0, min(1.0, (s.total - s.free) / s.total))
+            facts.host_used[s.host] = max(facts.host_used.get(s.host, 0.0), used)
+            facts.host_ranks.setdefault(s.host, set()).add(s.rank)  # type: ignore[arg-type]
+        if s.allocated is not None:
+            facts.rss[s.rank] = max(facts.rss.get(s.rank, 0.0), min(1.0, s.allocated / s.total))  # type: ignore[index]
+    return facts
+
+
+def memory_verdicts(window: StepWindow, facts: MemoryFacts, policy: VerdictPolicy) -> list[Verdict]:
+    """HIGH_PRESSURE, IMBALANCE, CREEP_CONFIRMED or CREEP_EARLY, once the window holds
+    ``memory_min_steps`` steps."""
+    if window.steps < policy.memory_min_steps or not facts.kind:
+        return []
+    kind, peaks, totals, hosts = facts.kind, facts.peaks, facts.totals, facts.hosts
+    label = "device memory (allocator reserved)" if kind == "device" else "process RSS"
+    base = {"window": window.evidence(), "memory": kind, "samples": facts.samples}
+    found: list[Verdict] = []
     pressure = _pressure(kind, peaks, totals, hosts)
     if pressure:
         worst_rank = max(sorted(pressure), key=lambda r: pressure[r])
@@ -199,7 +254,7 @@ def memory_verdicts(window: StepWindow, rows: Iterable[Mapping[str, Any]], polic
     imbalance = _imbalance(peaks, totals, policy, label, base)
     if imbalance is not None:
         found.append(imbalance)
-    creep = _creep(window, samples, "allocated", policy, label if kind == "rss" else "device memory (allocated)", base)
+    creep = _creep(window, facts, "allocated", policy, label if kind == "rss" else "device memory (allocated)", base)
     if creep is not None:
         found.append(creep)
     return found
@@ -244,18 +299,16 @@ def _imbalance(peaks: dict[int, float], totals: dict[int, float], policy: Verdic
                                    "pressure_crit": policy.imbalance_pressure_crit}})
 
 
-def _creep(window: StepWindow, samples: list[_Sample], field: str, policy: VerdictPolicy, label: str,
+def _creep(window: StepWindow, facts: MemoryFacts, field: str, policy: VerdictPolicy, label: str,
            base: dict[str, Any]) -> Verdict | None:
     """Memory rising across the window: the averages of the baseline, middle and recent bands
     rise in turn for the worst rank and the median rank; CREEP_CONFIRMED once the worst rank's
     recent band is ``creep_confirmed_delta_bytes`` above its baseline, else CREEP_EARLY."""
-    counts: dict[int, int] = {}
-    for s in samples:
-        counts[s.rank] = counts.get(s.rank, 0) + 1  # type: ignore[index]
+    counts = facts.counts
     if not counts or min(counts.get(r, 0) for r in window.ranks) < MIN_SAMPLES:
         return None
-    worst, median, own = _series(window, samples, field)
-    if len(worst) < policy.memory_min_steps:
+    worst, median, own = facts.worst, facts.median, facts.own
+    if len(worst) < MIN_SAMPLES:
         return None
     w_base, w_mid, w_recent = _bands(worst, policy)
     m_base, m_mid, m_recent = _bands(median, policy)
@@ -268,8 +321,8 @@ def _creep(window: StepWindow, samples: list[_Sample], field: str, policy: Verdi
     median_growth = (m_recent - m_base) / m_base if m_base > 0 else 0.0
     score = delta / policy.creep_score_scale_bytes + 10 * max(0.0, worst_growth) + 6 * max(0.0, median_growth)
     deltas = {}
-    for rank, series in own.items():
-        b, _, r = _bands(series, policy)
+    for rank in own.ranks():
+        b, _, r = _bands(own[rank], policy)
         deltas[rank] = r - b
     culprits = tuple(sorted(r for r, d in deltas.items() if d > policy.creep_early_min_delta_bytes))
     per_step = delta / max(1.0, (policy.creep_recent_band[0] + policy.creep_recent_band[1]
@@ -290,26 +343,15 @@ def _creep(window: StepWindow, samples: list[_Sample], field: str, policy: Verdi
                                    "confirmed_delta_bytes": policy.creep_confirmed_delta_bytes}})
 
 
-def system_verdicts(window: StepWindow, memory: Iterable[Mapping[str, Any]], system: Iterable[Mapping[str, Any]],
+def system_verdicts(window: StepWindow, facts: MemoryFacts, system: Iterable[Mapping[str, Any]],
                     policy: VerdictPolicy) -> list[Verdict]:
     """HOST_MEMORY_HIGH and PROCESS_RSS_HIGH from the cpu collector's samples (RSS, the host's
     available and total memory), GPU_UTILIZATION_LOW from NVML utilisation samples."""
     if not window.ranks:
         return []
     base = {"window": window.evidence()}
-    cpu = [s for s in _samples(memory, window) if s.collector == CPU_COLLECTOR]
     found: list[Verdict] = []
-    host_used: dict[str, float] = {}
-    host_ranks: dict[str, set[int]] = {}
-    rss: dict[int, float] = {}
-    for s in cpu:
-        if s.total:
-            if s.free is not None:
-                used = max(0.0, min(1.0, (s.total - s.free) / s.total))
-                host_used[s.host] = max(host_used.get(s.host, 0.0), used)
-                host_ranks.setdefault(s.host, set()).add(s.rank)  # type: ignore[arg-type]
-            if s.allocated is not None:
-                rss[s.rank] = max(rss.get(s.rank, 0.0), min(1.0, s.allocated / s.total))  # type: ignore[index]
+    host_used, host_ranks, rss = facts.host_used, facts.host_ranks, facts.rss
     for host in sorted(host_used):
         used = host_used[host]
         if used >= policy.host_memory_warn:

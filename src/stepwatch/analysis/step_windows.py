@@ -18,34 +18,22 @@ steps (so one partial last step leaves the others' phases standing).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..phases import PHASES, RESIDUAL
+from .step_columns import COMPUTE_PHASES, StepColumns, clean_number, reduce_columns
 
 __all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
 
 # phase columns (stepwatch.phases), named by their share
 _PHASE_COLUMNS: dict[str, str] = {p.share: p.column for p in PHASES}
 _WAIT = RESIDUAL.column
-COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
 # the components that add up to a step's time, then the phases reported on their own
+# from this many rows on, rows are turned into columns and reduced with numpy (where importable)
+COLUMNAR_MIN_ROWS = 2000
 COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute", "residual", *COMPUTE_PHASES)
-
-
-def clean_number(value: Any) -> float | int | None:
-    """A non-negative finite number, or None (unknown): bools, strings, NaN, negatives are unknown."""
-    kind = type(value)
-    if kind is int:
-        return value if value >= 0 else None
-    if kind is float:
-        return value if value >= 0 and math.isfinite(value) else None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        return number if number >= 0 and math.isfinite(number) else None
-    return None
 
 
 def _clean_int(value: Any) -> int | None:
@@ -73,8 +61,18 @@ class RankWindow:
     denominators: dict[str, float] = field(default_factory=dict)
     between_ns: float | None = None  # time between consecutive steps (None: no pair could tell)
     between_wall_ns: float = 0.0  # the wall time those pairs and their steps span
-    step_numbers: list[Any] = field(default_factory=list)  # in order; the memory rules bucket samples by them
-    step_starts: list[Any] = field(default_factory=list)  # start_ns of each (None: unknown)
+    step_numbers: Any = ()  # in order (a list, or an array from step_columns); memory samples are bucketed by them
+    step_starts: Any = ()  # start_ns of each (None or NaN: unknown)
+    starts_known: Any = None  # with arrays: which starts are known
+
+    def step_clock(self) -> tuple[list[Any], list[int]]:
+        """(start_ns, step number) of the steps whose start is known, by start time."""
+        if self.starts_known is not None:
+            known = self.starts_known
+            pairs = sorted(zip(self.step_starts[known].tolist(), self.step_numbers[known].tolist()))
+        else:
+            pairs = sorted((s, n) for s, n in zip(self.step_starts, self.step_numbers) if type(s) is int)
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def has(self, component: str, coverage: float) -> bool:
         known = self.known.get(component, 0)
@@ -162,11 +160,24 @@ def _ordered(rows: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def build_window(steps: Iterable[Mapping[str, Any]], window: int | None, *,
-                 expected_ranks: Sequence[int] = ()) -> StepWindow:
-    """The window of ``steps`` (rows of the history's ``steps`` table): ``window`` = N, the last N
-    steps completed on every rank; None: every step completed on every rank."""
+                 expected_ranks: Sequence[int] = (), columnar: bool | None = None) -> StepWindow:
+    """The window of ``steps`` (rows of the history's ``steps`` table, or ``StepColumns``):
+    ``window`` = N, the last N steps completed on every rank; None: every step completed on every
+    rank. ``columnar``: reduce on numpy columns (None: when numpy is importable and the input is
+    columns or large)."""
+    expected = {int(r) for r in expected_ranks if _clean_int(r) is not None}
+    columns = steps if isinstance(steps, StepColumns) else None
+    large = isinstance(steps, Sequence) and len(steps) >= COLUMNAR_MIN_ROWS
+    if columns is None and (columnar or (columnar is None and large)):
+        columns = StepColumns.from_rows(steps)
+    if columns is not None and columnar is not False:
+        reduced, ignored, last, seen = reduce_columns(columns, window)
+        ranks = {item["rank"]: RankWindow(**item) for item in reduced}
+        firsts = [r.first_step for r in ranks.values()]
+        return StepWindow(ranks, min(firsts) if firsts else None, last if ranks else None, window, ignored,
+                          tuple(sorted((expected | set(seen)) - set(ranks))))
     by_rank, ignored = _group(steps)
-    missing = tuple(sorted({int(r) for r in expected_ranks if _clean_int(r) is not None} - set(by_rank)))
+    missing = tuple(sorted(expected - set(by_rank)))
     if not by_rank:
         return StepWindow({}, None, None, window, ignored, missing)
     ordered = {rank: _ordered(rows) for rank, rows in sorted(by_rank.items())}

@@ -10,16 +10,17 @@ the last 100 steps costs the same on a history of 100 steps as on one of 20,000.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..phases import STEP_COLUMNS
 from ..store.base import HistoryStore
+from .step_columns import COLUMNS, StepColumns
 from .verdict_policy import DEFAULT_POLICY, VerdictPolicy
 from .verdict_types import Diagnosis
 
 __all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
 
-_STEP_SELECT = "rank, step, start_ns, end_ns, step_ns, " + ", ".join(STEP_COLUMNS)
+_STEP_SELECT = ", ".join(COLUMNS)  # rank, step, clocks, step_ns, then the phases (stepwatch.phases)
 _MEMORY_SELECT = "rank, timestamp_ns, event_type, collector, device_id, allocated, reserved, free, total, host"
 # each rank and its last step, by seeks down steps_unique (session_key, rank, step)
 _LAST_STEPS = """
@@ -37,7 +38,7 @@ FROM ranks WHERE rank IS NOT NULL
 class VerdictInputs(NamedTuple):
     """``diagnose(steps, memory, system, window=..., expected_ranks=...)``'s arguments."""
 
-    steps: list[dict[str, Any]]
+    steps: Sequence[Mapping[str, Any]]  # StepColumns where numpy is importable: a sequence of row dicts too
     memory: list[dict[str, Any]]
     system: list[dict[str, Any]]
     expected_ranks: tuple[int, ...] = ()
@@ -56,22 +57,46 @@ def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int
     high = min(int(r["last"]) for r in lasts)
     marks = ", ".join("?" * len(ranks))
     if last_steps is None:
-        steps = store.query(f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) "
-                            f"AND step <= ? ORDER BY rank, step", (session_id, *ranks, high))
+        where, bounds = "step <= ?", (high,)
     else:
-        low = high - max(1, int(last_steps)) + 1
-        steps = store.query(f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) "
-                            f"AND step BETWEEN ? AND ? ORDER BY rank, step", (session_id, *ranks, low, high))
-    starts = [r["start_ns"] for r in steps if r["start_ns"] is not None]
-    ends = [r["end_ns"] for r in steps if r["end_ns"] is not None]
-    if not starts or not ends:
+        where, bounds = "step BETWEEN ? AND ?", (high - max(1, int(last_steps)) + 1, high)
+    sql = f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) AND {where} ORDER BY rank, step"
+    params = (session_id, *ranks, *bounds)
+    steps = _step_columns(store, sql, params)
+    span = _span(steps)
+    if span is None:
         return VerdictInputs(steps, [], [], expected, last_steps)
-    span = (min(starts), max(ends))
     memory = store.query(f"SELECT {_MEMORY_SELECT} FROM telemetry WHERE session_id = ? AND rank IN ({marks}) "
                          f"AND timestamp_ns BETWEEN ? AND ? AND event_type = 'sample' ORDER BY rank, timestamp_ns",
                          (session_id, *ranks, *span))
     system = _gpu_utilisation(store, session_id, ranks, span)
     return VerdictInputs(steps, memory, system, expected, last_steps)
+
+
+def _step_columns(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> Sequence[Mapping[str, Any]]:
+    """The window's step rows as columns (numpy importable), from tuples where the store gives
+    them; else as the store's row dicts."""
+    query_tuples = getattr(store, "query_tuples", None)
+    if query_tuples is not None:
+        columns = StepColumns.from_tuples(query_tuples(sql, params))
+        if columns is not None:
+            return columns
+    rows = store.query(sql, params)
+    return StepColumns.from_rows(rows) or rows
+
+
+def _span(steps: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """(first start, last end) of the window's steps."""
+    if isinstance(steps, StepColumns):
+        starts, ends = steps.arrays["start_ns"], steps.arrays["end_ns"]
+        if starts.dtype.kind == "f":
+            starts = starts[starts == starts]
+        if ends.dtype.kind == "f":
+            ends = ends[ends == ends]
+        return (int(starts.min()), int(ends.max())) if len(starts) and len(ends) else None
+    first = [r["start_ns"] for r in steps if r["start_ns"] is not None]
+    last = [r["end_ns"] for r in steps if r["end_ns"] is not None]
+    return (min(first), max(last)) if first and last else None
 
 
 def _expected_ranks(store: HistoryStore, session_id: str) -> tuple[int, ...]:

@@ -349,6 +349,17 @@ class SqliteStore:
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: query failed: {exc}") from exc
 
+    def query_tuples(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        """Like ``query``, each row as a tuple in the SELECT's order: no dict per row, for the
+        readers that turn a window of rows into columns (analysis/verdict_inputs.py)."""
+        with self._lock:
+            try:
+                cursor = self._db.execute(sql, tuple(params))
+                cursor.row_factory = None
+                return cursor.fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: query failed: {exc}") from exc
+
     def count(self, table: str, session_id: str | None = None) -> int:
         if table not in COLUMNS:
             raise StoreError(f"unknown table {table!r}")

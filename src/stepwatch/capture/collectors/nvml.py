@@ -31,6 +31,10 @@ class NvmlCollector:
             info = nvml.nvmlDeviceGetMemoryInfo(handle)
             mine = self._process_bytes(handle) if self.pid is not None else None
             held = int(info.used) if mine is None else mine
+            extra: dict[str, Any] = {"process_gpu_bytes": mine} if self.pid is not None else {}
+            busy = self._utilisation(handle)
+            if busy is not None:  # the verdicts' GPU_UTILIZATION_LOW (docs/verdicts.md)
+                extra["gpu_util_pct"] = busy
             readings.append(
                 Reading(
                     device_id=index,
@@ -39,10 +43,18 @@ class NvmlCollector:
                     used=int(info.used),
                     free=int(info.free),
                     total=int(info.total),
-                    extra={"process_gpu_bytes": mine} if self.pid is not None else None,
+                    extra=extra or None,
                 )
             )
         return readings
+
+    def _utilisation(self, handle: Any) -> int | None:
+        """Percent of the last sample period a kernel ran on the device; None where the driver
+        (or a MIG slice, or an older binding) cannot say: the memory view stands without it."""
+        try:
+            return int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:  # noqa: BLE001 - optional counter; NVMLError_NotSupported on MIG
+            return None
 
     def _process_bytes(self, handle: Any) -> int:
         total = 0
