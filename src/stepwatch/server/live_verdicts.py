@@ -8,8 +8,8 @@ that received steps since it last looked, and the memory samples over the same s
 ``analysis.verdicts.diagnose`` on them.
 
 Intake comes first: a round is skipped while the aggregator is under load (``busy``:
-``flush_rows`` rows wait, or its last tick wrote as many), and the next round waits at least 20 times the last one's cost, so
-the evaluations take at most 5 % of wall time (of the GIL the intake and the writer share).
+``flush_rows`` rows wait, or its last tick wrote as many), and the next round waits 20 times the last one's cost (at most 10 intervals),
+so the evaluations take at most 5 % of wall time (of the GIL the intake and the writer share).
 
 A change of a session's primary verdict (name, severity or ranks), once it holds for ``confirm``
 evaluations in a row (so a verdict on a threshold does not flap), is
@@ -53,6 +53,17 @@ def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
         log.warning("%s=%r is not a number of seconds: live verdicts are off", INTERVAL_ENV, text)
         return 0.0
     return value if value > 0 else 0.0
+
+
+def _warm_up() -> None:
+    """Imports what the engine loads on first use (numpy for long sample series) before the
+    first round, on this thread, so the first evaluation costs what the others do."""
+    try:
+        import numpy  # noqa: F401
+
+        from ..analysis import diagnosis, verdict_inputs, verdicts  # noqa: F401
+    except ImportError:
+        pass
 
 
 class LiveVerdicts:
@@ -107,13 +118,17 @@ class LiveVerdicts:
                 "max_ms": round(1000 * self.max_seconds, 3)}
 
     def _run(self) -> None:
-        while not self._stop.wait(max(self.interval_s, self._last_round_s / MAX_DUTY)):
+        _warm_up()
+        rounds = 0
+        while not self._stop.wait(min(max(self.interval_s, self._last_round_s / MAX_DUTY), 10 * self.interval_s)):
             if self.busy():
                 self.skipped += 1
                 continue
             started = time.perf_counter()
             self.tick()
-            self._last_round_s = time.perf_counter() - started
+            rounds += 1
+            if rounds > 1:  # the first round opens the store and loads what the engine imports lazily
+                self._last_round_s = time.perf_counter() - started
         if self._store is not None:
             self._store.close()
 
