@@ -234,7 +234,7 @@ def _newest_session(run_dir: Path) -> str | None:
 @click.option("--max-step-time-regression-pct", "max_regression_pct", type=click.FloatRange(0, min_open=False),
               default=None, metavar="PCT",
               help="Exit 4 when B's median step time is more than PCT percent above A's (for CI).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print {verdict, metrics} as JSON instead of the table.")
 @_reports_errors
 def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -> None:
     """Differences of two runs' summaries (B relative to A), and a verdict: REGRESSION,

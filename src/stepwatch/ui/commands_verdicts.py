@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def policy_options(func: F) -> F:
     """``--policy FILE`` and ``--set KEY=VALUE`` (docs/verdicts.md lists the keys)."""
     func = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                        help="Override one threshold of the verdict policy (repeatable), e.g. share_warn=0.15.")(func)
+                        help="Override one threshold of the verdict policy (repeatable), e.g. input_share_warn=0.15.")(func)
     return click.option("--policy", "policy_file", type=click.Path(path_type=Path),
                         help="Verdict policy file (TOML or JSON) over the defaults (docs/verdicts.md).")(func)
 
