@@ -3,6 +3,7 @@ in [0, 1], it is deterministic, and a missing phase is never read as 0."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -50,8 +51,10 @@ def _finite(value: Any) -> bool:
 def test_any_rows_give_a_diagnosis_with_shares_in_range_and_the_same_twice(rows: list, memory: list, sys: list,
                                                                         window: int | None) -> None:
     first = diagnose(rows, memory, sys, window=window)
-    again = diagnose(rows, memory, sys, window=window)
-    assert first.to_dict() == again.to_dict()
+    again = diagnose(rows, memory, sys, window=window, columnar=True)
+    assert first.to_dict() == diagnose(rows, memory, sys, window=window).to_dict()
+    json.dumps(first.to_dict(), allow_nan=False)
+    json.dumps(again.to_dict(), allow_nan=False)
     assert first.primary.severity in ("info", "warn", "crit")
     for verdict in first.all():
         assert _finite(verdict.to_dict())
@@ -176,4 +179,6 @@ def test_the_numpy_memory_facts_are_the_row_facts(ranks: int, count: int, sample
         assert getattr(by_rows, name) == getattr(by_arrays, name), name
     for rank in by_rows.own.ranks():
         assert by_rows.own[rank] == by_arrays.own[rank]
-    assert diagnose(rows, samples, columnar=False).to_dict() == diagnose(rows, samples, columnar=True).to_dict()
+    by_arrays_diagnosis = diagnose(rows, samples, columnar=True).to_dict()
+    assert diagnose(rows, samples, columnar=False).to_dict() == by_arrays_diagnosis
+    json.dumps(by_arrays_diagnosis, allow_nan=False)  # plain JSON: no numpy scalar, no NaN

@@ -1,7 +1,7 @@
 """Verdicts on real torch training loops (CPU) recorded by stepwatch: the history is built from
 the run's own artifacts, as ``stepwatch explain`` does for a run captured without an aggregator.
-A loader made slow is INPUT_BOUND, a sleep after each step is BETWEEN_STEPS, a clean loop says
-nothing loud."""
+A loader made slow is INPUT_BOUND, a sleep after each step is BETWEEN_STEPS, tensors kept across
+steps creep on the process RSS; a clean loop says nothing loud and does not creep."""
 
 from __future__ import annotations
 
@@ -48,16 +48,19 @@ def recorded(tmp_path: Path) -> Iterator[Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def run(loader: Any, model: nn.Module, *, sleep: float = 0.0) -> Diagnosis:
+    def run(loader: Any, model: nn.Module, *, sleep: float = 0.0, leak_mib: int = 0, interval: float = 1.0) -> Diagnosis:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         run_dir = tmp_path / "run"
-        stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False)
+        kept = []
+        stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, interval=interval)
         try:
             for x, y in loader:
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
+                if leak_mib:
+                    kept.append(torch.ones(leak_mib << 18))  # written, so resident: leak_mib MiB a step
                 if sleep:
                     time.sleep(sleep)
         finally:
@@ -114,3 +117,18 @@ def test_a_clean_loop_says_nothing_loud(recorded: Any) -> None:
     diagnosis = recorded(DataLoader(batches, batch_size=None), wide())
     assert loud(diagnosis) == [], diagnosis.to_dict()
     assert diagnosis.primary.name in ("COMPUTE_BOUND", "BALANCED")
+
+
+def test_a_cpu_loop_that_keeps_tensors_creeps_on_its_rss(recorded: Any) -> None:
+    batches = [(torch.randn(32, 64), torch.randn(32, 1)) for _ in range(150)]
+    diagnosis = recorded(DataLoader(batches, batch_size=None), small(), sleep=0.005, leak_mib=1, interval=0.02)
+    creep = [v for v in diagnosis.memory if v.name.startswith("CREEP")]
+    assert [v.name for v in creep] == ["CREEP_EARLY"], diagnosis.to_dict()
+    assert creep[0].ranks == (0,) and creep[0].evidence["memory"] == "rss"
+    assert creep[0].evidence["delta_gib"] >= 0.08  # about three quarters of the 150 MiB kept
+
+
+def test_the_same_loop_without_the_leak_does_not_creep(recorded: Any) -> None:
+    batches = [(torch.randn(32, 64), torch.randn(32, 1)) for _ in range(150)]
+    diagnosis = recorded(DataLoader(batches, batch_size=None), small(), sleep=0.005, interval=0.02)
+    assert not [v for v in diagnosis.memory if v.name.startswith("CREEP")], diagnosis.to_dict()
