@@ -1,5 +1,5 @@
 """The main job: a 2-rank demo training run under ``stepwatch run`` on the embedded SQLite
-store, then the final summary and where to look."""
+store, then the final summary, the diagnosis (``stepwatch explain``) and where to look."""
 
 from __future__ import annotations
 
@@ -22,11 +22,14 @@ def main() -> int:
         return code
     print("\n== sessions", flush=True)
     subprocess.call([*stepwatch, "sessions", str(run_dir)])
+    print("\n== diagnosis: why the steps take the time they do (stepwatch explain)", flush=True)
+    subprocess.call([*stepwatch, "explain", str(run_dir)])
     print(f"\nWhere to look: {run_dir.resolve()}")
-    print("  final_summary.txt / final_summary.json   the summary above")
+    print("  final_summary.txt / final_summary.json   the summary above, its diagnosis first")
     print("  history.sqlite                            every rank's rows (sqlite3 history.sqlite '.tables')")
     print("  telemetry/rank*/, spool/, heartbeat_rank*.jsonl, run.json   the raw, crash-safe artifacts")
     print(f"  stepwatch inspect {run_dir}      stepwatch validate {run_dir}")
+    print(f"  stepwatch explain {run_dir} --json      stepwatch compare {run_dir} OTHER_RUN   (docs/explain.md, docs/compare.md)")
     return 0
 
 

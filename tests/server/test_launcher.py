@@ -248,8 +248,10 @@ def test_compare_two_runs(two_ranks: tuple[Path, subprocess.CompletedProcess[str
     a = json.loads((out / "final_summary.json").read_text())
     b = json.loads(stepwatch("summary", str(track_run), "--json", cwd=tmp_path).stdout)
     proc = stepwatch("compare", str(out), str(track_run), "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    rows = {r["metric"]: r for r in json.loads(proc.stdout)}
+    assert proc.returncode == 3, proc.stderr  # 2 ranks against 1: different workloads, inconclusive
+    result = json.loads(proc.stdout)
+    assert result["verdict"]["verdict"] == "INCONCLUSIVE" and "world size 2 vs 1" in result["verdict"]["reasons"][-1]
+    rows = {r["metric"]: r for r in result["metrics"]}
     assert rows["steps"]["a"] == 2 * STEPS_PER_RANK and rows["steps"]["b"] == b["overall"]["steps"] == 30
     assert rows["steps"]["delta"] == 30 - 2 * STEPS_PER_RANK
     assert rows["steps"]["relative"] == pytest.approx((30 - 78) / 78)
@@ -259,7 +261,7 @@ def test_compare_two_runs(two_ranks: tuple[Path, subprocess.CompletedProcess[str
     assert {"step_ms.p90", "step_ms.p99", "throughput_steps_per_s", "phase_share.forward",
             "memory_peak_allocated_bytes"} <= set(rows)
     table = stepwatch("compare", str(out), str(track_run), cwd=tmp_path)
-    assert table.returncode == 0
+    assert table.returncode == 3 and "verdict INCONCLUSIVE: " in table.stdout
     assert "step_ms.median" in table.stdout and "throughput_steps_per_s" in table.stdout and "%" in table.stdout
 
 

@@ -13,6 +13,7 @@ _EXPORTS = {
     "derive_timeline_markers": "markers",
     "derive_session_timeline_markers": "markers",
     "derive_outcome_markers": "markers",
+    "derive_verdict_markers": "markers",
     "timeline_marker_to_dict": "markers",
     "PhaseAttribution": "phase_replay",
     "PhaseInterval": "phase_replay",

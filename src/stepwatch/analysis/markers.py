@@ -24,11 +24,12 @@ __all__ = [
     "derive_outcome_markers",
     "derive_session_timeline_markers",
     "derive_timeline_markers",
+    "derive_verdict_markers",
     "failure_label",
     "timeline_marker_to_dict",
 ]
 
-MarkerKind = Literal["lifecycle", "collector", "alert", "oom", "phase", "failure"]
+MarkerKind = Literal["lifecycle", "collector", "alert", "oom", "phase", "failure", "verdict"]
 Severity = Literal["info", "warning", "critical"]
 
 # event_type -> (kind, severity) for promoted point markers
@@ -48,7 +49,7 @@ class TimelineMarker(msgspec.Struct, kw_only=True, frozen=True):
     start_ns: int
     end_ns: int | None
     kind: MarkerKind
-    source: Literal["telemetry_event", "phase_replay", "annotation", "run_manifest", "watchdog"]
+    source: Literal["telemetry_event", "phase_replay", "annotation", "run_manifest", "watchdog", "history"]
     severity: Severity
     label: str
     rank: int
@@ -167,6 +168,39 @@ def derive_alert_markers(alerts: Iterable[dict[str, Any]], *, session_id: str = 
             world_size=world_size, event_type="alert",
             metadata={"kind": alert.get("kind"), "ranks": ranks, "step": alert.get("step"),
                       "evidence": alert.get("evidence") if isinstance(alert.get("evidence"), dict) else {}},
+        ))
+    markers.sort(key=lambda m: m.start_ns)
+    return markers
+
+
+_VERDICT_SEVERITY: dict[str, Severity] = {"info": "info", "warn": "warning", "crit": "critical"}
+
+
+def derive_verdict_markers(rows: Iterable[dict[str, Any]], world_size: int = 1) -> list[TimelineMarker]:
+    """A ``verdict`` point marker for each change of the live primary verdict (rows of the
+    history's ``verdicts`` table, as the aggregator stored them), on its first culprit rank
+    (-1: the verdict names no rank); the row's fields are the marker's metadata."""
+    import json
+
+    markers = []
+    for row in rows:
+        if not isinstance(row.get("ts_ns"), int):
+            continue
+        ranks = row.get("ranks")
+        if isinstance(ranks, str):
+            try:
+                ranks = json.loads(ranks)
+            except ValueError:
+                ranks = []
+        ranks = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
+        rank = ranks[0] if ranks else -1
+        metadata = {k: v for k, v in row.items() if k not in ("session_id", "ts_ns")}
+        metadata["ranks"] = ranks
+        markers.append(TimelineMarker(
+            session_id=str(row.get("session_id") or ""), start_ns=row["ts_ns"], end_ns=None, kind="verdict",
+            source="history", severity=_VERDICT_SEVERITY.get(str(row.get("severity")), "info"),
+            label=f"verdict {row.get('name')}: {str(row.get('message') or '')[:120]}", rank=rank, local_rank=rank,
+            world_size=world_size, event_type="verdict", metadata=metadata,
         ))
     markers.sort(key=lambda m: m.start_ns)
     return markers

@@ -17,12 +17,13 @@ from .._decode import read_json_file
 from ..phases import PHASES as PHASE_TABLE
 from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
+from .diagnosis import diagnosis_lines, summary_diagnosis
 from .epochs import epoch_report, render_epoch_line
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
            "render_summary_text", "run_outcome"]
 
-SUMMARY_SCHEMA_VERSION = "1.0"
+SUMMARY_SCHEMA_VERSION = "1.1"  # 1.1: ``diagnosis`` (analysis/diagnosis.py, docs/summary.md)
 PHASES = SHARES  # the phase shares' names (stepwatch.phases): "optimizer" is the optimizer_step phase
 _COLUMNS = STEP_COLUMNS  # each share's column in the history's steps table, in the same order
 _OUTSIDE_RESIDUAL = tuple(p.column for p in PHASE_TABLE if not p.in_residual)
@@ -73,8 +74,10 @@ def _read_aggregator_stats(run_dir: Path | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
-    """Summary of ``session_id`` (default: the newest session in the store)."""
+def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: Path | None = None, *,
+                  policy: Any = None) -> dict[str, Any]:
+    """Summary of ``session_id`` (default: the newest session in the store); ``policy``: the
+    verdict policy of its ``diagnosis`` (default: the engine's)."""
     sessions = store.sessions()
     if session_id is None:
         if not sessions:
@@ -146,6 +149,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
         "alerts": session_alerts(store, session_id, run_dir),
+        "diagnosis": summary_diagnosis(store, session_id, policy),
     }
 
 
@@ -277,6 +281,7 @@ def render_summary_text(summary: dict[str, Any]) -> str:
         + (f", workers {summary['workers']}" if summary.get("workers") else ""),
     ]
     lines[1:1] = outcome_lines(summary)
+    lines.extend(diagnosis_lines(summary.get("diagnosis")))  # first after the header: what to do
     overall = summary["overall"]
     lines.append(
         f"steps {overall['steps']}  step time median {_ms(overall['step_ms']['median'])}  "

@@ -132,6 +132,7 @@ class Aggregator:
         self.disk_full_errors = 0  # of write_errors, those for want of space
         self._first_write_error: str | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self.steps_seen: Counter[str] = Counter()  # step rows queued per session (live verdicts look at new ones)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -261,6 +262,9 @@ class Aggregator:
                     self.watchdog.feed_stop(session_id, rank)
         if self.watchdog is not None:
             self.watchdog.feed(session_id, rank, meta.get("host"), rows)
+        steps = rows.get("steps")
+        if steps:
+            self.steps_seen[session_id] += len(steps)
         count = 0
         pending = self._pending
         for table, table_rows in rows.items():
@@ -290,6 +294,24 @@ class Aggregator:
                 "ended_at_ns": max(ns for ns, _ in stopped.values()), "host": None, "world_size": None,
                 "source": None, "command_line": None,
             }
+
+    def queue_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Rows the aggregator makes itself (a live verdict): written by the next tick, like a
+        rank's. Call on the event loop (``loop.call_soon_threadsafe`` from another thread)."""
+        tuples = row_tuples(table, rows)
+        self._pending.setdefault(table, []).extend(tuples)
+        self._pending_rows += len(tuples)
+
+    def under_load(self) -> bool:
+        """Rows come faster than a tick's worth: ``flush_rows`` wait, or the last tick wrote as
+        many (a burst). Live verdicts skip their round then: intake first."""
+        last = self.write_batches[-1][0] if self.write_batches else 0
+        return self._pending_rows >= self.flush_rows or last >= self.flush_rows
+
+    def live_progress(self) -> dict[str, tuple[int, set[int]]]:
+        """session -> (step rows queued so far, its ranks): what live verdicts look at."""
+        seen = dict(self.steps_seen)
+        return {session: (count, set(self._session_ranks.get(session, ()))) for session, count in seen.items()}
 
     def note_batch(self, batch_id: str, seen_at_ns: int) -> None:
         """An HTTP batch whose rows were just queued: its id is stored with them (dedupe)."""

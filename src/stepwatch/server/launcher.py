@@ -503,7 +503,7 @@ def _rebuild_history(run_dir: Path, echo: Any) -> None:
 
 def write_final_summary(run_dir: Path, session_id: str | None, status: str | None, ended_at_ns: int | None,
                         world_size: int | None, command_line: list[str] | None, *,
-                        lenient: bool = False) -> dict[str, Any]:
+                        lenient: bool = False, policy: Any = None) -> dict[str, Any]:
     """Writes final_summary.json and final_summary.txt from the run's history store.
 
     A full disk does not lose the summary: it is built all the same (the status given here
@@ -524,7 +524,7 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
             except StoreError:
                 if not lenient:
                     raise
-        summary = build_summary(store, session_id, run_dir)
+        summary = build_summary(store, session_id, run_dir, policy=policy)  # policy: of the verdicts
     if status is not None and summary.get("session_id") == session_id:
         summary["status"] = status
         summary["ended_at_ns"] = summary.get("ended_at_ns") or ended_at_ns

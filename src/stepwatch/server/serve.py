@@ -96,11 +96,14 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         loop.add_signal_handler(sig, aggregator.stop)
     writer = asyncio.create_task(aggregator.write_loop())
     watcher = asyncio.create_task(aggregator.watch_loop())
+    live = _start_live_verdicts(aggregator, run_dir, loop)
     ready.write(json.dumps({"event": "ready", "tcp": f"{host}:{tcp_port}",
                             "http": f"{host}:{http_bound}" if http_bound else None,
                             "store": str(run_dir / "history.sqlite"), "pid": os.getpid()}) + "\n")
     ready.flush()
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
+    if live is not None:
+        await asyncio.to_thread(live.stop)
     assert tcp is not None
     tcp.close()
     aggregator.close_connections()
@@ -114,6 +117,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     if say_losses:
         aggregator.report_losses()
     stats = aggregator.stats()
+    if live is not None:
+        stats["live_verdicts"] = live.stats()
     try:
         store.close()
     except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
@@ -132,6 +137,25 @@ def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:
                          throughput_window_s=watch.get("throughput_window_s") or 10.0)
     return Watchdog(run_dir, policy, actions={"STALL": watch.get("on_stall") or "dump",
                                               "NONFINITE": watch.get("on_nonfinite") or "alert"})
+def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractEventLoop) -> Any:
+    """The live verdicts' thread (server/live_verdicts.py), or None when turned off."""
+    from .live_verdicts import LiveVerdicts, interval_from_env
+
+    interval = interval_from_env()
+    if interval <= 0:
+        return None
+
+    def store_row(table: str, row: dict[str, Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(aggregator.queue_rows, table, [row])
+        except RuntimeError:  # the loop has closed: the aggregator is gone
+            pass
+
+    live = LiveVerdicts(run_dir / "history.sqlite", progress=aggregator.live_progress, emit=aggregator.emit,
+                        store_row=store_row, interval_s=interval, run_dir=run_dir,
+                        busy=aggregator.under_load)
+    live.start()
+    return live
 
 
 def _event_writer(stream: Any) -> Any:

@@ -40,7 +40,8 @@ def _reports_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except StepwatchError as exc:
-            _console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+            # soft_wrap: one line however long the path in it (the console wraps at 160 columns)
+            _console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
             sys.exit(EXIT_UNREADABLE)
 
     return wrapper  # type: ignore[return-value]

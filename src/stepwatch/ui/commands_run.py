@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from .base import _console, _print_json, _reports_errors
+from .commands_verdicts import load_cli_policy, policy_options
 
 __all__ = ["compare", "import_command", "run", "serve", "summary"]
 
@@ -142,7 +143,9 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 
 
-def _summary_of(target: Path, session_id: str | None) -> dict[str, Any]:
+def _summary_of(target: Path, session_id: str | None, policy: Any = None) -> dict[str, Any]:
+    """The summary of a run directory, a history store or a final_summary.json; with a verdict
+    ``policy`` it is recomputed (a written final_summary.json holds the default policy's)."""
     from ..analysis.summary import build_summary
     from ..store.sqlite import SqliteStore
 
@@ -151,13 +154,13 @@ def _summary_of(target: Path, session_id: str | None) -> dict[str, Any]:
         if session_id is not None and isinstance(data, dict) and data.get("session_id") != session_id:
             _no_such_session(target, session_id, [{"session_id": data.get("session_id"), "status": data.get("status")}])
         return data
-    if target.is_dir() and (target / "final_summary.json").is_file() and session_id is None:
+    if target.is_dir() and (target / "final_summary.json").is_file() and session_id is None and policy is None:
         return json.loads((target / "final_summary.json").read_text())
     store_path = target / "history.sqlite" if target.is_dir() else target
     if store_path.is_file():
         with SqliteStore(store_path, read_only=True) as store:
             _require_session(store, target, session_id)
-            return build_summary(store, session_id, target if target.is_dir() else None)
+            return build_summary(store, session_id, target if target.is_dir() else None, policy=policy)
     # no store: import the run directory's artifacts into a temporary one
     import tempfile
 
@@ -166,7 +169,7 @@ def _summary_of(target: Path, session_id: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, SqliteStore(Path(tmp) / "history.sqlite") as store:
         import_path(target, store)
         _require_session(store, target, session_id)
-        return build_summary(store, session_id, target if target.is_dir() else None)
+        return build_summary(store, session_id, target if target.is_dir() else None, policy=policy)
 
 
 def _require_session(store: Any, target: Path, session_id: str | None) -> None:
@@ -199,10 +202,16 @@ def _write_summary_files(run_dir: Path, data: dict[str, Any]) -> None:
 @click.option("--session", "session_id", help="Session id (default: the newest).")
 @click.option("--write", is_flag=True, help="(Re)write final_summary.json/.txt into the run directory.")
 @click.option("--json", "as_json", is_flag=True)
+@policy_options
 @_reports_errors
-def summary(target: Path, session_id: str | None, write: bool, as_json: bool) -> None:
-    """Final summary of a run directory, a history store, or a final_summary.json."""
+def summary(target: Path, session_id: str | None, write: bool, as_json: bool, policy_file: Path | None = None,
+            overrides: tuple[str, ...] = ()) -> None:
+    """Final summary of a run directory, a history store, or a final_summary.json.
+
+    Its diagnosis comes first; --policy/--set recompute it with other thresholds."""
     from ..analysis.summary import render_summary_text
+
+    policy = load_cli_policy(policy_file, overrides)
 
     if write and not target.is_dir():
         raise click.UsageError("--write needs a run directory (it writes final_summary.* into it)")
@@ -212,12 +221,12 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool) ->
 
         with SqliteStore(target / "history.sqlite", read_only=True) as store:
             _require_session(store, target, session_id)
-        data = write_final_summary(target, session_id, None, None, None, None)
+        data = write_final_summary(target, session_id, None, None, None, None, policy=policy)
     elif write:  # a run captured by ``track``: no history, the summary comes from its artifacts
-        data = _summary_of(target, session_id if session_id is not None else _newest_session(target))
+        data = _summary_of(target, session_id if session_id is not None else _newest_session(target), policy)
         _write_summary_files(target, data)
     else:
-        data = _summary_of(target, session_id)
+        data = _summary_of(target, session_id, policy)
     if as_json:
         _print_json(data)
     else:
@@ -236,18 +245,30 @@ def _newest_session(run_dir: Path) -> str | None:
 @click.command()
 @click.argument("a", type=click.Path(path_type=Path, exists=True))
 @click.argument("b", type=click.Path(path_type=Path, exists=True))
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--max-step-time-regression-pct", "max_regression_pct", type=click.FloatRange(0, min_open=False),
+              default=None, metavar="PCT",
+              help="Exit 4 when B's median step time is more than PCT percent above A's (for CI).")
+@click.option("--json", "as_json", is_flag=True, help="Print {verdict, metrics} as JSON instead of the table.")
 @_reports_errors
-def compare(a: Path, b: Path, as_json: bool) -> None:
-    """Differences of two runs' summaries (B relative to A)."""
-    from rich.table import Table
+def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -> None:
+    """Differences of two runs' summaries (B relative to A), and a verdict: REGRESSION,
+    IMPROVEMENT, MIXED, EQUIVALENT or INCONCLUSIVE (docs/compare.md).
 
+    Exit codes: 0 compared (no regression past --max-step-time-regression-pct), 4 the step
+    time rose past it, 3 inconclusive (too few steps, different workloads), 2 unreadable input.
+    """
+    from ..analysis.compare import compare_verdict
     from ..analysis.summary import compare_summaries
 
-    rows = compare_summaries(_summary_of(a, None), _summary_of(b, None))
+    summary_a, summary_b = _summary_of(a, None), _summary_of(b, None)
+    rows = compare_summaries(summary_a, summary_b)
+    verdict = compare_verdict(summary_a, summary_b, max_step_time_regression_pct=max_regression_pct,
+                              workload_a=_workload(a), workload_b=_workload(b))
     if as_json:
-        _print_json(rows)
-        return
+        _print_json({"verdict": verdict, "metrics": rows})
+        sys.exit(verdict["exit_code"])
+    from rich.table import Table
+
     table = Table(title=f"{b} vs {a}", title_justify="left")
     for column in ("metric", "A", "B", "delta", "change"):
         table.add_column(column, justify="left" if column == "metric" else "right")
@@ -258,7 +279,24 @@ def compare(a: Path, b: Path, as_json: bool) -> None:
     for row in rows:
         change = "-" if row["relative"] is None else f"{row['relative'] * 100:+.1f}%"
         table.add_row(row["metric"], fmt(row["a"]), fmt(row["b"]), fmt(row["delta"]), change)
-    _console().print(table)
+    console = _console()
+    console.print(table)
+    console.print(f"verdict {verdict['verdict']}: " + "; ".join(verdict["reasons"]), markup=False)
+    sys.exit(verdict["exit_code"])
+
+
+def _workload(target: Path) -> str | None:
+    """The script a run ran (run.json's command line, its first word that is not an option), so
+    two runs of different scripts are not compared as one workload."""
+    run_json = target / "run.json" if target.is_dir() else target.parent / "run.json"
+    try:
+        command = json.loads(run_json.read_text()).get("command_line")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    if not isinstance(command, list):
+        return None
+    words = [w for w in command if isinstance(w, str) and not w.startswith("-")]
+    return Path(words[0]).name if words else None
 
 
 @click.command("import")

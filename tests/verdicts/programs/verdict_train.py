@@ -1,0 +1,91 @@
+"""A tiny CPU training loop whose slowness is chosen on the command line, for the verdict runs
+under ``stepwatch run``: a slow loader (from the start or from a step on), one slow rank (DDP over
+gloo), a growing list of tensors, or a sleep after each step. Plain PyTorch: no stepwatch call."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Numbers(Dataset):
+    def __init__(self, size: int) -> None:
+        self.x = torch.randn(size, 8)
+        self.y = torch.randn(size, 1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class SlowOn(nn.Module):
+    """Sleeps ``ms`` in each forward: a rank made slower than the others."""
+
+    def __init__(self, inner: nn.Module, ms: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ms:
+            time.sleep(self.ms / 1000)
+        return self.inner(x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--slow-loader-ms", type=float, default=0.0, help="sleep in each batch's collate")
+    parser.add_argument("--slow-loader-after", type=int, default=0, help="the loader turns slow from this step")
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-forward-ms", type=float, default=0.0)
+    parser.add_argument("--forward-ms", type=float, default=0.0, help="every rank sleeps this long in forward")
+    parser.add_argument("--leak-mb", type=float, default=0.0, help="MiB kept alive after each step")
+    parser.add_argument("--sleep-after-step-ms", type=float, default=0.0)
+    args = parser.parse_args()
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    step = 0
+
+    def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if args.slow_loader_ms and step >= args.slow_loader_after:
+            time.sleep(args.slow_loader_ms / 1000)
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+    loader = DataLoader(Numbers(args.steps * args.batch), batch_size=args.batch, collate_fn=collate)
+    forward_ms = args.forward_ms + (args.slow_forward_ms if rank == args.slow_rank else 0.0)
+    model: nn.Module = SlowOn(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), forward_ms)
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept: list[torch.Tensor] = []
+    for xb, yb in loader:
+        loss = nn.functional.mse_loss(model(xb), yb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if args.leak_mb:
+            kept.append(torch.ones(int(args.leak_mb * 2**20 / 4)))
+        if args.sleep_after_step_ms:
+            time.sleep(args.sleep_after_step_ms / 1000)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

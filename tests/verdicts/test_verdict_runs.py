@@ -1,0 +1,202 @@
+"""Each verdict provoked by a real training run under ``stepwatch run`` (CPU, gloo, 1-2 ranks), a
+clean run that must provoke none, and the commands that read the verdicts back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stepwatch.analysis.markers import derive_verdict_markers
+
+from .conftest import PROGRAM, Run, stepwatch
+
+# 20 ms of sleep in each forward: a loaded machine's timing noise (~0.5 ms a step) stays well
+# inside compare's +/- 3 % band, so the same script twice is EQUIVALENT
+STEP = ("--steps", "150", "--forward-ms", "20")
+CLEAN = ("clean", *STEP)
+STEADY = ("--steps", "60", "--forward-ms", "60")
+SLOW_LOADER = ("slow-loader", *STEP, "--slow-loader-ms", "15")
+STRAGGLERS = {"STRAGGLER", "INPUT_STRAGGLER", "H2D_STRAGGLER", "COMPUTE_STRAGGLER"}
+
+
+def findings(diagnosis: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v for group in ("step_time", "memory", "system") for v in diagnosis[group]]
+
+
+def serious(diagnosis: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(v["name"], v["severity"]) for v in [diagnosis["primary"], *findings(diagnosis)]
+            if v["severity"] in ("warn", "crit")]
+
+
+def test_a_slow_loader_is_input_bound_in_the_summary_the_text_and_explain(runs: Callable[..., Run]) -> None:
+    run = runs(*SLOW_LOADER)
+    summary = run.summary
+    assert summary["schema_version"] == "1.1"
+    primary = summary["diagnosis"]["primary"]
+    assert primary["name"] == "INPUT_BOUND" and primary["severity"] in ("warn", "crit"), primary
+    assert primary["ranks"] == [0] and primary["next_step"] and primary["evidence"]["share"] >= 0.2
+    assert {"overall", "per_rank", "memory_peaks", "drops", "outcome"} <= set(summary)  # every 1.0 field kept
+    text = (run.out / "final_summary.txt").read_text().splitlines()
+    first = next(i for i, line in enumerate(text) if line.startswith("diagnosis "))
+    assert text[first].startswith("diagnosis INPUT_BOUND (")
+    assert first <= 2 and text[first + 1].startswith("  evidence: ") and text[first + 2].startswith("  next step: ")
+    assert first < next(i for i, line in enumerate(text) if line.startswith("steps "))
+    assert "diagnosis INPUT_BOUND (" in run.proc.stdout  # run prints the summary, diagnosis first
+    explained = run.explain()
+    assert explained["diagnosis"]["primary"]["name"] == "INPUT_BOUND" and explained["source"] == "history.sqlite"
+    assert explained["diagnosis"] == summary["diagnosis"]  # same rows, same verdicts
+    text_summary = stepwatch("summary", str(run.out), cwd=run.out.parent)
+    assert text_summary.stdout.splitlines()[2].startswith("diagnosis INPUT_BOUND (")
+
+
+def test_a_slow_rank_is_named_and_only_that_rank(runs: Callable[..., Run]) -> None:
+    run = runs("straggler", "--steps", "120", "--forward-ms", "1", "--slow-rank", "1", "--slow-forward-ms", "5",
+               nproc=2, STEPWATCH_VERDICT_INTERVAL_S="0.5")
+    diagnosis = run.diagnosis
+    primary = diagnosis["primary"]
+    assert primary["name"] in STRAGGLERS and primary["severity"] in ("warn", "crit"), primary
+    assert primary["ranks"] == [1]
+    assert primary["evidence"]["held_back"] == [0]
+    for verdict in findings(diagnosis):
+        if verdict["severity"] in ("warn", "crit"):
+            assert 0 not in verdict["ranks"], verdict
+    live = [line for line in run.proc.stderr.splitlines() if line.startswith("[stepwatch] verdict ")]
+    assert live and all(" rank 1)" in line for line in live if "(info" not in line), live  # live: rank 1 too
+
+
+def test_a_growing_list_of_tensors_is_memory_creep_on_process_rss(runs: Callable[..., Run]) -> None:
+    run = runs("creep", "--steps", "300", "--forward-ms", "5", "--leak-mb", "1", interval_ms=100)
+    creep = [v for v in run.diagnosis["memory"] if v["name"] in ("CREEP_EARLY", "CREEP_CONFIRMED")]
+    assert creep and creep[0]["ranks"] == [0] and creep[0]["evidence"]["memory"] == "rss", run.diagnosis["memory"]
+    assert creep[0]["evidence"]["delta_gib"] > 0.1
+    assert any(line.startswith(f"  also {creep[0]['name']} (") for line in run.proc.stdout.splitlines())
+
+
+def test_a_sleep_after_each_step_is_between_steps(runs: Callable[..., Run]) -> None:
+    run = runs("between", "--steps", "200", "--forward-ms", "3", "--sleep-after-step-ms", "5")
+    primary = run.diagnosis["primary"]
+    assert primary["name"] == "BETWEEN_STEPS" and primary["severity"] in ("warn", "crit"), primary
+    assert primary["evidence"]["share_of_wall"] > 0.3
+
+
+def test_a_clean_balanced_run_has_no_warn_or_crit_verdict(runs: Callable[..., Run]) -> None:
+    run = runs(*CLEAN)
+    assert serious(run.diagnosis) == [], run.diagnosis
+    assert run.diagnosis["primary"]["name"] in ("BALANCED", "COMPUTE_BOUND")
+    live = [line for line in run.proc.stderr.splitlines() if line.startswith("[stepwatch] verdict ")]
+    assert all("(info" in line for line in live), live
+    rows = _query(run.out, "SELECT severity FROM verdicts")
+    assert all(severity == "info" for (severity,) in rows)
+
+
+def test_a_clean_two_rank_ddp_run_names_no_straggler(runs: Callable[..., Run]) -> None:
+    run = runs("clean-ddp", "--steps", "120", "--forward-ms", "5", nproc=2, STEPWATCH_VERDICT_INTERVAL_S="0.5")
+    assert serious(run.diagnosis) == [], run.diagnosis
+    assert not any(v["name"] in STRAGGLERS for v in findings(run.diagnosis))
+    assert not any(line.startswith("[stepwatch] verdict ") and "(info" not in line
+                   for line in run.proc.stderr.splitlines())
+
+
+def test_a_loader_turning_slow_mid_run_prints_a_live_verdict_and_stores_it(runs: Callable[..., Run]) -> None:
+    run = runs("live", "--steps", "600", "--forward-ms", "2", "--slow-loader-ms", "8", "--slow-loader-after", "200",
+               STEPWATCH_VERDICT_INTERVAL_S="0.5")
+    lines = [line for line in run.proc.stderr.splitlines() if line.startswith("[stepwatch] verdict INPUT_BOUND (")]
+    assert len(lines) == 1, run.proc.stderr
+    assert "next step: more DataLoader workers" in lines[0]
+    rows = _query(run.out, "SELECT session_id, ts_ns, step, window_steps, name, severity, score, ranks, message, "
+                           "next_step, evidence FROM verdicts WHERE name = 'INPUT_BOUND'")
+    assert len(rows) == 1
+    session_id, ts_ns, step, window, name, severity, score, ranks, message, next_step, evidence = rows[0]
+    assert step > 200 and window == 100 and json.loads(ranks) == [0] and json.loads(evidence)["share"] >= 0.2
+    assert message in lines[0] and session_id == run.summary["session_id"]
+    markers = derive_verdict_markers([{"session_id": session_id, "ts_ns": ts_ns, "name": name, "severity": severity,
+                                       "ranks": ranks, "message": message, "step": step}])
+    assert markers[0].kind == "verdict" and markers[0].rank == 0 and markers[0].label.startswith("verdict INPUT_BOUND")
+    stats = json.loads((run.out / "aggregator_stats.json").read_text())["live_verdicts"]
+    assert stats["evaluations"] >= 2 and stats["errors"] == 0
+
+
+def test_explain_a_track_run_without_history(tmp_path: Path) -> None:
+    out = tmp_path / "tracked"
+    proc = stepwatch("track", "--interval", "200", "--out", str(out), "--", sys.executable, str(PROGRAM),
+                     *SLOW_LOADER[1:], cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "history.sqlite").exists()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    explained = stepwatch("explain", str(out), "--json", cwd=tmp_path)
+    assert explained.returncode == 0, explained.stderr
+    result = json.loads(explained.stdout)
+    assert result["source"].startswith("the run's artifacts")
+    assert result["diagnosis"]["primary"]["name"] == "INPUT_BOUND"
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing written into the run
+    text = stepwatch("explain", str(out), "--window", "50", cwd=tmp_path)
+    assert text.returncode == 0 and "over the last 50 steps of every rank" in text.stdout
+    assert text.stdout.splitlines()[1].startswith("diagnosis INPUT_BOUND (")
+
+
+def test_compare_exit_codes_on_real_runs(runs: Callable[..., Run], tmp_path: Path) -> None:
+    clean, slow = runs(*CLEAN), runs(*SLOW_LOADER)
+    worse = stepwatch("compare", str(clean.out), str(slow.out), "--max-step-time-regression-pct", "10", "--json",
+                      cwd=tmp_path)
+    assert worse.returncode == 4, worse.stdout + worse.stderr
+    result = json.loads(worse.stdout)
+    assert result["verdict"]["verdict"] == "REGRESSION" and result["verdict"]["regression_past_threshold"]
+    assert {r["metric"] for r in result["metrics"]} >= {"step_ms.median", "phase_share.data_load"}
+    lenient = stepwatch("compare", str(clean.out), str(slow.out), cwd=tmp_path)
+    assert lenient.returncode == 0 and "verdict REGRESSION: " in lenient.stdout  # no threshold: said, not failed
+
+
+def test_compare_the_same_script_twice_is_equivalent(runs: Callable[..., Run], tmp_path: Path) -> None:
+    # 60 ms of sleep a step: a busy machine's noise (a late wake-up, slower compute: ~1 ms a step)
+    # stays well inside the +/- 3 % band; both runs back to back, under the same load
+    first, second = runs("steady-a", *STEADY), runs("steady-b", *STEADY)
+    same = stepwatch("compare", str(first.out), str(second.out), "--max-step-time-regression-pct", "10", "--json",
+                     cwd=tmp_path)
+    assert same.returncode == 0, same.stdout
+    assert json.loads(same.stdout)["verdict"]["verdict"] == "EQUIVALENT", json.loads(same.stdout)["verdict"]
+
+
+def test_compare_too_few_steps_is_inconclusive_and_bad_input_exit_2(runs: Callable[..., Run], tmp_path: Path) -> None:
+    clean = runs(*CLEAN)
+    short = runs("short", "--steps", "10", "--forward-ms", "20")
+    few = stepwatch("compare", str(clean.out), str(short.out), "--json", cwd=tmp_path)
+    assert few.returncode == 3 and "too few steps in B: 10" in json.loads(few.stdout)["verdict"]["reasons"][0]
+    bad = stepwatch("compare", str(clean.out), str(tmp_path), cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ")
+
+
+def test_explain_bad_input_is_one_error_line_and_exit_2(runs: Callable[..., Run], tmp_path: Path) -> None:
+    run = runs(*CLEAN)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run.out, damaged)
+    (damaged / "history.sqlite").write_bytes(b"this is not a database" * 100)
+    for args in ([str(empty)], [str(tmp_path / "missing")], [str(damaged)], [str(run.out), "--session", "nope"],
+                 [str(run.out), "--set", "no_such_key=1"], [str(run.out), "--policy", str(tmp_path / "none.toml")]):
+        proc = stepwatch("explain", *args, cwd=tmp_path)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, proc.stderr)
+
+
+def test_summary_takes_a_policy(runs: Callable[..., Run], tmp_path: Path) -> None:
+    run = runs(*SLOW_LOADER)
+    relaxed = stepwatch("summary", str(run.out), "--json", "--set", "input_share_warn=0.95",
+                        "--set", "input_share_crit=0.99", cwd=tmp_path)
+    assert relaxed.returncode == 0, relaxed.stderr
+    assert json.loads(relaxed.stdout)["diagnosis"]["primary"]["name"] != "INPUT_BOUND"
+    assert run.summary["diagnosis"]["primary"]["name"] == "INPUT_BOUND"  # the written summary stands
+
+
+def _query(out: Path, sql: str) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(f"{(out / 'history.sqlite').resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
