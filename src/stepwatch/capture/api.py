@@ -31,6 +31,7 @@ __all__ = ["Halt", "current_runtime", "halt_requested", "init", "oom_guard", "pr
 _lock = threading.RLock()
 _runtime: Runtime | NullRuntime = NullRuntime()
 _previous_sigterm: Any = None
+_closing_on_sigterm = False  # _on_sigterm is closing the session
 _previous_excepthook: Callable[..., Any] | None = None
 _previous_thread_hook: Callable[..., Any] | None = None
 _atexit_registered = False
@@ -248,16 +249,25 @@ def _record_failure(exc: BaseException, tb: TracebackType | None, thread: str, *
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Close the session cleanly, then end the process exactly as it would have ended."""
+    """Close the session cleanly, then end the process exactly as it would have ended.
+
+    A second SIGTERM while the first closes the session is let go: the first ends the process
+    once its files are written. Seconds are common: torchrun signals its ranks when it is
+    stopped, and again (with the kernel's parent-death signal) when it dies; a rank that died of
+    the second before writing run.json would leave its run reading ``running``."""
+    global _closing_on_sigterm
+    if _closing_on_sigterm:
+        return
+    _closing_on_sigterm = True
     previous = _previous_sigterm  # read first: shutdown gives the handler back
     if previous != signal.SIG_IGN and isinstance(_runtime, Runtime):
         with guarded:  # the default action ends the rank; a handler of the user's decides itself
             _runtime.record_signal(signum, fatal=not callable(previous))
     shutdown("completed")
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
+    if callable(previous) or previous == signal.SIG_IGN:  # the process may go on (and init again)
+        _closing_on_sigterm = False
+        if callable(previous):
+            previous(signum, frame)
     else:  # SIG_DFL: die by the signal so the parent sees the same exit status
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

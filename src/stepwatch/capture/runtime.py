@@ -978,16 +978,7 @@ class Runtime:
                                                   outcome="killed" if ending else self.outcome()))
             self.heartbeat.close()
         self._write_rank_end()
-        if self.sender is not None:
-            with guarded:
-                self._ship()
-                self.sender.close(min(timeout, 1.0))
-        with guarded:
-            self.session = self.sink.close(status) or self.session
-        ledger, self._ledger, self._ledger_write = self._ledger, None, None
-        if ledger is not None:
-            with guarded:
-                ledger.close(time.time_ns())  # after the last step (training.finish) went in
+        # before the network's goodbyes, which may wait on an aggregator that is going too
         if self.identity.rank == 0 and (not self.launched or ending):
             with guarded:  # a dead launcher cannot write its run.json: rank 0 says how the run ended
                 manifest = read_run_manifest(self.run_dir)
@@ -1000,3 +991,13 @@ class Runtime:
                 if ending:
                     manifest.extra.update(ending)
                 write_run_manifest(self.run_dir, manifest)
+        if self.sender is not None:
+            with guarded:
+                self._ship()
+                self.sender.close(min(timeout, 1.0))
+        with guarded:
+            self.session = self.sink.close(status) or self.session
+        ledger, self._ledger, self._ledger_write = self._ledger, None, None
+        if ledger is not None:
+            with guarded:
+                ledger.close(time.time_ns())  # after the last step (training.finish) went in

@@ -102,12 +102,12 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                             "store": str(run_dir / "history.sqlite"), "pid": os.getpid()}) + "\n")
     ready.flush()
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
-    if live is not None:
-        await asyncio.to_thread(live.stop)
     assert tcp is not None
     tcp.close()
     aggregator.close_connections()
     await tcp.wait_closed()
+    if live is not None:  # after the ranks' connections are closed: they never wait on its last round
+        await asyncio.to_thread(live.stop)
     if runner is not None:
         await runner.cleanup()
     await writer
