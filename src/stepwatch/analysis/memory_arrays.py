@@ -124,25 +124,37 @@ def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts:
     sample carried forward, then the worst and the median over ranks where every rank has one."""
     step_of = np.zeros(len(ts), dtype=np.int64)
     has_step = np.zeros(len(ts), dtype=bool)
+    # Each sample's step: the last step of its rank that started at or before it. One sort of
+    # every rank's step starts and samples together (by rank, time, steps before samples at the
+    # same time), then the last step seen carried forward: no numpy call per rank.
+    times_of, numbers_of, slots_of = [], [], []
     for i, r in enumerate(window_ranks):
-        mine = np.flatnonzero(mask & (slot == i))
-        if not len(mine):
-            continue
         w = window.ranks[r]
         if w.starts_known is not None:
             times, numbers = w.step_starts[w.starts_known], w.step_numbers[w.starts_known]
-            if len(times) > 1 and not bool(np.all(times[1:] >= times[:-1])):
-                order = np.argsort(times, kind="stable")
-                times, numbers = times[order], numbers[order]
         else:
             clock, steps = w.step_clock()
             times, numbers = np.array(clock, dtype=np.int64), np.array(steps, dtype=np.int64)
-        if not len(times):
-            continue
-        index = np.searchsorted(times, ts[mine], side="right") - 1
-        found = index >= 0
-        step_of[mine[found]] = np.asarray(numbers)[index[found]]
-        has_step[mine[found]] = True
+        if len(times):
+            times_of.append(np.asarray(times, dtype=np.int64))
+            numbers_of.append(np.asarray(numbers, dtype=np.int64))
+            slots_of.append(np.full(len(times), i, dtype=np.int64))
+    samples = np.flatnonzero(mask)
+    if times_of and len(samples):
+        numbers = np.concatenate(numbers_of)
+        n_steps = len(numbers)
+        when = np.concatenate([*times_of, ts[samples]])
+        where = np.concatenate([*slots_of, slot[samples]])
+        is_sample = np.r_[np.zeros(n_steps, dtype=bool), np.ones(len(samples), dtype=bool)]
+        order = np.lexsort((is_sample, when, where))
+        positions = np.arange(len(order))
+        last_step = np.maximum.accumulate(np.where(is_sample[order], -1, positions))
+        at = np.flatnonzero(is_sample[order])
+        before = last_step[at]
+        found = (before >= 0) & (where[order][np.maximum(before, 0)] == where[order][at])
+        sample = samples[order[at[found]] - n_steps]
+        step_of[sample] = numbers[order[before[found]]]
+        has_step[sample] = True
     use = np.flatnonzero(has_step)
     if not len(use) or not window_ranks:
         return [], [], SeriesColumns([], [])
