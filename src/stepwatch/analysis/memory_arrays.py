@@ -38,7 +38,7 @@ def facts_from_arrays(rows: Iterable[Any], window: StepWindow) -> MemoryFacts | 
     np = numpy_or_none()
     if np is None:
         return None
-    maps = [r for r in rows if isinstance(r, Mapping)]
+    maps = [r for r in rows if type(r) is dict or isinstance(r, Mapping)]  # the ABC check only for others
     n = len(maps)
     is_sample = np.array([r.get("event_type", "sample") == "sample" for r in maps], dtype=bool)
     rank, rank_ok = _ints(np, [r.get("rank") for r in maps])
@@ -182,8 +182,7 @@ def _system(np: Any, facts: MemoryFacts, cpu: Any, slot: Any, window_ranks: list
         np.maximum.at(peak, host[where], used)
         for code in np.unique(host[where]).tolist():
             facts.host_used[hosts_by_code[code]] = float(peak[code])
-        pairs = np.unique(np.stack([host[where], slot[where]]), axis=1)
-        for code, at in zip(pairs[0].tolist(), pairs[1].tolist()):
+        for code, at in set(zip(host[where].tolist(), slot[where].tolist())):
             facts.host_ranks.setdefault(hosts_by_code[code], set()).add(window_ranks[at])
     rss_mask = has_total & ~np.isnan(allocated)
     if rss_mask.any():
