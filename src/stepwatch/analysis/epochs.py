@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from statistics import median
 from typing import Any
 
 __all__ = ["epoch_report", "render_epoch_line"]
@@ -18,11 +19,7 @@ _MAX_LISTED = 1000  # epochs listed one by one in the report (the statistics tak
 
 
 def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median(values) if values else None
 
 
 def _interval(span: Mapping[str, Any]) -> tuple[int, int] | None:

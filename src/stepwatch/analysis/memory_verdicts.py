@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
+from statistics import median as _median
 from typing import Any
 
 from .memory_arrays import facts_from_arrays
 from .memory_facts import COLUMNAR_MIN_SAMPLES, CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
-from .step_columns import numpy_or_none
+from .step_columns import clean_int, numpy_or_none
 from .step_windows import RankWindow, StepWindow, clean_number
 from .verdict_policy import VerdictPolicy
 from .verdict_types import Severity, Verdict
@@ -28,19 +29,6 @@ __all__ = ["MemoryFacts", "Sample", "memory_facts", "memory_verdicts", "parse_sa
 MIN_SAMPLES = 3  # per rank in the window, for a creep trend
 _GIB = float(1 << 30)
 
-
-def _int(value: Any) -> int | None:
-    if type(value) is int:
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _gib(value: float | None) -> float | None:
@@ -62,7 +50,7 @@ class Sample:
         self.rank, self.ts = rank, ts
         get = row.get
         device = get("device_id")
-        self.device = device if type(device) is int else _int(device)
+        self.device = device if type(device) is int else clean_int(device)
         collector = get("collector")
         self.collector = collector if type(collector) is str else ""
         self.allocated = _n(get("allocated"))
@@ -85,14 +73,14 @@ def parse_samples(rows: Iterable[Any], window: StepWindow) -> list[Sample]:
             rank, ts = row.get("rank"), row.get("timestamp_ns")
         except AttributeError:  # not a mapping
             continue
-        span = spans.get(rank if type(rank) is int else _int(rank))  # type: ignore[arg-type]
-        ts = ts if type(ts) is int else _int(ts)
+        span = spans.get(rank if type(rank) is int else clean_int(rank))  # type: ignore[arg-type]
+        ts = ts if type(ts) is int else clean_int(ts)
         if span is None or ts is None:
             continue
         start, end = span
         if (start is not None and ts < start) or (end is not None and ts > end):
             continue
-        out.append(Sample(row, rank if type(rank) is int else _int(rank), ts))  # type: ignore[arg-type]
+        out.append(Sample(row, rank if type(rank) is int else clean_int(rank), ts))  # type: ignore[arg-type]
     return out
 
 
@@ -384,7 +372,7 @@ def _gpu_utilisation(window: StepWindow, rows: Iterable[Mapping[str, Any]], poli
     for row in rows:
         if not isinstance(row, Mapping):
             continue
-        value, ts, device = clean_number(row.get("gpu_util_pct")), _int(row.get("timestamp_ns")), _int(row.get("device_id"))
+        value, ts, device = clean_number(row.get("gpu_util_pct")), clean_int(row.get("timestamp_ns")), clean_int(row.get("device_id"))
         if value is None or value > 100 or device is None or ts is None:
             continue
         if (start is not None and ts < start) or (end is not None and ts > end):

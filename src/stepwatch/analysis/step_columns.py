@@ -18,12 +18,21 @@ from typing import Any
 
 from ..phases import PHASES, RESIDUAL, STEP_COLUMNS
 
-__all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_number", "numpy_or_none", "reduce_columns"]
+__all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_int", "clean_number", "numpy_or_none", "reduce_columns"]
 
 COLUMNS: tuple[str, ...] = ("rank", "step", "start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
 _INT_LIMIT = float(1 << 62)
 # the phases that make up compute (stepwatch.phases: in the residual, and not h2d)
 COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
+
+
+def clean_int(value: Any) -> int | None:
+    """A whole number (an int, or a float without a fraction), else None: ranks, steps, times."""
+    if type(value) is int:
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def clean_number(value: Any) -> float | int | None:

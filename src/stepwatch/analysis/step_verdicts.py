@@ -5,6 +5,7 @@ formulas and thresholds are published in docs/verdicts.md.
 
 from __future__ import annotations
 
+from statistics import median as _median
 from typing import Any
 
 from .step_windows import COMPONENTS, COMPUTE_PHASES, RankWindow, StepWindow
@@ -38,11 +39,6 @@ def _ms(ns: float | None) -> float | None:
 def _r4(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _severity(value: float, warn: float, crit: float, window: StepWindow, policy: VerdictPolicy) -> Severity | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..phases import PHASES, RESIDUAL
-from .step_columns import COMPUTE_PHASES, StepColumns, clean_number, reduce_columns
+from .step_columns import COMPUTE_PHASES, StepColumns, clean_int, clean_number, reduce_columns
 
 __all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
 
@@ -34,14 +34,6 @@ _WAIT = RESIDUAL.column
 # from this many rows on, rows are turned into columns and reduced with numpy (where importable)
 COLUMNAR_MIN_ROWS = 2000
 COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute", "residual", *COMPUTE_PHASES)
-
-
-def _clean_int(value: Any) -> int | None:
-    if type(value) is int:
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
 
 
 @dataclass
@@ -133,7 +125,7 @@ def _group(steps: Iterable[Mapping[str, Any]]) -> tuple[dict[int, list[Mapping[s
     ignored = 0
     for row in steps:
         try:
-            rank, step = _clean_int(row.get("rank")), _clean_int(row.get("step"))
+            rank, step = clean_int(row.get("rank")), clean_int(row.get("step"))
         except AttributeError:  # not a mapping
             ignored += 1
             continue
@@ -150,7 +142,7 @@ def _group(steps: Iterable[Mapping[str, Any]]) -> tuple[dict[int, list[Mapping[s
 
 def _ordered(rows: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The rank's rows by step, one per step (the last given wins a duplicate)."""
-    numbers = [_clean_int(r["step"]) for r in rows]
+    numbers = [clean_int(r["step"]) for r in rows]
     if all(a < b for a, b in zip(numbers, numbers[1:])):
         return rows
     by_step: dict[int, Mapping[str, Any]] = {}
@@ -165,7 +157,7 @@ def build_window(steps: Iterable[Mapping[str, Any]], window: int | None, *,
     ``window`` = N, the last N steps completed on every rank; None: every step completed on every
     rank. ``columnar``: reduce on numpy columns (None: when numpy is importable and the input is
     columns or large)."""
-    expected = {int(r) for r in expected_ranks if _clean_int(r) is not None}
+    expected = {int(r) for r in expected_ranks if clean_int(r) is not None}
     columns = steps if isinstance(steps, StepColumns) else None
     large = isinstance(steps, Sequence) and len(steps) >= COLUMNAR_MIN_ROWS
     if columns is None and (columnar or (columnar is None and large)):
@@ -181,13 +173,13 @@ def build_window(steps: Iterable[Mapping[str, Any]], window: int | None, *,
     if not by_rank:
         return StepWindow({}, None, None, window, ignored, missing)
     ordered = {rank: _ordered(rows) for rank, rows in sorted(by_rank.items())}
-    last = min(_clean_int(rows[-1]["step"]) for rows in ordered.values())  # type: ignore[type-var]
+    last = min(clean_int(rows[-1]["step"]) for rows in ordered.values())  # type: ignore[type-var]
     assert last is not None
     first = last - window + 1 if window is not None else None
     ranks: dict[int, RankWindow] = {}
     for rank, rows in ordered.items():
-        chosen = [r for r in rows if (first is None or _clean_int(r["step"]) >= first)  # type: ignore[operator]
-                  and _clean_int(r["step"]) <= last]  # type: ignore[operator]
+        chosen = [r for r in rows if (first is None or clean_int(r["step"]) >= first)  # type: ignore[operator]
+                  and clean_int(r["step"]) <= last]  # type: ignore[operator]
         if chosen:
             ranks[rank] = _reduce(rank, chosen)
     empty = tuple(sorted(set(ordered) - set(ranks)))
@@ -219,9 +211,9 @@ def _reduce(rank: int, rows: list[Mapping[str, Any]]) -> RankWindow:
     phases = {share: _column(rows, column) for share, column in _PHASE_COLUMNS.items() if share != "data_load"}
     compute_parts = [phases[p] for p in COMPUTE_PHASES]
     compute = [None if None in parts else sum(parts) for parts in zip(*compute_parts)]
-    window = RankWindow(rank=rank, steps=len(rows), first_step=_clean_int(rows[0]["step"]) or 0,
-                        last_step=_clean_int(rows[-1]["step"]) or 0,
-                        start_ns=_clean_int(rows[0].get("start_ns")), end_ns=_clean_int(rows[-1].get("end_ns")),
+    window = RankWindow(rank=rank, steps=len(rows), first_step=clean_int(rows[0]["step"]) or 0,
+                        last_step=clean_int(rows[-1]["step"]) or 0,
+                        start_ns=clean_int(rows[0].get("start_ns")), end_ns=clean_int(rows[-1].get("end_ns")),
                         step_total_ns=float(sum(totals)))
     for name, values in (("input", fetch), ("h2d", phases["h2d"]), ("compute", compute), ("residual", residual),
                          *((p, phases[p]) for p in COMPUTE_PHASES)):
