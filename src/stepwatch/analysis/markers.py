@@ -146,7 +146,7 @@ def derive_outcome_markers(run: dict[str, Any]) -> list[TimelineMarker]:
     return markers
 
 
-_ALERT_SEVERITY: dict[str, Severity] = {"crit": "critical", "warn": "warning", "info": "info"}
+_SEVERITY: dict[str, Severity] = {"crit": "critical", "warn": "warning", "info": "info"}
 
 
 def derive_alert_markers(alerts: Iterable[dict[str, Any]], *, session_id: str = "",
@@ -163,7 +163,7 @@ def derive_alert_markers(alerts: Iterable[dict[str, Any]], *, session_id: str = 
         rank = ranks[0] if ranks else -1
         markers.append(TimelineMarker(
             session_id=str(alert.get("session_id") or session_id), start_ns=int(ts * 1e9), end_ns=None,
-            kind="alert", source="watchdog", severity=_ALERT_SEVERITY.get(str(alert.get("severity")), "warning"),
+            kind="alert", source="watchdog", severity=_SEVERITY.get(str(alert.get("severity")), "warning"),
             label=f"{alert.get('kind')}: {str(alert.get('message') or '')[:120]}", rank=rank, local_rank=rank,
             world_size=world_size, event_type="alert",
             metadata={"kind": alert.get("kind"), "ranks": ranks, "step": alert.get("step"),
@@ -171,9 +171,6 @@ def derive_alert_markers(alerts: Iterable[dict[str, Any]], *, session_id: str = 
         ))
     markers.sort(key=lambda m: m.start_ns)
     return markers
-
-
-_VERDICT_SEVERITY: dict[str, Severity] = {"info": "info", "warn": "warning", "crit": "critical"}
 
 
 def derive_verdict_markers(rows: Iterable[dict[str, Any]], world_size: int = 1) -> list[TimelineMarker]:
@@ -198,7 +195,7 @@ def derive_verdict_markers(rows: Iterable[dict[str, Any]], world_size: int = 1) 
         metadata["ranks"] = ranks
         markers.append(TimelineMarker(
             session_id=str(row.get("session_id") or ""), start_ns=row["ts_ns"], end_ns=None, kind="verdict",
-            source="history", severity=_VERDICT_SEVERITY.get(str(row.get("severity")), "info"),
+            source="history", severity=_SEVERITY.get(str(row.get("severity")), "info"),
             label=f"verdict {row.get('name')}: {str(row.get('message') or '')[:120]}", rank=rank, local_rank=rank,
             world_size=world_size, event_type="verdict", metadata=metadata,
         ))

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES
 from ..errors import ArtifactError, StepwatchError
 from ._files import atomic_write_bytes
 from .live_ranks import RankProcess, live_ranks, require_run_dir
@@ -156,7 +157,7 @@ def parse_halt(data: bytes, path: Path) -> HaltRequest:
         request = msgspec.json.decode(data, type=HaltRequest)
     except msgspec.ValidationError as exc:
         raise ArtifactError(path, f"not a halt request: {exc}") from None
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except DECODE_FAILURES as exc:
         raise ArtifactError(path, f"not valid JSON: {exc}") from None
     if request.target_step < 1:
         raise ArtifactError(path, f"target_step must be >= 1, got {request.target_step}", field="$.target_step")

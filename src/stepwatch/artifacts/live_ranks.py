@@ -17,12 +17,13 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES
 from ..errors import ArtifactError
 from ._files import process_alive
 
-__all__ = ["RankProcess", "is_run_dir", "live_ranks", "rank_processes", "require_run_dir"]
+__all__ = ["HEARTBEAT_FILE", "RankProcess", "is_run_dir", "live_ranks", "rank_processes", "require_run_dir"]
 
-_HEARTBEAT = re.compile(r"^heartbeat_rank(\d+)((?:-p\d+)?)\.jsonl$")
+HEARTBEAT_FILE = re.compile(r"^heartbeat_rank(\d+)((?:-p\d+)?)\.jsonl$")  # also a second process of a rank's
 _CHUNK = 256 * 1024
 _ROTATED = 3  # heartbeat_rank<N>.jsonl.1 .. .3 (artifacts/heartbeat.py keeps three)
 _RATE_WINDOW = 200  # ledger records the step rate is measured over
@@ -73,7 +74,7 @@ def is_run_dir(path: Path) -> bool:
         return False
     if (path / "run.json").is_file():
         return True
-    return any(_HEARTBEAT.match(p.name) for p in path.glob("heartbeat_rank*.jsonl"))
+    return any(HEARTBEAT_FILE.match(p.name) for p in path.glob("heartbeat_rank*.jsonl"))
 
 
 def require_run_dir(path: str | os.PathLike[str]) -> Path:
@@ -93,7 +94,7 @@ def rank_processes(run_dir: str | os.PathLike[str]) -> list[RankProcess]:
     root = Path(run_dir)
     found: list[RankProcess] = []
     for path in sorted(root.glob("heartbeat_rank*.jsonl")):
-        match = _HEARTBEAT.match(path.name)
+        match = HEARTBEAT_FILE.match(path.name)
         if match is None:
             continue
         described = _describe(path, int(match.group(1)), f"rank{match.group(1)}{match.group(2)}")
@@ -160,7 +161,7 @@ def _decode(raw: bytes) -> dict[str, Any] | None:
         return None
     try:
         record = _decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
+    except DECODE_FAILURES:
         return None
     return record if isinstance(record, dict) else None
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 from .live_ranks import live_ranks, require_run_dir
@@ -69,7 +70,7 @@ def parse_memory_snapshot_request(data: bytes, path: Path) -> MemorySnapshotRequ
         return msgspec.json.decode(data, type=MemorySnapshotRequest)
     except msgspec.ValidationError as exc:
         raise ArtifactError(path, f"not a memory snapshot request: {exc}") from None
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except DECODE_FAILURES as exc:
         raise ArtifactError(path, f"not valid JSON: {exc}") from None
 
 
@@ -87,7 +88,7 @@ def read_memory_snapshot_answers(run_dir: str | os.PathLike[str], request_id: st
         for line in lines:
             try:
                 answer = msgspec.json.decode(line)
-            except (msgspec.DecodeError, RecursionError):
+            except DECODE_FAILURES:
                 continue
             if isinstance(answer, dict) and (request_id is None or answer.get("request_id") == request_id):
                 answers.append(answer)

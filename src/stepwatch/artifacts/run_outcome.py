@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from .._decode import DECODE_FAILURES
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
@@ -137,7 +138,7 @@ def read_rank_end(path: Path) -> dict[str, Any]:
         record = msgspec.json.decode(path.read_bytes())
     except OSError as exc:
         raise ArtifactError(path, f"cannot read: {exc.strerror}") from exc
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except DECODE_FAILURES as exc:
         raise ArtifactError(path, f"not valid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ArtifactError(path, "a rank end record must be a JSON object")
@@ -310,7 +311,7 @@ def fold_run_outcome(run_dir: Path, manifest: Any, returncode: int, forwarded: l
     if not single_process and report.is_file():
         try:
             failures = parse_torchrun_failures(msgspec.json.decode(report.read_bytes()), manifest.session_id)
-        except (OSError, msgspec.DecodeError, RecursionError) as exc:
+        except (OSError, *DECODE_FAILURES) as exc:
             problems.append(f"{report}: unreadable, the outcome is decided without it: {exc}")
     nnodes, node_rank = manifest.extra.get("nnodes"), manifest.extra.get("node_rank")
     local_ranks = None

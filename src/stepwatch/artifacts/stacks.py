@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..errors import StepwatchError
+from ._files import atomic_write_bytes
 from .live_ranks import RankProcess, rank_processes, require_run_dir
 
 __all__ = ["STACKS_DIR", "StackDumps", "NoStackDump", "dump_stacks", "stack_file_name"]
@@ -160,9 +161,7 @@ def _write_dump(directory: Path, process: RankProcess, data: bytes, stamp: int, 
     header = (f"# stepwatch stack dump: rank {process.rank} ({process.name}), pid {process.pid} on "
               f"{process.host or socket.gethostname()}, step {process.step}, {_signal_name(signum)} at {iso}\n"
               f"# reason: {' '.join(reason.split())[:500]}\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(header.encode() + data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, header.encode() + data, fsync=False)
     return path
 
 

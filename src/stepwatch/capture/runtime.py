@@ -253,6 +253,7 @@ class Runtime:
         self._progress_calls = 0
         # What ended this rank (uncaught exceptions, a caught signal): see record_failure.
         self.failures: list[dict[str, Any]] = []
+        self._ended_with_launcher = False  # set at stop (_launcher_ending)
         # Requests from outside (capture/controls.py, docs/halt.md, docs/stacks.md): read by the
         # sampler; the training thread sees a halt only through ``training.on_step`` once one is asked.
         self.halt: Any = None  # the HaltRequest this rank follows
@@ -442,6 +443,8 @@ class Runtime:
                 metadata={"failure": {k: v for k, v in error.items() if k not in ("pid", "host")}, "step": self.step}))
 
     def outcome(self) -> str:
+        if self._ended_with_launcher:  # stopped because ``stepwatch run`` died: every record says killed
+            return "killed"
         outcome = rank_outcome(self.failures)
         return "halted" if outcome == "exited" and self.halt_step is not None else outcome
 
@@ -700,17 +703,10 @@ class Runtime:
         self._halt_thread = thread
         if self.training.on_step == self._on_step_halting:
             self.training.on_step = self._on_step
-        # the patches enter through phase_begin (forward, backward, optimizer), the rest through begin_phase
+        # every phase opens through phase_begin (TrainingState.begin_phase calls it too)
         self.training.phase_begin = self._halt_at_phase_begin  # type: ignore[method-assign]
-        self.training.begin_phase = self._halt_at_phase  # type: ignore[method-assign]
         self.training.open_step = self._halt_at_step  # type: ignore[method-assign]
         self._write_rank_end()
-
-    def _halt_at_phase(self, name: str, *, timed: bool = True) -> OpenSpan | None:
-        if self._halt_thread not in (None, threading.get_ident()):  # not the training thread: as ever
-            return TrainingState.begin_phase(self.training, name, timed=timed)
-        self._raise_halt()
-        return None  # pragma: no cover - raised above
 
     def _halt_at_phase_begin(self, local: Any, name: str, timed: bool = True) -> OpenSpan | None:
         if self._halt_thread not in (None, threading.get_ident()):
@@ -726,7 +722,6 @@ class Runtime:
 
     def _raise_halt(self) -> None:
         self.training.__dict__.pop("phase_begin", None)  # once: a program that catches Halt goes on
-        self.training.__dict__.pop("begin_phase", None)
         self.training.__dict__.pop("open_step", None)
         halt = self.halt
         raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
@@ -946,6 +941,7 @@ class Runtime:
                     self.patches.uninstall()
             return
         status, ending = self._launcher_ending(status)
+        self._ended_with_launcher = bool(ending)
         with guarded:  # first: the deadline bounds this, not the exporter's wait below
             self._drain(deadline)
         if self.patches is not None:
@@ -968,14 +964,14 @@ class Runtime:
             self._write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
-                          "outcome": "killed" if ending else self.outcome(),
+                          "outcome": self.outcome(),
                           "collector_failures": {h.collector.name: h.failures_total for h in self.collectors},
                           **ending},
             ))
         first_error = next((e for e in self.failures if e.get("fatal")), None)
         with guarded:
             self._heartbeat_write(self._heartbeat("stop", status=status, error=first_error, **ending,
-                                                  outcome="killed" if ending else self.outcome()))
+                                                  outcome=self.outcome()))
             self.heartbeat.close()
         self._write_rank_end()
         # before the network's goodbyes, which may wait on an aggregator that is going too
@@ -985,7 +981,7 @@ class Runtime:
                 manifest.status = status
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
-                manifest.outcome = "killed" if ending else self.outcome()
+                manifest.outcome = self.outcome()
                 manifest.error = next((e for e in self.failures if e.get("fatal")), None) or self.halt_record()
                 manifest.errors = list(self.failures)
                 if ending:

@@ -180,7 +180,6 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
     ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
-    _configure_logging()
     ready = ready or sys.stdout
     stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready, session_id,
                                retention_ns, say_losses, watch))
@@ -202,16 +201,6 @@ def _write_stats(run_dir: Path, stats: dict[str, Any], ready: Any) -> None:
         ready.flush()
     except (OSError, ValueError):  # nobody reads it any more (stdout closed)
         pass
-
-
-def _configure_logging() -> None:
-    """The aggregator's lines on stderr as ``[stepwatch] ...``, once per process."""
-    root = logging.getLogger("stepwatch")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[stepwatch] %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> None:

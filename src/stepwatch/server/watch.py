@@ -20,12 +20,12 @@ from typing import Any
 
 from ..analysis.alerts import Alert, AlertPolicy, alert_from_dict
 from ..artifacts.alerts_log import ALERTS_FILE, read_alerts
+from ..artifacts.live_ranks import HEARTBEAT_FILE
 from ..errors import ArtifactError
 from .watchdog import Watchdog
 
 __all__ = ["RunWatcher", "check_run_dir"]
 
-_HEARTBEAT = re.compile(r"heartbeat_rank(\d+)\.jsonl")
 _BATCH = re.compile(r"\d{20}-.+\.json")
 
 
@@ -108,7 +108,7 @@ class RunWatcher:
 
     def _read_heartbeats(self, now: float) -> None:
         for path in sorted(self.run_dir.glob("heartbeat_rank*.jsonl")):
-            found = _HEARTBEAT.fullmatch(path.name)
+            found = HEARTBEAT_FILE.fullmatch(path.name)
             if found is None:
                 continue
             try:
@@ -126,7 +126,7 @@ class RunWatcher:
             for raw in data[:end].splitlines():
                 try:
                     record = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):  # a damaged line (nested past the parser's depth too)
                     continue
                 if not isinstance(record, dict):
                     continue
@@ -186,7 +186,7 @@ class RunWatcher:
                 continue
             try:
                 record = json.loads(path.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if not isinstance(record, dict):
                 continue
