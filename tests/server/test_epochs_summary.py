@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from .test_launcher import STEPWATCH, clean_env
@@ -89,6 +89,8 @@ _span = st.fixed_dictionaries({
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_span, max_size=60))
+@example([{"rank": 0, "name": "epoch", "idx": None, "start_ns": 0, "end_ns": 0},
+          {"rank": 0, "name": "epoch", "idx": 0, "start_ns": 0, "end_ns": 0}])
 def test_epoch_report_takes_any_spans(spans: list[dict[str, Any]]) -> None:
     from stepwatch.analysis.epochs import epoch_report, render_epoch_line
 

@@ -60,7 +60,7 @@ def epoch_report(spans: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
     for rank in sorted(epochs):
         rank_steps = sorted(steps[rank])
         total_ms = eval_total_ms = 0.0
-        for start, end, index in sorted(epochs[rank]):
+        for start, end, index in sorted(epochs[rank], key=lambda epoch: epoch[:2]):
             took = (end - start) / 1e6
             n_steps = sum(1 for s in rank_steps if start <= s < end)
             inside = [(a, b) for a, b in evals[rank] if start <= a < end]
