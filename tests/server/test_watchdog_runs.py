@@ -181,18 +181,30 @@ def test_watch_catches_a_stall_of_a_job_it_did_not_launch(tmp_path: Path) -> Non
             time.sleep(0.2)
         watcher = subprocess.Popen([*STEPWATCH, "watch", str(out), "--stall-after", "2", "--json"],
                                    env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        again: subprocess.Popen[str] | None = None
         try:
             assert watcher.stdout is not None
             line = watcher.stdout.readline()  # blocks until the first alert
             alert = json.loads(line)
             assert alert["kind"] == "STALL" and alert["ranks"] == [0]
             assert "sleep_forever" in Path(alert["evidence"]["stacks"][0]).read_text()
-            job.send_signal(signal.SIGTERM)  # the job ends: the watcher sees its stop record and ends
+            dumps = sorted((out / "stacks").iterdir())
+            # a second watch of the same hang: the STALL is in alerts.jsonl already, so it is
+            # neither raised nor acted on again (no second stack dump)
+            again = subprocess.Popen([*STEPWATCH, "watch", str(out), "--stall-after", "2", "--json"],
+                                     env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(5)
+            job.send_signal(signal.SIGTERM)  # the job ends: the watchers see its stop record and end
             assert watcher.wait(30) == 1
+            assert again.wait(30) == 0
+            assert again.communicate()[0] == ""
+            assert sorted((out / "stacks").iterdir()) == dumps
         finally:
-            if watcher.poll() is None:
-                watcher.kill()
-            watcher.communicate()
+            for proc in (watcher, again):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                if proc is not None:
+                    proc.communicate()
     finally:
         if job.poll() is None:
             job.kill()

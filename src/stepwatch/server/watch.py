@@ -78,6 +78,7 @@ class RunWatcher:
         self._step_index: dict[Any, int] = {}
         # alerts of an earlier watch of this run are not raised twice
         self._known = {self._key(alert_from_dict(r)) for r in self._earlier()}
+        self.watchdog.already_raised = lambda alert: self._key(alert) in self._known
 
     def _earlier(self) -> list[dict[str, Any]]:
         try:
@@ -99,10 +100,7 @@ class RunWatcher:
         self._read_heartbeats(now)
         self._read_spool(now)
         self._read_ends(now)
-        self.watchdog.log = _Dedupe(self.watchdog.log, self._known, self._key)
-        found = [alert for alert, _ in self.watchdog.tick(final=final)]
-        self.watchdog.log = self.watchdog.log.inner
-        fresh = [a for a in found if self._key(a) not in self._known]
+        fresh = [alert for alert, _ in self.watchdog.tick(final=final)]
         self._known |= {self._key(a) for a in fresh}
         return fresh
 
@@ -193,20 +191,6 @@ class RunWatcher:
             if self.session_id.startswith("run:") or record.get("session_id") in (None, self.session_id):
                 self._ends.add(int(found.group(1)))
                 rules.observe_stop(int(found.group(1)), now)
-
-
-class _Dedupe:
-    """The alert log, skipping the lines of alerts an earlier watch already wrote."""
-
-    def __init__(self, inner: Any, known: set[tuple[Any, ...]], key: Callable[[Alert], tuple[Any, ...]]) -> None:
-        self.inner = inner
-        self.path = inner.path
-        self._known = known
-        self._key = key
-
-    def append(self, record: dict[str, Any]) -> None:
-        if self._key(alert_from_dict(record)) not in self._known:
-            self.inner.append(record)
 
 
 def exit_code(alerts: list[Alert]) -> int:

@@ -96,6 +96,9 @@ class Watchdog:
         # forgotten this long after (None: never; ``stepwatch watch`` ends with its run)
         self.forget_after_s = forget_after_s
         self._ended: dict[str, float] = {}
+        # alerts already raised elsewhere (an earlier ``stepwatch watch`` of the run): neither
+        # acted on (no second stack dump) nor written again
+        self.already_raised: Callable[[Alert], bool] = lambda alert: False
 
     def rules_of(self, session_id: str) -> AlertRules:
         rules = self.rules.get(session_id)
@@ -229,6 +232,8 @@ class Watchdog:
         out = []
         for session_id, rules in list(self.rules.items()):
             for alert in rules.check(now, final=final):
+                if self.already_raised(alert):
+                    continue
                 alert = self._act(alert)
                 self._write(alert)
                 self.alerts.append(alert)
