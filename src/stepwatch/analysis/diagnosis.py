@@ -13,71 +13,18 @@ from typing import Any
 
 from ..errors import StoreError
 from ..store.base import HistoryStore
+from .verdict_inputs import diagnose_store
 
-__all__ = ["diagnosis_lines", "evidence_text", "load_inputs", "session_diagnosis", "verdict_line"]
+__all__ = ["diagnosis_lines", "evidence_text", "summary_diagnosis", "verdict_line"]
 
-# The telemetry columns the memory verdicts read (analysis.verdicts.diagnose's ``memory`` rows).
-_MEMORY_COLUMNS = "rank, timestamp_ns, collector, device_id, allocated, reserved, free, total, host"
 _EVIDENCE_ITEMS = 10  # scalar evidence items shown in the text; the JSON has all of them
-
-
-def load_inputs(store: HistoryStore, session_id: str, *, last_steps: int | None = None) -> dict[str, Any]:
-    """``{"steps", "memory", "system", "expected_ranks"}`` of ``session_id`` for ``diagnose``:
-    the engine's own loader (``load_verdict_inputs``) where it has one, else the steps table
-    (each rank's last ``last_steps`` when given) and the memory samples over the same span."""
-    try:
-        from .verdict_inputs import load_verdict_inputs
-    except ImportError:  # an engine without its own loader
-        pass
-    else:
-        return _as_inputs(load_verdict_inputs(store, session_id, last_steps=last_steps))
-    if last_steps is None:
-        steps = store.step_rows(session_id)
-    else:
-        steps = store.query(
-            "SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY rank ORDER BY step DESC) AS nth "
-            "FROM steps WHERE session_id = ?) WHERE nth <= ? ORDER BY rank, step", (session_id, int(last_steps)))
-    since = min((r["start_ns"] for r in steps if isinstance(r.get("start_ns"), int)), default=0)
-    memory = store.query(f"SELECT {_MEMORY_COLUMNS} FROM telemetry WHERE session_id = ? AND event_type = 'sample' "
-                         "AND timestamp_ns >= ? ORDER BY rank, timestamp_ns", (session_id, since))
-    return {"steps": steps, "memory": memory, "system": [], "expected_ranks": ()}
-
-
-def _as_inputs(loaded: Any) -> dict[str, Any]:
-    """The engine loader's answer as a mapping, whichever shape it has (an object with the
-    fields, a mapping, or a tuple of steps, memory, system[, expected ranks])."""
-    if isinstance(loaded, Mapping):
-        return {"steps": loaded.get("steps", ()), "memory": loaded.get("memory", ()),
-                "system": loaded.get("system", ()), "expected_ranks": loaded.get("expected_ranks", ())}
-    if isinstance(loaded, tuple) and not hasattr(loaded, "steps"):
-        parts = list(loaded) + [(), (), (), ()]
-        return {"steps": parts[0], "memory": parts[1], "system": parts[2], "expected_ranks": parts[3] or ()}
-    return {name: getattr(loaded, name, ()) or () for name in ("steps", "memory", "system", "expected_ranks")}
-
-
-def session_diagnosis(store: HistoryStore, session_id: str, *, window: int | None = None,
-                      policy: Any = None, inputs: Mapping[str, Any] | None = None) -> Any:
-    """The ``Diagnosis`` of ``session_id`` over all its steps (``window`` None) or the last
-    ``window`` steps completed on every rank."""
-    import inspect
-
-    from . import verdicts
-
-    if inputs is None:
-        inputs = load_inputs(store, session_id, last_steps=window)
-    kwargs: dict[str, Any] = {"window": window}
-    if policy is not None:
-        kwargs["policy"] = policy
-    if inputs.get("expected_ranks") and "expected_ranks" in inspect.signature(verdicts.diagnose).parameters:
-        kwargs["expected_ranks"] = tuple(inputs["expected_ranks"])
-    return verdicts.diagnose(inputs["steps"], inputs["memory"], inputs["system"], **kwargs)
 
 
 def summary_diagnosis(store: HistoryStore, session_id: str, policy: Any = None) -> dict[str, Any]:
     """The final summary's ``diagnosis`` (``Diagnosis.to_dict()``); an engine that fails costs
     the diagnosis only, never the summary: then ``primary`` is None and ``error`` says why."""
     try:
-        return session_diagnosis(store, session_id, policy=policy).to_dict()
+        return diagnose_store(store, session_id, policy=policy).to_dict()
     except StoreError:  # a damaged history is the caller's error to report
         raise
     except Exception as exc:  # noqa: BLE001 - the rest of the summary must still be written

@@ -126,10 +126,13 @@ def _gpu_utilisation(store: HistoryStore, session_id: str, ranks: list[int], spa
 
 
 def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None = None,
-                   policy: VerdictPolicy = DEFAULT_POLICY) -> Diagnosis:
-    """``diagnose`` on ``session_id``'s window, read from ``store`` (live: ``window=policy.live_window_steps``)."""
+                   policy: VerdictPolicy | None = None, inputs: VerdictInputs | None = None) -> Diagnosis:
+    """``diagnose`` on ``session_id``'s window (all its steps when ``window`` is None), read from
+    ``store`` unless the caller loaded ``inputs`` already (the live thread keeps them for the
+    verdict's row)."""
     from .verdicts import diagnose
 
-    inputs = load_verdict_inputs(store, session_id, last_steps=window)
-    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=policy,
+    if inputs is None:
+        inputs = load_verdict_inputs(store, session_id, last_steps=window)
+    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=policy or DEFAULT_POLICY,
                     expected_ranks=inputs.expected_ranks)

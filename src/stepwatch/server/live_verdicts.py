@@ -29,7 +29,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..analysis.verdict_inputs import VerdictInputs
 
 __all__ = ["INTERVAL_ENV", "LiveVerdicts", "interval_from_env"]
 
@@ -160,11 +163,10 @@ class LiveVerdicts:
 
     def evaluate(self, session_id: str, ranks: list[int]) -> Any:
         """The session's diagnosis now; reports its primary verdict when that changed."""
-        from ..analysis.diagnosis import load_inputs, session_diagnosis
+        from ..analysis.verdict_inputs import diagnose_store, load_verdict_inputs
 
-        inputs = load_inputs(self._open(), session_id, last_steps=self.window)
-        diagnosis = session_diagnosis(self._open(), session_id, window=self.window, policy=self.policy,
-                                      inputs=inputs)
+        inputs = load_verdict_inputs(self._open(), session_id, last_steps=self.window)
+        diagnosis = diagnose_store(self._open(), session_id, window=self.window, policy=self.policy, inputs=inputs)
         primary = diagnosis.primary
         if primary.name not in _NOT_A_VERDICT:
             key = (primary.name, primary.severity, tuple(primary.ranks))
@@ -177,9 +179,9 @@ class LiveVerdicts:
         self._maybe_snapshot(session_id, diagnosis, inputs)
         return diagnosis
 
-    def _report(self, session_id: str, verdict: Any, inputs: Mapping[str, Any]) -> None:
+    def _report(self, session_id: str, verdict: Any, inputs: VerdictInputs) -> None:
         self.changes += 1
-        steps = [r["step"] for r in inputs["steps"] if isinstance(r.get("step"), int)]
+        steps = [r["step"] for r in inputs.steps if isinstance(r.get("step"), int)]
         data = verdict.to_dict()
         row = {"session_id": session_id, "ts_ns": time.time_ns(), "step": max(steps) if steps else None,
                "window_steps": self.window, "name": verdict.name, "severity": verdict.severity,
@@ -192,13 +194,13 @@ class LiveVerdicts:
             line += f"; next step: {verdict.next_step}"
         self.emit({"event": "verdict", "line": line, "session_id": session_id, "step": row["step"], "verdict": data})
 
-    def _maybe_snapshot(self, session_id: str, diagnosis: Any, inputs: Mapping[str, Any]) -> None:
+    def _maybe_snapshot(self, session_id: str, diagnosis: Any, inputs: VerdictInputs) -> None:
         """A CUDA memory snapshot from the ranks, once per session and verdict, where the run uses
         CUDA (a memory sample of a device) and the snapshot requests exist in this build."""
         if self.run_dir is None:
             return
         found = [v for v in diagnosis.memory if v.name in _SNAPSHOT_ON and (session_id, v.name) not in self._snapshots]
-        if not found or not any(isinstance(m.get("device_id"), int) and m["device_id"] >= 0 for m in inputs["memory"]):
+        if not found or not any(isinstance(m.get("device_id"), int) and m["device_id"] >= 0 for m in inputs.memory):
             return
         try:
             from ..artifacts.memory_snapshots import request_memory_snapshot  # the controls helper's module

@@ -127,11 +127,11 @@ def explain(run_dir: Path, session_id: str | None, window: int | None, as_json: 
     Recomputed from the run's history.sqlite, or from its artifacts when it has none (a run
     captured with ``track`` or ``stepwatch.init`` alone). Exit codes: 0 done, 2 unreadable input.
     """
-    from ..analysis.diagnosis import session_diagnosis
+    from ..analysis.verdict_inputs import diagnose_store
 
     policy = load_cli_policy(policy_file, overrides)
     with open_run_history(run_dir, session_id) as (store, chosen, source):
-        diagnosis = session_diagnosis(store, chosen, window=window, policy=policy).to_dict()
+        diagnosis = diagnose_store(store, chosen, window=window, policy=policy).to_dict()
     result = {"session_id": chosen, "source": source, "window_steps": window, "diagnosis": diagnosis}
     if policy is not None and hasattr(policy, "to_dict"):
         result["policy"] = policy.to_dict()
