@@ -15,7 +15,8 @@ from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
-__all__ = ["RUN_MANIFEST", "RunManifest", "read_run_manifest", "write_run_manifest", "write_run_manifest_in_place"]
+__all__ = ["RUN_MANIFEST", "RunManifest", "read_run_manifest", "run_session_id", "write_run_manifest",
+           "write_run_manifest_in_place"]
 
 RUN_MANIFEST = "run.json"
 
@@ -83,3 +84,20 @@ def read_run_manifest(run_dir: Path) -> RunManifest:
         raise ArtifactError(path, f"invalid run manifest: {exc}") from None
     except DECODE_FAILURES as exc:
         raise ArtifactError(path, f"not valid JSON: {undecodable(exc)}") from None
+
+
+
+class _SessionOnly(msgspec.Struct):
+    session_id: str | None = None
+
+
+def run_session_id(run_dir: Path) -> str | None:
+    """The session the run directory's run.json names, or None (no run.json, not JSON, no
+    session). Looser than ``read_run_manifest`` on purpose: the commands that only need to know
+    which session is the run's own (``watch``, ``serve``, ``summary``, ``explain``) still find
+    it in a manifest damaged elsewhere or written by a newer version."""
+    try:
+        value = msgspec.json.decode((run_dir / RUN_MANIFEST).read_bytes(), type=_SessionOnly).session_id
+    except (OSError, msgspec.ValidationError, *DECODE_FAILURES):
+        return None
+    return value or None

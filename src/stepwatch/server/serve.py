@@ -45,22 +45,15 @@ def parse_duration(text: str) -> int:
     return int(value * 1e9)
 
 
-def _own_session(run_dir: Path) -> str | None:
-    try:
-        value = json.loads((run_dir / "run.json").read_text()).get("session_id")
-    except (OSError, ValueError, RecursionError, AttributeError):  # RecursionError: nested too deeply
-        return None
-    return value if isinstance(value, str) and value else None
-
-
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
                  say_losses: bool = True, watch: dict[str, Any] | None = None) -> dict[str, Any]:
+    from ..artifacts.run_manifest import run_session_id
     from ..store.sqlite import SqliteStore
     from .aggregator import Aggregator
 
     store = SqliteStore(run_dir / "history.sqlite")
-    aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or _own_session(run_dir),
+    aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=_event_writer(ready), watchdog=_watchdog(run_dir, watch))
     tcp = runner = None
     http_bound = None

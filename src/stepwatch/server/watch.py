@@ -21,6 +21,7 @@ from typing import Any
 from ..analysis.alerts import Alert, AlertPolicy, alert_from_dict
 from ..artifacts.alerts_log import ALERTS_FILE, read_alerts
 from ..artifacts.live_ranks import HEARTBEAT_FILE
+from ..artifacts.run_manifest import run_session_id
 from ..errors import ArtifactError
 from .watchdog import Watchdog
 
@@ -48,11 +49,7 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def _session_of(run_dir: Path) -> str:
-    try:
-        value = json.loads((run_dir / "run.json").read_text()).get("session_id")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        value = None
-    return value if isinstance(value, str) and value else f"run:{run_dir.resolve()}"
+    return run_session_id(run_dir) or f"run:{run_dir.resolve()}"
 
 
 class RunWatcher:

@@ -210,6 +210,7 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool, po
 
     Its diagnosis comes first; --policy/--set recompute it with other thresholds."""
     from ..analysis.summary import render_summary_text
+    from ..artifacts.run_manifest import run_session_id
 
     policy = load_cli_policy(policy_file, overrides)
 
@@ -223,7 +224,7 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool, po
             _require_session(store, target, session_id)
         data = write_final_summary(target, session_id, None, None, None, None, policy=policy)
     elif write:  # a run captured by ``track``: no history, the summary comes from its artifacts
-        data = _summary_of(target, session_id if session_id is not None else _newest_session(target), policy)
+        data = _summary_of(target, session_id if session_id is not None else run_session_id(target), policy)
         _write_summary_files(target, data)
     else:
         data = _summary_of(target, session_id, policy)
@@ -231,15 +232,6 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool, po
         _print_json(data)
     else:
         sys.stdout.write(render_summary_text(data))
-
-
-def _newest_session(run_dir: Path) -> str | None:
-    """The run's own session (run.json), so a stale final_summary.json is not read back."""
-    try:
-        data = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return data.get("session_id") if isinstance(data, dict) and isinstance(data.get("session_id"), str) else None
 
 
 @click.command()

@@ -49,19 +49,10 @@ def load_cli_policy(policy_file: Path | None, overrides: tuple[str, ...]) -> Any
         raise ArtifactError(where if where not in message else "policy", message) from None
 
 
-def _session_of_run(run_dir: Path) -> str | None:
-    import json
-
-    try:
-        data = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return data.get("session_id") if isinstance(data, dict) and isinstance(data.get("session_id"), str) else None
-
-
 def _pick_session(store: Any, target: Path, session_id: str | None) -> str:
     """The session asked for (an error naming the ones there when it is not), else the run's own
     (run.json), else the newest in the store."""
+    from ..artifacts.run_manifest import run_session_id
     from ..errors import ArtifactError
 
     sessions = store.sessions()
@@ -71,7 +62,7 @@ def _pick_session(store: Any, target: Path, session_id: str | None) -> str:
             listed = ", ".join(f"{s['session_id']} ({s.get('status')})" for s in sessions) or "none"
             raise ArtifactError(target, f"no session {session_id!r} here; its sessions: {listed}")
         return session_id
-    own = _session_of_run(target) if target.is_dir() else None
+    own = run_session_id(target) if target.is_dir() else None
     if own in known:
         return own  # type: ignore[return-value]
     if not sessions:
