@@ -126,8 +126,8 @@ def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:
     from .watchdog import Watchdog
 
     watch = watch or {}
-    policy = AlertPolicy(stall_after_s=watch.get("stall_after_s") or 180.0,
-                         throughput_window_s=watch.get("throughput_window_s") or 10.0)
+    policy = AlertPolicy(stall_after_s=watch.get("stall_after_s") or AlertPolicy.stall_after_s,
+                         throughput_window_s=watch.get("throughput_window_s") or AlertPolicy.throughput_window_s)
     return Watchdog(run_dir, policy, actions={"STALL": watch.get("on_stall") or "dump",
                                               "NONFINITE": watch.get("on_nonfinite") or "alert"})
 def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractEventLoop) -> Any:
@@ -199,6 +199,8 @@ def _write_stats(run_dir: Path, stats: dict[str, Any], ready: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    from ..analysis.alerts import AlertPolicy
+
     parser = argparse.ArgumentParser(prog="python -m stepwatch.server")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -210,9 +212,9 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"history window per session and rank, e.g. 7d, 12h (default: ${RETENTION_ENV}, else none)")
     parser.add_argument("--launched", action="store_true",
                         help="started by `stepwatch run`, which reports lost writes itself (from the stopped line)")
-    parser.add_argument("--stall-after", type=float, default=180.0,
+    parser.add_argument("--stall-after", type=float, default=AlertPolicy.stall_after_s,
                         help="seconds without progress before a rank is STALLed (docs/watchdog.md)")
-    parser.add_argument("--throughput-window", type=float, default=10.0,
+    parser.add_argument("--throughput-window", type=float, default=AlertPolicy.throughput_window_s,
                         help="seconds per THROUGHPUT_DROP window")
     parser.add_argument("--on-stall", choices=("dump", "kill"), default="dump")
     parser.add_argument("--on-nonfinite", choices=("alert", "halt"), default="alert")

@@ -13,6 +13,7 @@ import click
 
 from .base import _console, _print_json, _reports_errors
 from .commands_verdicts import load_cli_policy, policy_options
+from .commands_watch import watchdog_options
 
 __all__ = ["compare", "import_command", "run", "serve", "summary"]
 
@@ -35,10 +36,7 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
               help="Memory sampling interval in milliseconds.")
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
-@click.option("--stall-after", type=click.FloatRange(min=0, min_open=True), default=180.0, show_default=True,
-              metavar="SECONDS", help="Alert STALL when a rank makes no progress this long (docs/watchdog.md).")
-@click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")
+@watchdog_options
 @click.option("--on-stall", type=click.Choice(["dump", "kill"]), default="dump", show_default=True,
               help="On STALL: dump every rank's stacks; kill: dump, then end the job (exit code 124).")
 @click.option("--on-nonfinite", type=click.Choice(["alert", "halt"]), default="alert", show_default=True,
@@ -111,10 +109,7 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--session-id", help="Session of frames that name none (legacy senders).")
-@click.option("--stall-after", type=click.FloatRange(min=0, min_open=True), default=180.0, show_default=True,
-              metavar="SECONDS", help="Alert STALL when a rank makes no progress this long (docs/watchdog.md).")
-@click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")
+@watchdog_options
 @_reports_errors
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
           session_id: str | None, stall_after: float, throughput_window: float) -> None:

@@ -5,21 +5,35 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
+from ..analysis.alerts import AlertPolicy
 from .base import _console, _reports_errors
 
-__all__ = ["watch"]
+__all__ = ["watch", "watchdog_options"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def watchdog_options(func: F) -> F:
+    """``--stall-after`` and ``--throughput-window``: the same on ``run``, ``serve`` and ``watch``
+    (the defaults are ``AlertPolicy``'s, docs/watchdog.md)."""
+    func = click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True),
+                        default=AlertPolicy.throughput_window_s,
+                        show_default=True, metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")(func)
+    return click.option("--stall-after", type=click.FloatRange(min=0, min_open=True),
+                        default=AlertPolicy.stall_after_s, show_default=True,
+                        metavar="SECONDS",
+                        help="Alert STALL when a rank makes no progress this long (docs/watchdog.md).")(func)
 
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--stall-after", type=click.FloatRange(min=0, min_open=True), default=180.0, show_default=True,
-              metavar="SECONDS", help="Alert STALL when a rank makes no progress this long.")
-@click.option("--throughput-window", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              metavar="SECONDS", help="Length of a THROUGHPUT_DROP window.")
+@watchdog_options
 @click.option("--no-dump", is_flag=True, help="Do not ask the ranks for stack dumps on a STALL.")
 @click.option("--json", "as_json", is_flag=True, help="Print each alert as its alerts.jsonl line.")
 @_reports_errors
