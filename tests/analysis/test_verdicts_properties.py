@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -182,3 +183,20 @@ def test_the_numpy_memory_facts_are_the_row_facts(ranks: int, count: int, sample
     by_arrays_diagnosis = diagnose(rows, samples, columnar=True).to_dict()
     assert diagnose(rows, samples, columnar=False).to_dict() == by_arrays_diagnosis
     json.dumps(by_arrays_diagnosis, allow_nan=False)  # plain JSON: no numpy scalar, no NaN
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_sample_taken_as_a_step_starts_belongs_to_that_step(columns: bool) -> None:
+    from stepwatch.analysis.memory_arrays import facts_from_arrays
+    from stepwatch.analysis.memory_verdicts import _facts_from_samples, parse_samples
+
+    rows = [r for rank in range(2) for r in steps(rank, 30, t0=0)]
+    samples = [{"rank": r["rank"], "timestamp_ns": r["start_ns"], "collector": "stepwatch.cpu_tracker",
+                "device_id": -1, "allocated": (1 << 30) + r["step"] * (1 << 20), "reserved": 0, "free": 1 << 33,
+                "total": 1 << 34, "host": "a"} for r in rows]
+    window = build_window(rows, None, columnar=columns)
+    by_rows = _facts_from_samples(parse_samples(samples, window), window)
+    by_arrays = facts_from_arrays(samples, window)
+    assert by_arrays is not None and by_arrays.worst == by_rows.worst
+    # each sample is its own step's: the series grows by a step's 1 MiB from the first step on
+    assert len(by_rows.worst) == 30 and by_rows.worst[1] - by_rows.worst[0] == 1 << 20

@@ -11,7 +11,7 @@ from typing import Any
 
 from .memory_facts import CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
 from .step_columns import _array, numpy_or_none
-from .step_windows import StepWindow
+from .step_windows import RankWindow, StepWindow
 
 __all__ = ["facts_from_arrays"]
 
@@ -89,13 +89,15 @@ def facts_from_arrays(rows: Iterable[Any], window: StepWindow) -> MemoryFacts | 
         total_seen = np.bincount(at[has_total], minlength=len(wr)) > 0
         last = np.full(len(wr), -1, dtype=np.int64)
         np.maximum.at(last, at, np.arange(len(where)))
-        for i, r in enumerate(window_ranks):
-            if counts[i]:
-                facts.peaks[r] = float(peaks[i])
-                facts.counts[r] = int(counts[i])
-                facts.hosts[r] = hosts_by_code[int(host[where][last[i]])]
-                if total_seen[i]:
-                    facts.totals[r] = float(totals[i])
+        last_host = host[where][np.maximum(last, 0)].tolist()
+        for r, n, peak, code, seen, most in zip(window_ranks, counts.tolist(), peaks.tolist(), last_host,
+                                                total_seen.tolist(), totals.tolist()):
+            if n:
+                facts.peaks[r] = peak
+                facts.counts[r] = n
+                facts.hosts[r] = hosts_by_code[code]
+                if seen:
+                    facts.totals[r] = most
         series_mask = source & ~np.isnan(allocated)
         facts.worst, facts.median, facts.own = _series(np, window, window_ranks, slot, ts, allocated, series_mask)
     else:
@@ -125,31 +127,20 @@ def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts:
     step_of = np.zeros(len(ts), dtype=np.int64)
     has_step = np.zeros(len(ts), dtype=bool)
     # Each sample's step: the last step of its rank that started at or before it. One sort of
-    # every rank's step starts and samples together (by rank, time, steps before samples at the
-    # same time), then the last step seen carried forward: no numpy call per rank.
-    times_of, numbers_of, slots_of = [], [], []
-    for i, r in enumerate(window_ranks):
-        w = window.ranks[r]
-        if w.starts_known is not None:
-            times, numbers = w.step_starts[w.starts_known], w.step_numbers[w.starts_known]
-        else:
-            clock, steps = w.step_clock()
-            times, numbers = np.array(clock, dtype=np.int64), np.array(steps, dtype=np.int64)
-        if len(times):
-            times_of.append(np.asarray(times, dtype=np.int64))
-            numbers_of.append(np.asarray(numbers, dtype=np.int64))
-            slots_of.append(np.full(len(times), i, dtype=np.int64))
+    # every rank's step starts and samples together (by rank, then time), then the last step
+    # seen carried forward: no numpy call per rank.
+    step_times, numbers, step_slots = _step_clocks(np, [window.ranks[r] for r in window_ranks])
     samples = np.flatnonzero(mask)
-    if times_of and len(samples):
-        numbers = np.concatenate(numbers_of)
+    if len(numbers) and len(samples):
         n_steps = len(numbers)
-        when = np.concatenate([*times_of, ts[samples]])
-        where = np.concatenate([*slots_of, slot[samples]])
-        is_sample = np.r_[np.zeros(n_steps, dtype=bool), np.ones(len(samples), dtype=bool)]
-        order = np.lexsort((is_sample, when, where))
+        when = np.concatenate([step_times, ts[samples]])
+        where = np.concatenate([step_slots, slot[samples]])
+        # lexsort is stable: at the same time, the steps (given first) stay before the samples
+        order = np.lexsort((when, where))
+        sample_at = order >= n_steps
         positions = np.arange(len(order))
-        last_step = np.maximum.accumulate(np.where(is_sample[order], -1, positions))
-        at = np.flatnonzero(is_sample[order])
+        last_step = np.maximum.accumulate(np.where(sample_at, -1, positions))
+        at = np.flatnonzero(sample_at)
         before = last_step[at]
         found = (before >= 0) & (where[order][np.maximum(before, 0)] == where[order][at])
         sample = samples[order[at[found]] - n_steps]
@@ -169,6 +160,27 @@ def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts:
         return [], [], SeriesColumns([], [])
     return (complete.max(axis=1).tolist(), np.median(complete, axis=1).tolist(),
             SeriesColumns(window_ranks, complete.tolist()))
+
+
+def _step_clocks(np: Any, ranks: list[RankWindow]) -> tuple[Any, Any, Any]:
+    """Every rank's known step starts, step numbers and rank slot, concatenated (int64). Ranks
+    reduced on arrays are joined in a few numpy calls for all of them, not a few per rank."""
+    if all(w.starts_known is not None for w in ranks):
+        if not ranks:
+            return (np.zeros(0, dtype=np.int64),) * 3
+        known = np.concatenate([w.starts_known for w in ranks])
+        slots = np.repeat(np.arange(len(ranks), dtype=np.int64), [len(w.starts_known) for w in ranks])
+        return (np.concatenate([w.step_starts for w in ranks])[known].astype(np.int64),
+                np.concatenate([w.step_numbers for w in ranks])[known].astype(np.int64), slots[known])
+    times: list[Any] = []
+    numbers: list[int] = []
+    slots: list[int] = []
+    for i, w in enumerate(ranks):
+        clock, steps = w.step_clock()
+        times += clock
+        numbers += steps
+        slots += [i] * len(clock)
+    return (np.array(times, dtype=np.int64), np.array(numbers, dtype=np.int64), np.array(slots, dtype=np.int64))
 
 
 def _system(np: Any, facts: MemoryFacts, cpu: Any, slot: Any, window_ranks: list[int], host: Any,

@@ -231,22 +231,26 @@ def reduce_columns(columns: StepColumns, window: int | None) -> tuple[list[dict[
     between = np.bincount(owner, weights=gap, minlength=len(starts))
     between_wall = np.bincount(owner, weights=np.where(pair, gap + totals[1:], 0.0), minlength=len(starts))
     pairs = np.bincount(owner, weights=pair.astype(np.float64), minlength=len(starts))
+    # per rank, read as Python numbers once (a numpy scalar per value costs more than the arrays)
+    names = list(sums)
+    per_name = {n: (sums[n][0].tolist(), sums[n][1].tolist(), sums[n][2].tolist()) for n in names}
+    lasts = starts + counts - 1
+    totals_l, between_l, wall_l, pairs_l = total_time.tolist(), between.tolist(), between_wall.tolist(), pairs.tolist()
+    firsts = zip(rank[starts].tolist(), step[starts].tolist(), step[lasts].tolist(), start_col[starts].tolist(),
+                 start_known[starts].tolist(), end_col[lasts].tolist(), end_known[lasts].tolist())
     out = []
-    for i, begin in enumerate(starts.tolist()):
-        end = begin + int(counts[i])
-        item = {
-            "rank": int(rank[begin]), "steps": int(counts[i]), "first_step": int(step[begin]),
-            "last_step": int(step[end - 1]),
-            "start_ns": int(start_col[begin]) if start_known[begin] else None,
-            "end_ns": int(end_col[end - 1]) if end_known[end - 1] else None,
-            "step_total_ns": float(total_time[i]),
-            "sums": {n: float(s[0][i]) for n, s in sums.items()},
-            "known": {n: int(s[1][i]) for n, s in sums.items()},
-            "denominators": {n: float(s[2][i]) for n, s in sums.items()},
-            "between_ns": float(between[i]) if pairs[i] else None,
-            "between_wall_ns": float(between_wall[i]) if pairs[i] else 0.0,
-            "step_numbers": step[begin:end], "step_starts": start_col[begin:end],
-            "starts_known": start_known[begin:end],
-        }
-        out.append(item)
+    for i, (begin, count, (rank_i, first, last, start, start_ok, end, end_ok)) in enumerate(
+            zip(starts.tolist(), counts.tolist(), firsts)):
+        out.append({
+            "rank": rank_i, "steps": count, "first_step": first, "last_step": last,
+            "start_ns": int(start) if start_ok else None, "end_ns": int(end) if end_ok else None,
+            "step_total_ns": totals_l[i],
+            "sums": {n: per_name[n][0][i] for n in names},
+            "known": {n: per_name[n][1][i] for n in names},
+            "denominators": {n: per_name[n][2][i] for n in names},
+            "between_ns": between_l[i] if pairs_l[i] else None,
+            "between_wall_ns": wall_l[i] if pairs_l[i] else 0.0,
+            "step_numbers": step[begin:begin + count], "step_starts": start_col[begin:begin + count],
+            "starts_known": start_known[begin:begin + count],
+        })
     return out, ignored, high, seen
