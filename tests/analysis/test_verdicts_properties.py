@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.analysis.step_windows import build_window
@@ -49,6 +49,8 @@ def _finite(value: Any) -> bool:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_rows, st.lists(sample, max_size=30), st.lists(system, max_size=10), st.one_of(st.none(), st.integers(1, 50)))
+@example(rows=[{"rank": 0, "step": 0}, {"rank": 0, "step": None},  # a clock past int64: unknown
+               {"rank": 0, "step": 0, "start_ns": 9.223372036854776e18, "step_ns": 0}], memory=[], sys=[], window=None)
 def test_any_rows_give_a_diagnosis_with_shares_in_range_and_the_same_twice(rows: list, memory: list, sys: list,
                                                                         window: int | None) -> None:
     first = diagnose(rows, memory, sys, window=window)

@@ -22,6 +22,7 @@ __all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_int", "clean_numbe
 
 COLUMNS: tuple[str, ...] = ("rank", "step", "start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
 _INT_LIMIT = float(1 << 62)
+_PAST_INT64 = 2.0**63
 # the phases that make up compute (stepwatch.phases: in the residual, and not h2d)
 COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
 
@@ -121,13 +122,14 @@ def _value(array: Any, index: int) -> Any:
 
 
 def _array(np: Any, values: Sequence[Any], *, clock: bool = False) -> Any:
-    """float64 with NaN for unknown (None, NaN, inf, negatives, anything not a number); a clock
-    column stays int64 when every value is a known int (exact nanoseconds)."""
+    """float64 with NaN for unknown (None, NaN, inf, negatives, anything not a number, anything
+    past int64: no clock or byte count is that large); a clock column stays int64 when every
+    value is an int64 (exact nanoseconds)."""
     try:
         inferred = np.array(values)  # all ints: int64, the common case and the fastest
     except (TypeError, ValueError, OverflowError):
         inferred = None
-    if inferred is not None and inferred.ndim == 1 and inferred.dtype.kind in "iu":
+    if inferred is not None and inferred.ndim == 1 and inferred.dtype.kind == "i":
         if clock:
             return inferred.astype(np.int64)
         array = inferred.astype(np.float64)
@@ -136,7 +138,7 @@ def _array(np: Any, values: Sequence[Any], *, clock: bool = False) -> Any:
     if inferred is not None and inferred.ndim == 1 and inferred.dtype.kind == "f":
         array = inferred
         with np.errstate(invalid="ignore"):
-            array[~(np.isfinite(array) & (array >= 0))] = np.nan
+            array[~(np.isfinite(array) & (array >= 0) & (array < _PAST_INT64))] = np.nan
         return array
     try:
         array = np.array(values, dtype=np.float64)
@@ -145,7 +147,7 @@ def _array(np: Any, values: Sequence[Any], *, clock: bool = False) -> Any:
     if array is None or array.ndim != 1:
         array = np.array([clean_number(v) for v in values], dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        array[~(np.isfinite(array) & (array >= 0))] = np.nan
+        array[~(np.isfinite(array) & (array >= 0) & (array < _PAST_INT64))] = np.nan
     return array
 
 
