@@ -117,6 +117,8 @@ class Site(enum.StrEnum):
     LIGHTNING_CLOSE_EVAL_STEP = "lightning.close_eval_step"
     TRANSFORMERS_OPEN_EVAL_STEP = "transformers.open_eval_step"
     TRANSFORMERS_CLOSE_EVAL_STEP = "transformers.close_eval_step"
+    LIGHTNING_STOP_FOR_HALT = "lightning.stop_for_halt"
+    TRANSFORMERS_STOP_FOR_HALT = "transformers.stop_for_halt"
     PATCH_PROCESS_GROUP = "patch.process_group"
     STEP_LEDGER_WRITE = "step_ledger.write"
     STEP_LEDGER_CREATE = "step_ledger.create"

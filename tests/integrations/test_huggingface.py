@@ -357,3 +357,25 @@ def test_core_imports_no_training_framework(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+@needs_trainer
+@pytest.mark.parametrize("logging_steps", [1, 100])  # the step closes in on_log, or in on_step_end
+def test_a_halt_stops_the_trainer_its_own_way_and_train_returns(run_dir: Path, tmp_path: Path,
+                                                                logging_steps: int) -> None:
+    import time
+
+    stepwatch.request_halt(run_dir, at_step=3, reason="make room")
+    runtime = api.current_runtime()
+    deadline = time.monotonic() + 10
+    while runtime.halt is None:  # type: ignore[union-attr]  # the sampler reads .HALT at its tick
+        assert time.monotonic() < deadline, "the halt was never read"
+        time.sleep(0.05)
+    trainer = transformers.Trainer(model=TinyRegressor(), args=training_args(tmp_path, num_train_epochs=5,
+                                                                             logging_steps=logging_steps),
+                                   train_dataset=RegressionData(), callbacks=[StepwatchCallback()])
+    trainer.train()  # no Halt raised: the Trainer's own stop ends the run
+    assert trainer.state.global_step == 3
+    assert runtime.step == 3 and runtime.outcome() == "halted"  # type: ignore[union-attr]
+    end = json.loads((run_dir / "outcome_rank0.json").read_text())
+    assert end["outcome"] == "halted" and end["halt"]["step"] == 3

@@ -302,3 +302,39 @@ def test_module_refuses_a_missing_or_old_lightning(shadow: str | None, monkeypat
     with pytest.raises(IntegrationUnavailable) as info:
         importlib.import_module("stepwatch.capture.integrations.lightning")
     assert info.value.library == "lightning"
+
+
+# -- a coherent halt (docs/halt.md) -----------------------------------------------------------
+
+
+def _arm_halt(run_dir: Path, at_step: int) -> Any:
+    import time
+
+    stepwatch.request_halt(run_dir, at_step=at_step, reason="make room")
+    runtime = api.current_runtime()
+    deadline = time.monotonic() + 10
+    while runtime.halt is None:  # type: ignore[union-attr]  # the sampler reads .HALT at its tick
+        assert time.monotonic() < deadline, "the halt was never read"
+        time.sleep(0.05)
+    return runtime
+
+
+def test_a_halt_stops_the_trainer_its_own_way_and_fit_returns(run_dir: Path) -> None:
+    import json
+
+    runtime = _arm_halt(run_dir, 3)
+    trainer = make_trainer(StepwatchCallback(), max_epochs=5)  # 2 batches an epoch: 10 steps
+    trainer.fit(TinyModule(), loader())  # no Halt raised: Lightning's own stop ends the fit
+    assert trainer.should_stop and trainer.global_step == 3
+    assert runtime.step == 3 and runtime.outcome() == "halted"
+    end = json.loads((run_dir / "outcome_rank0.json").read_text())
+    assert end["outcome"] == "halted" and end["halt"]["step"] == 3
+
+
+def test_a_halt_before_min_steps_stops_the_fit_with_halt(run_dir: Path) -> None:
+    runtime = _arm_halt(run_dir, 3)
+    trainer = make_trainer(StepwatchCallback(), max_epochs=5, min_steps=6)  # Lightning would train on
+    with pytest.raises(stepwatch.Halt) as raised:
+        trainer.fit(TinyModule(), loader())
+    assert raised.value.step == 3 and trainer.global_step == 3
+    assert runtime.outcome() == "halted"

@@ -720,9 +720,14 @@ class Runtime:
         self._raise_halt()
         return None  # pragma: no cover
 
-    def _raise_halt(self) -> None:
-        self.training.__dict__.pop("phase_begin", None)  # once: a program that catches Halt goes on
+    def leave_halt_to_caller(self) -> None:
+        """The halt's step is done and the caller stops the loop its own way (a framework's stop
+        flag): no ``Halt`` is raised at the next phase. The rank's outcome stays ``halted``."""
+        self.training.__dict__.pop("phase_begin", None)
         self.training.__dict__.pop("open_step", None)
+
+    def _raise_halt(self) -> None:
+        self.leave_halt_to_caller()  # once: a program that catches Halt goes on
         halt = self.halt
         raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...errors import IntegrationUnavailable
@@ -36,7 +36,7 @@ __all__ = ["FrameworkLink", "require_version", "validate_init_kwargs"]
 # The guard sites of each framework's link, looked up once here so that a framework without its
 # declared ``Site`` members fails at import, never inside an error handler in the trainer.
 _LINK_OPERATIONS = ("start", "stop", "open_epoch", "close_epoch", "open_step", "close_step", "mark", "open_eval_step",
-                    "close_eval_step")
+                    "close_eval_step", "stop_for_halt")
 _SITES: dict[str, dict[str, Site]] = {
     framework: {op: Site(f"{framework}.{op}") for op in _LINK_OPERATIONS}
     for framework in ("lightning", "transformers")
@@ -247,6 +247,24 @@ class FrameworkLink:
                 state.close_step(step, error, end_ns=end_ns)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, self.sites["close_step"])
+
+    def stop_for_halt(self, can_stop: Callable[[], bool] = lambda: True) -> bool:
+        """True once this rank has completed the step a ``stepwatch halt`` named (docs/halt.md)
+        and ``can_stop()`` says the framework will honour its own stop flag now: the callback then
+        sets that flag, and stepwatch no longer raises ``Halt`` at the next phase, so the fit ends
+        the framework's way (its end-of-training callbacks and checkpoints run, ``fit`` returns).
+        Every rank completes the same step, so every rank stops there."""
+        try:
+            from ..api import current_runtime
+
+            runtime = current_runtime()
+            if runtime.halt_step is None or not can_stop():
+                return False
+            runtime.leave_halt_to_caller()
+            return True
+        except Exception as exc:  # noqa: BLE001 - the Halt at the next phase still stops the rank
+            report_internal(exc, self.sites["stop_for_halt"])
+            return False
 
     def end_step_later(self) -> None:
         """The step ended now, but the framework logs its values right after: keep the span open

@@ -122,6 +122,14 @@ class StepwatchCallback(TrainerCallback):
             self._link.end_step_later()
         else:
             self._link.close_step()
+            self._stop_for_halt(control)
+
+    def _stop_for_halt(self, control: Any) -> None:
+        """A ``stepwatch halt`` step done: the Trainer's own stop, checked right after the step
+        closes (here, or in on_log for a step kept open for its logs); the Trainer breaks out of
+        its loop before the next batch, its end-of-training evaluation and save run."""
+        if self._link.stop_for_halt():
+            control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -139,6 +147,7 @@ class StepwatchCallback(TrainerCallback):
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.TRANSFORMERS_ON_LOG)
         link.settle()
+        self._stop_for_halt(control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._link.settle()
