@@ -162,8 +162,8 @@ def test_summary_names_a_run_json_nested_too_deeply(tmp_path: Path) -> None:
         store.close()
 
 
-def test_serve_ignores_a_run_json_nested_too_deeply(tmp_path: Path) -> None:
-    from stepwatch.server.serve import _own_session
+def test_a_run_json_nested_too_deeply_names_no_session(tmp_path: Path) -> None:
+    from stepwatch.artifacts.run_manifest import run_session_id  # serve, watch, summary, explain
 
     (tmp_path / "run.json").write_bytes(b'{"session_id": ' + DEEP + b"}")
-    assert _own_session(tmp_path) is None  # as for any run.json that does not name a session
+    assert run_session_id(tmp_path) is None  # as for any run.json that does not name a session
