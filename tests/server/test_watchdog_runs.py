@@ -212,6 +212,35 @@ def test_watch_catches_a_stall_of_a_job_it_did_not_launch(tmp_path: Path) -> Non
     assert [a["kind"] for a in alerts_of(out)] == ["STALL"]
 
 
+def test_watch_halts_a_job_it_did_not_launch_when_its_loss_goes_nan(tmp_path: Path) -> None:
+    # MODES under stepwatch.init alone: nothing of stepwatch's launcher around it
+    (tmp_path / "train.py").write_text(MODES.replace("import stepwatch\n",
+                                                     "import stepwatch\nstepwatch.init(out=sys.argv[3], interval=0.2)\n"))
+    out = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "train.py", "nan", "3000", str(out)], cwd=tmp_path, env=clean_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "heartbeat_rank0.jsonl").exists():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.2)
+        watcher = subprocess.run([*STEPWATCH, "watch", str(out), "--on-nonfinite", "halt", "--json"],
+                                 env=clean_env(), capture_output=True, text=True, timeout=120)
+        assert job.wait(60) == 0  # stepwatch.Halt: SystemExit(0), long before its 3000 steps
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
+    assert watcher.returncode == 1, watcher.stderr
+    alert = json.loads(watcher.stdout.splitlines()[0])
+    assert alert["kind"] == "NONFINITE" and alert["evidence"]["action"] == "halt"
+    assert "--on-nonfinite halt: every rank stops at step" in watcher.stderr
+    request = json.loads((out / ".HALT").read_text())
+    assert request["by"] == "stepwatch watch" and request["reason"].startswith("NONFINITE: ")
+    end = json.loads((out / "outcome_rank0.json").read_text())
+    assert end["outcome"] == "halted" and end["halt"]["step"] == request["target_step"] < 3000
+
+
 def test_watch_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
     missing = subprocess.run([*STEPWATCH, "watch", str(tmp_path / "nope")], env=clean_env(), capture_output=True,
                              text=True, timeout=60)

@@ -207,14 +207,9 @@ class JobActions:
             self._halt(alert)
 
     def _halt(self, alert: dict[str, Any]) -> None:
-        from ..artifacts.halt import request_halt
+        from .watchdog import halt_on_nonfinite
 
-        try:
-            request = request_halt(self.run_dir, reason=f"NONFINITE: {alert.get('message')}", by="stepwatch run")
-        except Exception as exc:  # noqa: BLE001 - the run goes on; say why it was not halted
-            self.echo(f"[stepwatch] --on-nonfinite halt: could not request the halt: {exc}")
-            return
-        self.echo(f"[stepwatch] --on-nonfinite halt: every rank stops at step {request.target_step}")
+        self.echo(halt_on_nonfinite(self.run_dir, alert.get("message"), by="stepwatch run"))
 
     def _end_job(self) -> None:
         import psutil

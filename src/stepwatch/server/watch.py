@@ -63,11 +63,12 @@ class RunWatcher:
     """
 
     def __init__(self, run_dir: Path, policy: AlertPolicy | None = None, *, dump_stacks: bool = True,
-                 clock: Callable[[], float] = time.time) -> None:
+                 actions: dict[str, str] | None = None, clock: Callable[[], float] = time.time) -> None:
         self.run_dir = run_dir
         self.clock = clock
         self.session_id = _session_of(run_dir)
-        self.watchdog = Watchdog(run_dir, policy, dump_stacks=dump_stacks, clock=clock, forget_after_s=None)
+        self.watchdog = Watchdog(run_dir, policy, dump_stacks=dump_stacks, actions=actions, clock=clock,
+                                 forget_after_s=None)
         self._offsets: dict[Path, tuple[int, int]] = {}  # heartbeat file -> (inode, bytes read)
         self._batches: set[str] = set()
         self._ends: set[int] = set()

@@ -25,7 +25,7 @@ from ..analysis.alerts import WATCHED_METRICS, Alert, AlertPolicy, AlertRules
 from ..artifacts.alerts_log import AlertLog
 from ..store.base import COLUMNS
 
-__all__ = ["DUMP_TIMEOUT_S", "Watchdog", "alert_row"]
+__all__ = ["DUMP_TIMEOUT_S", "Watchdog", "alert_row", "halt_on_nonfinite"]
 
 log = logging.getLogger("stepwatch.watchdog")
 DUMP_TIMEOUT_S = 5.0  # how long a STALL waits for the ranks' stack dumps
@@ -39,6 +39,19 @@ def alert_row(alert: Alert, session_id: str) -> tuple[Any, ...]:
               "severity": alert.severity, "ranks": json.dumps(list(alert.ranks)), "step": alert.step,
               "message": alert.message, "evidence": json.dumps(alert.evidence, default=str)}
     return tuple(values[name] for name, _ in COLUMNS["alerts"])
+
+
+def halt_on_nonfinite(run_dir: Path, message: Any, *, by: str) -> str:
+    """``--on-nonfinite halt`` (``run`` and ``watch``): asks every rank to stop at the same step
+    (docs/halt.md). Returns the line to print: the step, or why no halt was requested (the run
+    goes on; nothing raised)."""
+    from ..artifacts.halt import request_halt
+
+    try:
+        request = request_halt(run_dir, reason=f"NONFINITE: {message}", by=by)
+    except Exception as exc:  # noqa: BLE001 - say why the run was not halted
+        return f"[stepwatch] --on-nonfinite halt: could not request the halt: {exc}"
+    return f"[stepwatch] --on-nonfinite halt: every rank stops at step {request.target_step}"
 
 
 class _Process:

@@ -35,9 +35,12 @@ def watchdog_options(func: F) -> F:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @watchdog_options
 @click.option("--no-dump", is_flag=True, help="Do not ask the ranks for stack dumps on a STALL.")
+@click.option("--on-nonfinite", type=click.Choice(["alert", "halt"]), default="alert", show_default=True,
+              help="On NONFINITE: alert only, or halt every rank at the same step (docs/halt.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print each alert as its alerts.jsonl line.")
 @_reports_errors
-def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: bool, as_json: bool) -> None:
+def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: bool, on_nonfinite: str,
+          as_json: bool) -> None:
     """Watch a running job's run directory and alert on STALL, RANK_LOST, THROUGHPUT_DROP,
     NONFINITE and ZERO_GRAD (into RUN_DIR/alerts.jsonl, and printed).
 
@@ -46,32 +49,35 @@ def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: 
     """
     from ..analysis.alerts import AlertPolicy
     from ..server.watch import RunWatcher, check_run_dir, exit_code
+    from ..server.watchdog import halt_on_nonfinite
 
     check_run_dir(run_dir)
     watcher = RunWatcher(run_dir, AlertPolicy(stall_after_s=stall_after, throughput_window_s=throughput_window),
-                         dump_stacks=not no_dump)
+                         dump_stacks=not no_dump, actions={"NONFINITE": on_nonfinite})
     console = _console(stderr=True)
     if not as_json:
         console.print(f"[stepwatch] watching {run_dir} (stall after {stall_after:g} s); Ctrl-C ends", markup=False)
-    raised = []
+    raised: list[Any] = []
+
+    def say(alert: Any) -> None:
+        raised.append(alert)
+        if as_json:
+            sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
+            sys.stdout.flush()
+        else:
+            console.print(alert.line(), markup=False, soft_wrap=True)
+        if alert.kind == "NONFINITE" and on_nonfinite == "halt" and sum(a.kind == "NONFINITE" for a in raised) == 1:
+            console.print(halt_on_nonfinite(run_dir, alert.message, by="stepwatch watch"), markup=False)
+
     try:
         while True:
             for alert in watcher.poll():
-                raised.append(alert)
-                if as_json:
-                    sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
-                    sys.stdout.flush()
-                else:
-                    console.print(alert.line(), markup=False, soft_wrap=True)
+                say(alert)
             if watcher.done:
                 break
             time.sleep(0.5)
         for alert in watcher.poll(final=True):
-            raised.append(alert)
-            if as_json:
-                sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
-            else:
-                console.print(alert.line(), markup=False, soft_wrap=True)
+            say(alert)
     except KeyboardInterrupt:
         pass
     if not as_json:
