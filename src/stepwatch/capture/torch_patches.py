@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from ..guard import report_internal
+from ..guard import Site, report_internal
 from .training import TrainingState
 
 __all__ = ["TorchPatches"]
@@ -125,7 +125,7 @@ class TorchPatches:
                 # A forward run during backward is activation checkpointing recomputing it.
                 span = state.phase_begin(local, "recompute" if local.in_backward else "forward")
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "patch.forward")
+                report_internal(exc, Site.PATCH_FORWARD)
             local.in_forward = True
             set_open(True)
             try:
@@ -137,7 +137,7 @@ class TorchPatches:
                     try:
                         state.phase_end(local, span)
                     except Exception as exc:  # noqa: BLE001
-                        report_internal(exc, "patch.forward.end")
+                        report_internal(exc, Site.PATCH_FORWARD_END)
 
         # Every submodule call inside a forward passes through here. That path must cost the
         # same at any depth of the model: one check, then what torch's own ``__call__``
@@ -178,7 +178,7 @@ class TorchPatches:
             try:
                 span = state.phase_begin(local, "backward")
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "patch.backward")
+                report_internal(exc, Site.PATCH_BACKWARD)
             local.in_backward = True
             try:
                 return original(*args, **kwargs)
@@ -188,7 +188,7 @@ class TorchPatches:
                     try:
                         state.phase_end(local, span)
                     except Exception as exc:  # noqa: BLE001
-                        report_internal(exc, "patch.backward.end")
+                        report_internal(exc, Site.PATCH_BACKWARD_END)
 
         return backward
 
@@ -204,7 +204,7 @@ class TorchPatches:
             try:
                 state.start_pass(timed.pass_)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "patch.data_load.iter")
+                report_internal(exc, Site.PATCH_DATA_LOAD_ITER)
             return timed
 
         return __iter__
@@ -312,14 +312,14 @@ def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwa
     try:
         span = state.begin_phase("h2d")
     except Exception as exc:  # noqa: BLE001
-        report_internal(exc, "patch.h2d")
+        report_internal(exc, Site.PATCH_H2D)
     try:
         return original(tensor, *args, **kwargs)
     finally:
         try:
             state.end_phase(span)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "patch.h2d.end")
+            report_internal(exc, Site.PATCH_H2D_END)
 
 
 class _TimedIterator:
@@ -346,12 +346,12 @@ class _TimedIterator:
             try:
                 self._state.end_pass(self.pass_, start)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "patch.data_load.end")
+                report_internal(exc, Site.PATCH_DATA_LOAD_END)
             raise
         try:
             self._state.record_fetch(start, time.time_ns(), self.pass_)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "patch.data_load")
+            report_internal(exc, Site.PATCH_DATA_LOAD)
         return batch
 
     def __len__(self) -> int:
@@ -384,7 +384,7 @@ def _wrap_default_group(original: Any) -> Any:
 
                 note_process_group(pg)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "patch.process_group")
+                report_internal(exc, Site.PATCH_PROCESS_GROUP)
         return result
 
     return _update_default_pg

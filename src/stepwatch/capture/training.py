@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from ..guard import report_internal
+from ..guard import Site, report_internal
 from . import step_inference as machine
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
 
@@ -234,7 +234,7 @@ class TrainingState:
                 local.mode = machine.OPTIMIZER
             local.optimizer_token = self.phase_begin(local, "optimizer_step")
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "patch.optimizer")
+            report_internal(exc, Site.PATCH_OPTIMIZER)
 
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """torch's global optimizer-step post-hook: the phase ``optimizer_pre`` opened closes."""
@@ -247,7 +247,7 @@ class TrainingState:
             if token is not None:
                 self.phase_end(local, token)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "patch.optimizer.end")
+            report_internal(exc, Site.PATCH_OPTIMIZER_END)
 
     def settle(self) -> None:
         """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
@@ -575,7 +575,7 @@ class trace_step:  # noqa: N801 - a statement: `with stepwatch.trace_step(model)
             try:
                 self._span = state.open_step(self.model, self.attrs, local=local)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "trace_step.enter")
+                report_internal(exc, Site.TRACE_STEP_ENTER)
         return self
 
     def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
@@ -612,7 +612,7 @@ class scope:  # noqa: N801
                 state.settle()
                 span = state.recorder.open(self.name, attrs=dict(self.attrs) if self.attrs else None)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "scope.enter")
+                report_internal(exc, Site.SCOPE_ENTER)
         self._spans.append(span)
         return self
 
@@ -664,7 +664,7 @@ def mark(name: str, value: Any, kind: str = "point", **attrs: Any) -> None:
             return
         state.recorder.mark(name, value, kind, attrs or None)
     except Exception as exc:  # noqa: BLE001
-        report_internal(exc, "mark")
+        report_internal(exc, Site.MARK)
 
 
 def epochs(n: int, *, framework: str = "torch") -> Iterator[int]:
@@ -676,7 +676,7 @@ def epochs(n: int, *, framework: str = "torch") -> Iterator[int]:
             try:
                 span = state.open_epoch(index)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "epochs")
+                report_internal(exc, Site.EPOCHS)
         try:
             yield index
         finally:
@@ -684,7 +684,7 @@ def epochs(n: int, *, framework: str = "torch") -> Iterator[int]:
                 try:
                     state.close_epoch(span)
                 except Exception as exc:  # noqa: BLE001
-                    report_internal(exc, "epochs.close")
+                    report_internal(exc, Site.EPOCHS_CLOSE)
 
 
 def batches(loader: Iterable[T], model: Any = None, *, framework: str = "torch") -> Iterator[T]:
@@ -703,7 +703,7 @@ def batches(loader: Iterable[T], model: Any = None, *, framework: str = "torch")
             try:
                 state.record_fetch(start, time.time_ns())
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "batches.fetch")
+                report_internal(exc, Site.BATCHES_FETCH)
         with trace_step(model, framework=framework):
             yield batch
 
@@ -734,7 +734,7 @@ def snapshot(model: Any, mode: str = "stats", *, sample_rate: float = 0.1, **att
     except ValueError:
         raise  # a wrong mode is the caller's error
     except Exception as exc:  # noqa: BLE001
-        report_internal(exc, "snapshot")
+        report_internal(exc, Site.SNAPSHOT)
         return 0
     state.snapshot_sink(records, job)
     return len(records)
@@ -760,7 +760,7 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
         try:
             span = state.recorder.open(name, attrs={"request_id": uuid.uuid4().hex}, parent_id=None, root=not push)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "inference")
+            report_internal(exc, Site.INFERENCE)
             return None, None
         return span, state
 
@@ -773,7 +773,7 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
                 state.requests += 1  # the phase hot path asks for a request's stack only while > 0
             return token
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "inference.enter")
+            report_internal(exc, Site.INFERENCE_ENTER)
             return None
 
     def leave(state: TrainingState | None, token: Any) -> None:
@@ -783,7 +783,7 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
                     state.requests -= 1
                 state.recorder.leave_context(token)
             except Exception as exc:  # noqa: BLE001
-                report_internal(exc, "inference.leave")
+                report_internal(exc, Site.INFERENCE_LEAVE)
 
     def finish(span: OpenSpan | None, error: BaseException | None,
                stream: tuple[int, int | None] | None = None) -> None:
@@ -806,7 +806,7 @@ def inference(func: F | None = None, *, name: str = "request") -> Any:
                     state.recorder.mark_on(span, key, value, "summary", None)
             state.recorder.close(span, now)
         except Exception as exc:  # noqa: BLE001
-            report_internal(exc, "inference")
+            report_internal(exc, Site.INFERENCE)
 
     if inspect.isasyncgenfunction(func):
 
