@@ -202,3 +202,15 @@ def test_a_sample_taken_as_a_step_starts_belongs_to_that_step(columns: bool) -> 
     assert by_arrays is not None and by_arrays.worst == by_rows.worst
     # each sample is its own step's: the series grows by a step's 1 MiB from the first step on
     assert len(by_rows.worst) == 30 and by_rows.worst[1] - by_rows.worst[0] == 1 << 20
+
+
+@pytest.mark.parametrize("clock", [2**63, 2.0**63, 2**64])
+def test_a_clock_past_int64_is_unknown_on_rows_with_many_samples(clock: Any) -> None:
+    # few step rows (reduced row by row) with enough samples for the memory facts on arrays
+    rows = [r for rank in range(2) for r in steps(rank, 10, t0=0)]
+    rows[3] = {**rows[3], "start_ns": clock}
+    rows[4] = {**rows[4], "end_ns": clock}
+    samples = [{"rank": rank, "timestamp_ns": 1_000 + i, "collector": "stepwatch.cpu_tracker", "device_id": -1,
+                "allocated": 1 << 30, "reserved": 0, "free": 1 << 33, "total": 1 << 34, "host": "a"}
+               for rank in range(2) for i in range(150)]
+    assert diagnose(rows, samples).to_dict() == diagnose(rows, samples, columnar=False).to_dict()

@@ -108,6 +108,20 @@ def test_an_at_step_already_passed_is_refused_and_nothing_is_written(tmp_path: P
     assert request_halt(run, at_step=43).target_step == 43
 
 
+def test_an_alert_action_keeps_a_pending_halt_of_its_session(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _live_run(run)
+    first = request_halt(run, at_step=100, reason="by hand")
+    # --on-nonfinite halt after it: the ranks keep going to step 100, not to a new step
+    assert request_halt(run, reason="NONFINITE: loss", keep_pending=True) == first
+    assert read_halt(run) == first
+    (run / ".HALT").write_text(first.__class__.__name__)  # damaged: replaced
+    assert request_halt(run, at_step=120, keep_pending=True).target_step == 120
+    other = msgspec.structs.replace(read_halt(run), session_id="an-older-session")  # type: ignore[arg-type]
+    (run / ".HALT").write_bytes(msgspec.json.encode(other))  # another session's: replaced
+    assert request_halt(run, at_step=130, keep_pending=True).target_step == 130
+
+
 def test_no_running_rank_to_choose_from_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _live_run(run)

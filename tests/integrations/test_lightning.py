@@ -338,3 +338,19 @@ def test_a_halt_before_min_steps_stops_the_fit_with_halt(run_dir: Path) -> None:
         trainer.fit(TinyModule(), loader())
     assert raised.value.step == 3 and trainer.global_step == 3
     assert runtime.outcome() == "halted"
+
+
+def test_a_fit_that_trains_on_past_the_halt_step_is_stopped_by_halt(run_dir: Path) -> None:
+    class KeepGoing(pl.Callback):
+        """A user's callback that undoes the stop flag (after stepwatch's, which comes first)."""
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            trainer.should_stop = False
+
+    runtime = _arm_halt(run_dir, 3)
+    trainer = make_trainer(StepwatchCallback(), max_epochs=5)
+    trainer.callbacks.append(KeepGoing())
+    with pytest.raises(stepwatch.Halt) as raised:  # the rank must not pass the step every rank stops at
+        trainer.fit(TinyModule(), loader())
+    assert raised.value.step == 3 and trainer.global_step == 3
+    assert runtime.outcome() == "halted"

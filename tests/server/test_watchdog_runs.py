@@ -191,13 +191,15 @@ def test_watch_catches_a_stall_of_a_job_it_did_not_launch(tmp_path: Path) -> Non
             dumps = sorted((out / "stacks").iterdir())
             # a second watch of the same hang: the STALL is in alerts.jsonl already, so it is
             # neither raised nor acted on again (no second stack dump)
-            again = subprocess.Popen([*STEPWATCH, "watch", str(out), "--stall-after", "2", "--json"],
+            again = subprocess.Popen([*STEPWATCH, "watch", str(out), "--stall-after", "2"],
                                      env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            time.sleep(5)
+            assert again.stderr is not None
+            assert again.stderr.readline().startswith("[stepwatch] watching")  # it has read alerts.jsonl
+            time.sleep(3)  # polls every 0.5 s; the hang is older than --stall-after already
             job.send_signal(signal.SIGTERM)  # the job ends: the watchers see its stop record and end
             assert watcher.wait(30) == 1
             assert again.wait(30) == 0
-            assert again.communicate()[0] == ""
+            assert "STALL" not in again.communicate()[1]
             assert sorted((out / "stacks").iterdir()) == dumps
         finally:
             for proc in (watcher, again):

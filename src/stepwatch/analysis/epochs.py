@@ -60,7 +60,7 @@ def epoch_report(spans: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
     for rank in sorted(epochs):
         rank_steps = sorted(steps[rank])
         total_ms = eval_total_ms = 0.0
-        for start, end, index in sorted(epochs[rank], key=lambda epoch: epoch[:2]):
+        for start, end, index in sorted(epochs[rank], key=_epoch_order):
             took = (end - start) / 1e6
             n_steps = sum(1 for s in rank_steps if start <= s < end)
             inside = [(a, b) for a, b in evals[rank] if start <= a < end]
@@ -86,6 +86,12 @@ def epoch_report(spans: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
         "per_rank": per_rank,
         "epochs": listed,
     }
+
+
+def _epoch_order(epoch: tuple[int, int, Any]) -> tuple[int, int, int, int]:
+    """By interval, then index (an epoch without one last): any index type, never compared."""
+    start, end, index = epoch
+    return (start, end, 0 if type(index) is int else 1, index if type(index) is int else 0)
 
 
 def _covered(intervals: list[tuple[int, int]]) -> int:

@@ -90,11 +90,11 @@ def facts_from_arrays(rows: Iterable[Any], window: StepWindow) -> MemoryFacts | 
         last = np.full(len(wr), -1, dtype=np.int64)
         np.maximum.at(last, at, np.arange(len(where)))
         last_host = host[where][np.maximum(last, 0)].tolist()
-        for r, n, peak, code, seen, most in zip(window_ranks, counts.tolist(), peaks.tolist(), last_host,
-                                                total_seen.tolist(), totals.tolist()):
-            if n:
+        for r, samples_r, peak, code, seen, most in zip(window_ranks, counts.tolist(), peaks.tolist(), last_host,
+                                                        total_seen.tolist(), totals.tolist()):
+            if samples_r:
                 facts.peaks[r] = peak
-                facts.counts[r] = n
+                facts.counts[r] = samples_r
                 facts.hosts[r] = hosts_by_code[code]
                 if seen:
                     facts.totals[r] = most

@@ -23,17 +23,24 @@ __all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_int", "clean_numbe
 COLUMNS: tuple[str, ...] = ("rank", "step", "start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
 _INT_LIMIT = float(1 << 62)
 _PAST_INT64 = 2.0**63
+_TWO_63 = 1 << 63
 # the phases that make up compute (stepwatch.phases: in the residual, and not h2d)
 COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
 
 
 def clean_int(value: Any) -> int | None:
-    """A whole number (an int, or a float without a fraction), else None: ranks, steps, times."""
+    """A whole number in int64's range (an int, or a float without a fraction), else None:
+    ranks, steps, times (the columnar path holds them in int64 arrays)."""
     if type(value) is int:
-        return value
-    if isinstance(value, float) and value.is_integer():
+        return value if -_TWO_63 <= value < _TWO_63 else None
+    if isinstance(value, float) and value.is_integer() and -_PAST_INT64 <= value < _PAST_INT64:
         return int(value)
     return None
+
+
+def is_clock(value: Any) -> bool:
+    """An int in int64's range: a nanosecond clock a step's start or end can be compared on."""
+    return type(value) is int and -_TWO_63 <= value < _TWO_63
 
 
 def clean_number(value: Any) -> float | int | None:

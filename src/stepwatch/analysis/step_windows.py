@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..phases import PHASES, RESIDUAL
-from .step_columns import COMPUTE_PHASES, StepColumns, clean_int, clean_number, reduce_columns
+from .step_columns import COMPUTE_PHASES, StepColumns, clean_int, clean_number, is_clock, reduce_columns
 
 __all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
 
@@ -63,7 +63,7 @@ class RankWindow:
             known = self.starts_known
             pairs = sorted(zip(self.step_starts[known].tolist(), self.step_numbers[known].tolist()))
         else:
-            pairs = sorted((s, n) for s, n in zip(self.step_starts, self.step_numbers) if type(s) is int)
+            pairs = sorted((s, n) for s, n in zip(self.step_starts, self.step_numbers) if is_clock(s))
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def has(self, component: str, coverage: float) -> bool:
@@ -231,7 +231,7 @@ def _between(window: RankWindow, rows: list[Mapping[str, Any]], totals: list[flo
     ends = [r.get("end_ns") for r in rows]
     pairs = [(max(0.0, float(s - e) - o), t)
              for n0, n1, e, s, o, t in zip(numbers, numbers[1:], ends, starts[1:], overhang[1:], totals[1:])
-             if n1 == n0 + 1 and type(e) is int and type(s) is int]
+             if n1 == n0 + 1 and is_clock(e) and is_clock(s)]
     window.step_numbers, window.step_starts = numbers, starts
     if pairs:
         gaps = float(sum(g for g, _ in pairs))

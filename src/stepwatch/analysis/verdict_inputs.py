@@ -134,5 +134,5 @@ def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None =
 
     if inputs is None:
         inputs = load_verdict_inputs(store, session_id, last_steps=window)
-    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=policy or DEFAULT_POLICY,
+    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=DEFAULT_POLICY if policy is None else policy,
                     expected_ranks=inputs.expected_ranks)

@@ -102,8 +102,11 @@ def choose_halt_step(ranks: list[RankProcess], *, now: float | None = None) -> t
 
 
 def request_halt(run_dir: str | os.PathLike[str], *, at_step: int | None = None,
-                 reason: str = "requested with stepwatch halt", by: str | None = None) -> HaltRequest:
-    """Writes ``<run>/.HALT`` and returns it.
+                 reason: str = "requested with stepwatch halt", by: str | None = None,
+                 keep_pending: bool = False) -> HaltRequest:
+    """Writes ``<run>/.HALT`` and returns it. ``keep_pending``: a halt this session has already
+    been asked for is returned as it is, not moved (an alert action must not re-target ranks
+    that are on their way to the step another request named).
 
     ``at_step`` None: stepwatch chooses a step every running rank can still reach (module
     docstring). An ``at_step`` some rank has already completed is refused (``HaltRefused``):
@@ -129,6 +132,13 @@ def request_halt(run_dir: str | os.PathLike[str], *, at_step: int | None = None,
         target = at_step
     sessions = {r.session_id for r in ranks if r.session_id}
     session_id = sessions.pop() if len(sessions) == 1 else _manifest_session(root)
+    if keep_pending:
+        try:
+            pending = read_halt(root)
+        except ArtifactError:  # a damaged .HALT: replaced
+            pending = None
+        if pending is not None and pending.session_id in (None, session_id):
+            return pending
     request = HaltRequest(target_step=target, reason=str(reason)[:2000], requested_at=round(now, 6), iso=_iso(now),
                           by=by or _who(), session_id=session_id, chosen=at_step is None, basis=basis)
     path = root / HALT_FILENAME

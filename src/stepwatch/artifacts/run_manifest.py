@@ -86,7 +86,6 @@ def read_run_manifest(run_dir: Path) -> RunManifest:
         raise ArtifactError(path, f"not valid JSON: {undecodable(exc)}") from None
 
 
-
 class _SessionOnly(msgspec.Struct):
     session_id: str | None = None
 

@@ -261,6 +261,7 @@ class Runtime:
         self._halt_said = False
         self._halt_late = False
         self._halt_thread: int | None = None
+        self._halt_left = False  # the caller stops the loop its own way: no trap (leave_halt_to_caller)
         self._halt_file: RequestFile | None = None
         self._snapshot_file: RequestFile | None = None
         self._snapshot_answered: str | None = None
@@ -706,28 +707,39 @@ class Runtime:
         # every phase opens through phase_begin (TrainingState.begin_phase calls it too)
         self.training.phase_begin = self._halt_at_phase_begin  # type: ignore[method-assign]
         self.training.open_step = self._halt_at_step  # type: ignore[method-assign]
+        if self._halt_left:  # the training thread left it to its framework while the sampler got here
+            self.leave_halt_to_caller()
         self._write_rank_end()
 
     def _halt_at_phase_begin(self, local: Any, name: str, timed: bool = True) -> OpenSpan | None:
         if self._halt_thread not in (None, threading.get_ident()):
             return TrainingState.phase_begin(self.training, local, name, timed)
-        self._raise_halt()
+        self.raise_halt()
         return None  # pragma: no cover
 
     def _halt_at_step(self, *args: Any, **kwargs: Any) -> OpenSpan | None:
         if self._halt_thread not in (None, threading.get_ident()):
             return TrainingState.open_step(self.training, *args, **kwargs)
-        self._raise_halt()
+        self.raise_halt()
         return None  # pragma: no cover
+
+    def halt_reached_here(self) -> bool:
+        """The halt's step is done, and this is the thread it stops (any thread for a late halt)."""
+        return self.halt_step is not None and self._halt_thread in (None, threading.get_ident())
 
     def leave_halt_to_caller(self) -> None:
         """The halt's step is done and the caller stops the loop its own way (a framework's stop
         flag): no ``Halt`` is raised at the next phase. The rank's outcome stays ``halted``."""
+        self._halt_left = True
+        self._disarm_halt()
+
+    def _disarm_halt(self) -> None:
         self.training.__dict__.pop("phase_begin", None)
         self.training.__dict__.pop("open_step", None)
 
-    def _raise_halt(self) -> None:
-        self.leave_halt_to_caller()  # once: a program that catches Halt goes on
+    def raise_halt(self) -> None:
+        """Raises ``Halt`` for the step reached (once: a program that catches it goes on)."""
+        self._disarm_halt()
         halt = self.halt
         raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
 

@@ -67,16 +67,15 @@ class RunWatcher:
         self.run_dir = run_dir
         self.clock = clock
         self.session_id = _session_of(run_dir)
+        # alerts of an earlier watch of this run are not raised (nor acted on) twice
+        self._known = {self._key(alert_from_dict(r)) for r in self._earlier()}
         self.watchdog = Watchdog(run_dir, policy, dump_stacks=dump_stacks, actions=actions, clock=clock,
-                                 forget_after_s=None)
+                                 forget_after_s=None, already_raised=lambda alert: self._key(alert) in self._known)
         self._offsets: dict[Path, tuple[int, int]] = {}  # heartbeat file -> (inode, bytes read)
         self._batches: set[str] = set()
         self._ends: set[int] = set()
         self._span_rank: dict[str, int] = {}
         self._step_index: dict[Any, int] = {}
-        # alerts of an earlier watch of this run are not raised twice
-        self._known = {self._key(alert_from_dict(r)) for r in self._earlier()}
-        self.watchdog.already_raised = lambda alert: self._key(alert) in self._known
 
     def _earlier(self) -> list[dict[str, Any]]:
         try:

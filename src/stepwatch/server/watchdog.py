@@ -43,12 +43,12 @@ def alert_row(alert: Alert, session_id: str) -> tuple[Any, ...]:
 
 def halt_on_nonfinite(run_dir: Path, message: Any, *, by: str) -> str:
     """``--on-nonfinite halt`` (``run`` and ``watch``): asks every rank to stop at the same step
-    (docs/halt.md). Returns the line to print: the step, or why no halt was requested (the run
-    goes on; nothing raised)."""
+    (docs/halt.md), or keeps the step of a halt already asked for. Returns the line to print:
+    the step, or why no halt was requested (the run goes on; nothing raised)."""
     from ..artifacts.halt import request_halt
 
     try:
-        request = request_halt(run_dir, reason=f"NONFINITE: {message}", by=by)
+        request = request_halt(run_dir, reason=f"NONFINITE: {message}", by=by, keep_pending=True)
     except Exception as exc:  # noqa: BLE001 - say why the run was not halted
         return f"[stepwatch] --on-nonfinite halt: could not request the halt: {exc}"
     return f"[stepwatch] --on-nonfinite halt: every rank stops at step {request.target_step}"
@@ -90,7 +90,8 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, policy: AlertPolicy | None = None, *, dump_stacks: bool = True,
                  actions: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time,
-                 check_processes: bool = True, forget_after_s: float | None = 600.0) -> None:
+                 check_processes: bool = True, forget_after_s: float | None = 600.0,
+                 already_raised: Callable[[Alert], bool] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.policy = policy or AlertPolicy()
         self.dump_stacks = dump_stacks
@@ -111,7 +112,7 @@ class Watchdog:
         self._ended: dict[str, float] = {}
         # alerts already raised elsewhere (an earlier ``stepwatch watch`` of the run): neither
         # acted on (no second stack dump) nor written again
-        self.already_raised: Callable[[Alert], bool] = lambda alert: False
+        self.already_raised = already_raised or (lambda alert: False)
 
     def rules_of(self, session_id: str) -> AlertRules:
         rules = self.rules.get(session_id)

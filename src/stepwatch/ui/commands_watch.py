@@ -47,7 +47,6 @@ def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: 
     Ends when every rank has stopped, or on Ctrl-C. Exit codes: 0 no alert, 1 one alert or
     more, 2 RUN_DIR is no run directory or cannot take alerts.jsonl.
     """
-    from ..analysis.alerts import AlertPolicy
     from ..server.watch import RunWatcher, check_run_dir, exit_code
     from ..server.watchdog import halt_on_nonfinite
 
@@ -58,15 +57,18 @@ def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: 
     if not as_json:
         console.print(f"[stepwatch] watching {run_dir} (stall after {stall_after:g} s); Ctrl-C ends", markup=False)
     raised: list[Any] = []
+    halt = on_nonfinite == "halt"
 
     def say(alert: Any) -> None:
+        nonlocal halt
         raised.append(alert)
         if as_json:
             sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
             sys.stdout.flush()
         else:
             console.print(alert.line(), markup=False, soft_wrap=True)
-        if alert.kind == "NONFINITE" and on_nonfinite == "halt" and sum(a.kind == "NONFINITE" for a in raised) == 1:
+        if halt and alert.kind == "NONFINITE":
+            halt = False  # once
             console.print(halt_on_nonfinite(run_dir, alert.message, by="stepwatch watch"), markup=False)
 
     try:

@@ -86,7 +86,7 @@ class FrameworkLink:
     """
 
     __slots__ = ("framework", "sites", "init_kwargs", "start_runtime", "state", "started", "epoch", "step",
-                 "step_end_ns", "eval_step")
+                 "step_end_ns", "eval_step", "halted")
 
     def __init__(self, framework: str, init_kwargs: Mapping[str, Any] | None = None, *,
                  start_runtime: bool = True) -> None:
@@ -102,6 +102,7 @@ class FrameworkLink:
         self.step: OpenSpan | None = None
         self.step_end_ns: int | None = None  # a step that ended but waits for its logs
         self.eval_step: OpenSpan | None = None
+        self.halted: Any = None  # the runtime whose halt this link left to the framework's stop flag
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -222,6 +223,9 @@ class FrameworkLink:
             state = self.owns()
             if state is None:
                 return None
+            if self.halted is not None:  # told to stop at the halt step, the framework trains on
+                runtime, self.halted = self.halted, None
+                runtime.raise_halt()  # Halt, as for a plain loop: the rank must not pass that step
             self.settle()
             local = state.local
             if self.step is not None and local.step is self.step:
@@ -252,15 +256,17 @@ class FrameworkLink:
         """True once this rank has completed the step a ``stepwatch halt`` named (docs/halt.md)
         and ``can_stop()`` says the framework will honour its own stop flag now: the callback then
         sets that flag, and stepwatch no longer raises ``Halt`` at the next phase, so the fit ends
-        the framework's way (its end-of-training callbacks and checkpoints run, ``fit`` returns).
-        Every rank completes the same step, so every rank stops there."""
+        the framework's way (its end-of-training hooks run, ``fit`` returns); should it open
+        another training step all the same, ``open_step`` raises ``Halt``. Every rank completes
+        the same step, so every rank stops there."""
         try:
             from ..api import current_runtime
 
             runtime = current_runtime()
-            if runtime.halt_step is None or not can_stop():
+            if runtime.halt_step is None or self.owns() is None or not runtime.halt_reached_here() or not can_stop():
                 return False
             runtime.leave_halt_to_caller()
+            self.halted = runtime
             return True
         except Exception as exc:  # noqa: BLE001 - the Halt at the next phase still stops the rank
             report_internal(exc, self.sites["stop_for_halt"])

@@ -127,7 +127,7 @@ class StepwatchCallback(TrainerCallback):
     def _stop_for_halt(self, control: Any) -> None:
         """A ``stepwatch halt`` step done: the Trainer's own stop, checked right after the step
         closes (here, or in on_log for a step kept open for its logs); the Trainer breaks out of
-        its loop before the next batch, its end-of-training evaluation and save run."""
+        its loop before the next batch and ends its run as on any stop."""
         if self._link.stop_for_halt():
             control.should_training_stop = True
 

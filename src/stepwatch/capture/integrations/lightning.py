@@ -263,7 +263,7 @@ class StepwatchCallback(Callback):
             link.close_step()  # else gradients accumulate: the step goes on with the next batch
             # a ``stepwatch halt`` step done: Lightning's own stop, unless min_steps/min_epochs
             # would make it train on (then the Halt at the next phase stops it)
-            if link.stop_for_halt(lambda: bool(getattr(trainer.fit_loop, "_can_stop_early", True))):
+            if link.stop_for_halt(lambda: bool(getattr(trainer.fit_loop, "_can_stop_early", False))):
                 trainer.should_stop = True
 
     # -- evaluation steps (validation, test, prediction) ----------------------------------------
