@@ -23,7 +23,7 @@ from stepwatch.analysis.phase_replay import PhaseReplayIndex
 from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import TelemetryEventV3
 from stepwatch.telemetry import load_telemetry_sessions
-from tests.conftest import make_event
+from tests.support.records import make_event
 
 SID = "00000000-0000-4000-8000-00000000abcd"
 T0 = 1_800_000_000_000_000_000

@@ -21,7 +21,7 @@ import pytest
 from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
 from stepwatch.errors import ArtifactError
 from stepwatch.telemetry import load_telemetry_sessions
-from tests.conftest import make_event
+from tests.support.records import make_event
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = 24

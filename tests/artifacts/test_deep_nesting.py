@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from stepwatch.errors import ArtifactError
-from tests.conftest import make_record
+from tests.support.records import make_record
 
 REPO = Path(__file__).resolve().parents[2]
 DEPTH = 100_000

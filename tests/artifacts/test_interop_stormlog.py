@@ -31,7 +31,7 @@ from stepwatch.artifacts.sink import SinkConfig, TelemetrySink  # noqa: E402
 from stepwatch.schema import SessionSummary, telemetry_event_to_dict  # noqa: E402
 from stepwatch.telemetry import load_telemetry_events as sw_load_events  # noqa: E402
 from stepwatch.telemetry import load_telemetry_sessions as sw_load  # noqa: E402
-from tests.conftest import make_event  # noqa: E402
+from tests.support.records import make_event  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,7 +155,7 @@ _DYING_WRITER = r"""
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
 from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
-from tests.conftest import make_event
+from tests.support.records import make_event
 sink = TelemetrySink(sys.argv[1], SinkConfig(flush_every_events=2, rollover_max_events=3))
 session = sink.start_session()
 for i in range(int(sys.argv[2])):

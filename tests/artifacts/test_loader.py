@@ -20,7 +20,7 @@ from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
 from stepwatch.errors import ArtifactError
 from stepwatch.schema import SessionSummary, TelemetryEventV3, telemetry_event_to_dict
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
-from tests.conftest import make_event, make_record
+from tests.support.records import make_event, make_record
 
 REPO = Path(__file__).resolve().parents[2]
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -69,7 +69,7 @@ _DYING_WRITER = r"""
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
 from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
-from tests.conftest import make_event
+from tests.support.records import make_event
 sink = TelemetrySink(sys.argv[1], SinkConfig(flush_every_events=1))
 session = sink.start_session()
 for i in range(int(sys.argv[2])):

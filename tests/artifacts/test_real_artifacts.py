@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from stepwatch.telemetry import load_telemetry_sessions
-from tests.conftest import make_record
+from tests.support.records import make_record
 
 
 def v2_record(**overrides: Any) -> dict[str, Any]:

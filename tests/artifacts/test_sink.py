@@ -26,7 +26,7 @@ from stepwatch.artifacts.sink import RecordNotEncodable, SinkConfig, TelemetrySi
 from stepwatch.errors import ArtifactError, ConfigError, StepwatchError, ValidationError
 from stepwatch.schema import SessionSummary, json_schema, telemetry_event_to_dict
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
-from tests.conftest import make_event, make_record
+from tests.support.records import make_event, make_record
 
 REPO = Path(__file__).resolve().parents[2]
 LEDGER_KEYS = {
@@ -260,7 +260,7 @@ def test_unencodable_records_are_counted_and_raised_as_one_clear_error(tmp_path:
 _FULL_DISK_WRITER = r"""
 import errno, resource, signal, sys
 from stepwatch.artifacts.sink import RecordNotEncodable, SinkConfig, TelemetrySink
-from tests.conftest import make_event
+from tests.support.records import make_event
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 sink = TelemetrySink(sys.argv[1], SinkConfig(flush_every_events=3, flush_every_seconds=3600.0))
 sid = sink.start_session().session_id
@@ -739,7 +739,7 @@ def test_recovery_of_an_abandoned_in_process_sink(tmp_path: Path) -> None:
 _LIVE_WRITER = r"""
 import sys
 from stepwatch.artifacts.sink import TelemetrySink
-from tests.conftest import make_event
+from tests.support.records import make_event
 sink = TelemetrySink(sys.argv[1])
 sid = sink.start_session().session_id
 sink.append(make_event(sid, 0))

@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +16,11 @@ import pytest
 
 from stepwatch.capture.children import ChildProcess, settle_identity
 from stepwatch.capture.identity import DistributedIdentity
+from tests.support import STEPWATCH, free_port
 
 pytest.importorskip("torch")
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -67,7 +57,7 @@ def _start_processes(out: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def test_ddp_ranks_started_by_mp_spawn_are_ranks_of_their_world(tmp_path: Path) -> None:
-    out, proc = _run(tmp_path, "ddp_spawn.py", str(_free_port()))
+    out, proc = _run(tmp_path, "ddp_spawn.py", str(free_port()))
     assert _steps_per_rank(out) == {0: 12, 1: 12}  # 3 epochs x 4 batches per rank, the peeks no steps
     summary = json.loads((out / "final_summary.json").read_text())
     assert (summary["ranks"], summary["world_size"], summary["workers"]) == ([0, 1], 2, [])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,12 +17,9 @@ import pytest
 
 from stepwatch.artifacts.heartbeat import HeartbeatWriter, heartbeat_filename, heartbeat_record, read_heartbeat
 from stepwatch.errors import ArtifactError
+from tests.support import clean_env
 
 SPEC_FIELDS = ["ts", "iso", "pid", "rank", "step", "msg"]
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
 
 
 def run_py(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

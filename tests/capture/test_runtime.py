@@ -7,7 +7,6 @@ runs its program in a fresh interpreter and reads the run directory back from di
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,11 +25,7 @@ from stepwatch.errors import ConfigError
 from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
-
-
-def clean_env() -> dict[str, str]:
-    """The test's environment without any STEPWATCH_* contract variable leaking in."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+from tests.support import clean_env
 
 
 def run_py(code: str, cwd: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

@@ -17,13 +17,15 @@ import pytest
 
 from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_sessions
+from tests.support import clean_env
 
 STEPWATCH = str(Path(sys.executable).with_name("stepwatch"))
 MB = 1 << 20
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+def track_env(**extra: str) -> dict[str, str]:
+    """A clean environment without PYTHONPATH: ``track`` must put its own start-up first."""
+    env = clean_env()
     env.pop("PYTHONPATH", None)
     env.update(extra)
     return env
@@ -38,7 +40,7 @@ def write_script(tmp_path: Path, code: str, name: str = "script.py") -> Path:
 def track(tmp_path: Path, run: Path, *command: str, env: dict[str, str] | None = None,
           timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([STEPWATCH, "track", "--interval", "50", "--out", str(run), "--", *command],
-                          cwd=tmp_path, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+                          cwd=tmp_path, env=env or track_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def only_session(run: Path) -> Any:
@@ -137,7 +139,7 @@ def test_signal_to_the_track_process_group(tmp_path: Path, sig: signal.Signals) 
     default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                       "os.execv(sys.argv[1], sys.argv[1:])")
     command = [STEPWATCH, "track", "--interval", "50", "--out", str(run), "--", sys.executable, str(script)]
-    with subprocess.Popen([sys.executable, "-c", default_sigint, *command], cwd=tmp_path, env=clean_env(),
+    with subprocess.Popen([sys.executable, "-c", default_sigint, *command], cwd=tmp_path, env=track_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
@@ -181,7 +183,7 @@ def test_track_pid_samples_a_running_process(tmp_path: Path) -> None:
     with subprocess.Popen(["sleep", "1.5"]) as target:
         started = time.monotonic()
         proc = subprocess.run([STEPWATCH, "track", "--interval", "50", "--out", str(run), "--pid", str(target.pid)],
-                              cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=30)
+                              cwd=tmp_path, env=track_env(), capture_output=True, text=True, timeout=30)
         elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     assert "session completed" in proc.stderr
@@ -196,7 +198,7 @@ def test_track_pid_samples_a_running_process(tmp_path: Path) -> None:
 
 def test_track_pid_of_a_missing_process(tmp_path: Path) -> None:
     proc = subprocess.run([STEPWATCH, "track", "--out", str(tmp_path / "run"), "--pid", "999999999"],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=30)
+                          cwd=tmp_path, env=track_env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "no process with pid 999999999" in proc.stderr
@@ -219,7 +221,7 @@ def test_a_user_sitecustomize_still_runs_under_track(tmp_path: Path) -> None:
         time.sleep(0.2)
     """)
     proc = track(tmp_path, run, sys.executable, str(script),
-                 env=clean_env(PYTHONPATH=str(user), MARKER_DIR=str(tmp_path)))
+                 env=track_env(PYTHONPATH=str(user), MARKER_DIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr
     _, pid, module_file = proc.stdout.split()
     assert (tmp_path / f"ran-{pid}").exists()
@@ -262,7 +264,7 @@ def test_diagnose_a_run_directory(tmp_path: Path) -> None:
     script = write_script(tmp_path, "import time\ntime.sleep(0.5)\n")
     assert track(tmp_path, run, sys.executable, str(script)).returncode == 0
     out = tmp_path / "bundle"
-    proc = subprocess.run([STEPWATCH, "diagnose", str(run), "--output", str(out)], cwd=tmp_path, env=clean_env(),
+    proc = subprocess.run([STEPWATCH, "diagnose", str(run), "--output", str(out)], cwd=tmp_path, env=track_env(),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     manifest = check_diagnose_bundle(out)
@@ -278,7 +280,7 @@ def test_diagnose_a_run_directory(tmp_path: Path) -> None:
 def test_diagnose_samples_the_machine(tmp_path: Path) -> None:
     out = tmp_path / "bundle"
     proc = subprocess.run([STEPWATCH, "diagnose", "--duration", "0.3", "--output", str(out)], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=30)
+                          env=track_env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     manifest = check_diagnose_bundle(out)
     assert manifest["session_status"] == "completed"
@@ -300,7 +302,7 @@ def test_diagnose_fails_on_a_recorded_oom_when_asked(tmp_path: Path) -> None:
     assert track(tmp_path, run, sys.executable, str(script)).returncode == 0
     out = tmp_path / "bundle"
     proc = subprocess.run([STEPWATCH, "diagnose", str(run), "--output", str(out), "--fail-on-risk"], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=30)
+                          env=track_env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["exit_code"], manifest["risk_detected"]) == (1, True)
@@ -315,7 +317,7 @@ def test_track_pid_writes_the_run_manifest_and_a_heartbeat(tmp_path: Path) -> No
     with subprocess.Popen(["sleep", "1.5"]) as target:
         started_ns = time.time_ns()
         proc = subprocess.run([STEPWATCH, "track", "--interval", "50", "--out", str(run), "--pid", str(target.pid)],
-                              cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=30)
+                              cwd=tmp_path, env=track_env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     manifest = run_manifest(run)
     session = only_session(run)

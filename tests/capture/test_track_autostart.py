@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from .test_track import ALLOCATE, clean_env, only_session, run_manifest, track, write_script
+from tests.support import clean_env
+
+from .test_track import ALLOCATE, only_session, run_manifest, track, write_script
 
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 

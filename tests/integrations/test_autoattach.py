@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.support import STEPWATCH, clean_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -367,8 +368,6 @@ def test_lightning_validate_alone_gives_eval_steps_and_survives_a_failing_batch(
 
 # -- fresh interpreters: the import hook -----------------------------------------------------
 
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 
 HF_SCRIPT = """
 import os, sys
@@ -392,11 +391,10 @@ Trainer(model=model, args=args, train_dataset=Data(12, 0), eval_dataset=Data(8, 
 """
 
 
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+def trainer_env() -> dict[str, str]:
+    """A clean environment that imports this checkout's stepwatch and never reaches the Hub."""
+    env = clean_env(HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["HF_HUB_OFFLINE"] = "1"
     return env
 
 
@@ -406,7 +404,7 @@ def test_stepwatch_run_records_an_unmodified_trainer_script(tmp_path: Path) -> N
     script.write_text(textwrap.dedent(HF_SCRIPT))
     out = tmp_path / "run"
     proc = subprocess.run([*STEPWATCH, "run", "--interval", "200", "--out", str(out), str(script),
-                           str(tmp_path / "trainer")], check=False, cwd=tmp_path, env=clean_env(), capture_output=True,
+                           str(tmp_path / "trainer")], check=False, cwd=tmp_path, env=trainer_env(), capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_hf_run(read_spool(out), epochs=2, steps_per_epoch=3, eval_batches=2, train_batches=6)
@@ -431,7 +429,7 @@ print(json.dumps([count(first), count(second), count(after)]))
 
 def test_lightning_imported_after_init_gets_the_callback(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(LIGHTNING_IMPORTED_AFTER_INIT), str(tmp_path / "r")],
-                          check=False, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+                          check=False, cwd=tmp_path, env=trainer_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[True], [False], []]
 

@@ -24,7 +24,6 @@ from stepwatch.schema import (
     telemetry_event_to_dict,
     validate_telemetry_record,
 )
-from tests.conftest import make_event, make_record
 from tests.schema.test_records import (
     V2_REQUIRED,
     V3_FIELDS,
@@ -45,6 +44,7 @@ from tests.schema.test_records import (
     v3_single_field_breaks,
     v4_records,
 )
+from tests.support.records import make_event, make_record
 
 V3_VALIDATOR = jsonschema.Draft202012Validator(json_schema(3))
 V3_REQUIRED_COUNTERS = (

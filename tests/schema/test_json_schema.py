@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
 from stepwatch.errors import ValidationError
 from stepwatch.schema import TelemetryEventV3, json_schema, validate_telemetry_record
-from tests.conftest import make_event, make_record
 from tests.schema.test_records import (
     CAPABILITY_BOOLS,
     CAPABILITY_STRINGS,
@@ -52,6 +51,7 @@ from tests.schema.test_records import (
     v4_records,
     with_field,
 )
+from tests.support.records import make_event, make_record
 
 VALIDATORS = {v: jsonschema.Draft202012Validator(json_schema(v)) for v in (2, 3, 4)}
 FIELDS = {2: V2_FIELDS, 3: V3_FIELDS, 4: V3_FIELDS}

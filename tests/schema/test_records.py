@@ -23,7 +23,7 @@ from stepwatch.schema import (
     TelemetryEventV4,
     validate_telemetry_record,
 )
-from tests.conftest import make_record
+from tests.support.records import make_record
 
 # --------------------------------------------------------------------------------------------
 # field tables, written from the specs (not read back from the code under test)

@@ -16,8 +16,7 @@ import pytest
 
 from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.step_ledger import find_ledgers, read_ledger
-
-from .test_outcome import STEPWATCH, clean_env, free_port
+from tests.support import STEPWATCH, clean_env, free_port
 
 pytest.importorskip("torch")
 

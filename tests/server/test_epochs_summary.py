@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from .test_launcher import STEPWATCH, clean_env
+from tests.support import STEPWATCH, clean_env
 
 LOOP = """
 import time, torch

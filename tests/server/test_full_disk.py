@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_launcher import STEPWATCH, clean_env
+from tests.support import STEPWATCH, clean_env
 
 pytest.importorskip("torch")
 

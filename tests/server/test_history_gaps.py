@@ -5,8 +5,6 @@ SDK writing a spool, and the ``stepwatch`` CLI."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,23 +19,12 @@ import pytest
 
 from stepwatch.server.serve import parse_duration
 from stepwatch.transport.frames import decode_body, decode_typed, encode_frame
-from tests.conftest import make_event
-from tests.server.test_aggregator import Aggregator, query, raw_client, wait_for
-from tests.server.test_http_ingest import AUTH, TOKEN, batch, hexid, mark, post, request, span
+from tests.support import STEPWATCH, clean_env, run_stepwatch
+from tests.support.aggregator import Aggregator, query, raw_client, wait_for
+from tests.support.http import AUTH, TOKEN, batch, hexid, mark, post, request, span
+from tests.support.records import make_event
 
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 BASE_NS = 1_900_000_000_000_000_000
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "CIRRON_", "FORCE_COLOR", "COLUMNS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
-def stepwatch(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*STEPWATCH, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def telemetry(sid: str, rank: int, t: int, event_type: str = "sample", context: str | None = None) -> dict[str, Any]:
@@ -96,7 +83,7 @@ def _spool_spans(spool: Path) -> list[dict[str, Any]]:
 
 def test_imported_cirron_spool_has_step_rows_from_the_span_tree(cirron_spool: Path, tmp_path: Path) -> None:
     store = tmp_path / "history.sqlite"
-    proc = stepwatch("import", str(cirron_spool), "--into", str(store), "--json", cwd=tmp_path)
+    proc = run_stepwatch("import", str(cirron_spool), "--into", str(store), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     spans = _spool_spans(cirron_spool)
     sdk_steps = [s for s in spans if s["name"] == "step"]
@@ -121,7 +108,7 @@ def test_imported_cirron_spool_has_step_rows_from_the_span_tree(cirron_spool: Pa
         # the SDK's data_load span brackets only the tail of the fetch; the fetch time is in its attrs
         assert data_load == sum(k["attrs"]["data_load_ns"] for k in kids if k["name"] == "data_load") > 0
         assert wait == max(0, step_ns - forward - backward - optimizer)
-    summary = stepwatch("summary", str(store), cwd=tmp_path)
+    summary = run_stepwatch("summary", str(store), cwd=tmp_path)
     assert summary.returncode == 0, summary.stderr
     assert f"steps {len(sdk_steps)}" in summary.stdout, summary.stdout
 
@@ -156,7 +143,7 @@ TRIVIAL = "import time\nfor _ in range(8):\n    time.sleep(0.05)\n"
 def test_importing_a_run_twice_stores_nothing_twice(tmp_path: Path, cirron_spool: Path) -> None:
     (tmp_path / "job.py").write_text(TRIVIAL)
     run_dir = tmp_path / "tracked"
-    proc = stepwatch("track", "--interval", "50", "--out", str(run_dir), "--", sys.executable, "job.py",
+    proc = run_stepwatch("track", "--interval", "50", "--out", str(run_dir), "--", sys.executable, "job.py",
                      cwd=tmp_path, timeout=90)
     assert proc.returncode == 0, proc.stderr
     store = tmp_path / "again.sqlite"
@@ -166,11 +153,11 @@ def test_importing_a_run_twice_stores_nothing_twice(tmp_path: Path, cirron_spool
         return {t: query(store, f"SELECT COUNT(*) FROM {t}")[0][0] for t in tables}
 
     for target in (run_dir, cirron_spool):
-        assert stepwatch("import", str(target), "--into", str(store), cwd=tmp_path).returncode == 0
+        assert run_stepwatch("import", str(target), "--into", str(store), cwd=tmp_path).returncode == 0
     once = counts()
     assert once["telemetry"] > 0 and once["heartbeats"] > 0 and once["spans"] > 0 and once["steps"] > 0
     for target in (run_dir, cirron_spool, run_dir):
-        again = stepwatch("import", str(target), "--into", str(store), cwd=tmp_path)
+        again = run_stepwatch("import", str(target), "--into", str(store), cwd=tmp_path)
         assert again.returncode == 0, again.stderr
     assert counts() == once
 
@@ -297,9 +284,9 @@ def test_serve_applies_retention_while_it_runs(tmp_path: Path) -> None:
 
 
 def test_retention_option_is_checked(tmp_path: Path) -> None:
-    bad = stepwatch("serve", "--out", str(tmp_path / "s"), "--retention", "soon", cwd=tmp_path)
+    bad = run_stepwatch("serve", "--out", str(tmp_path / "s"), "--retention", "soon", cwd=tmp_path)
     assert bad.returncode == 2 and "--retention" in bad.stderr and "Traceback" not in bad.stderr
-    bad = stepwatch("run", "--retention", "7x", "--out", str(tmp_path / "r"), "x.py", cwd=tmp_path)
+    bad = run_stepwatch("run", "--retention", "7x", "--out", str(tmp_path / "r"), "x.py", cwd=tmp_path)
     assert bad.returncode == 2 and "--retention" in bad.stderr
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .test_launcher import STEPWATCH, clean_env, free_port
+from tests.support import STEPWATCH, clean_env, free_port
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")

@@ -4,8 +4,6 @@ the history commands over what it writes: ``summary``, ``compare``, ``import``."
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
 import sqlite3
@@ -23,30 +21,14 @@ from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.sink import TelemetrySink
 from stepwatch.artifacts.spool import read_spool
 from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
+from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
 
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "train_demo.py"
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 STEPS = 40  # --steps 40 over 3 epochs: 13 steps per epoch, 39 per rank
 STEPS_PER_RANK = 39
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
-def stepwatch(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*STEPWATCH, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def run_command(out: Path, *script: str, nproc: int = 2) -> list[str]:
@@ -75,7 +57,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
 def track_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("track")
     out = base / "track-run"
-    proc = stepwatch("track", "--interval", "100", "--out", str(out), "--", sys.executable, str(DEMO), "--steps", "30",
+    proc = run_stepwatch("track", "--interval", "100", "--out", str(out), "--", sys.executable, str(DEMO), "--steps", "30",
                      cwd=base, timeout=90)
     assert proc.returncode == 0, proc.stderr
     assert not (out / "history.sqlite").exists()
@@ -229,16 +211,16 @@ def test_training_outlives_a_killed_aggregator(tmp_path: Path) -> None:
 def test_summary_commands(two_ranks: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
     out, _ = two_ranks
     saved = json.loads((out / "final_summary.json").read_text())
-    text = stepwatch("summary", str(out), cwd=tmp_path)
+    text = run_stepwatch("summary", str(out), cwd=tmp_path)
     assert text.returncode == 0, text.stderr
     assert text.stdout == (out / "final_summary.txt").read_text()
-    as_json = stepwatch("summary", str(out), "--json", cwd=tmp_path)
+    as_json = run_stepwatch("summary", str(out), "--json", cwd=tmp_path)
     assert as_json.returncode == 0 and json.loads(as_json.stdout) == saved
     # recomputed from the store alone: the same numbers
-    fresh = json.loads(stepwatch("summary", str(out / "history.sqlite"), "--json", cwd=tmp_path).stdout)
+    fresh = json.loads(run_stepwatch("summary", str(out / "history.sqlite"), "--json", cwd=tmp_path).stdout)
     for key in ("session_id", "status", "ranks", "world_size", "overall", "per_rank", "memory_peaks", "counts"):
         assert fresh[key] == saved[key], key
-    chosen = json.loads(stepwatch("summary", str(out), "--session", saved["session_id"], "--json", cwd=tmp_path).stdout)
+    chosen = json.loads(run_stepwatch("summary", str(out), "--session", saved["session_id"], "--json", cwd=tmp_path).stdout)
     assert chosen["overall"] == saved["overall"]
 
 
@@ -246,8 +228,8 @@ def test_compare_two_runs(two_ranks: tuple[Path, subprocess.CompletedProcess[str
                           tmp_path: Path) -> None:
     out, _ = two_ranks
     a = json.loads((out / "final_summary.json").read_text())
-    b = json.loads(stepwatch("summary", str(track_run), "--json", cwd=tmp_path).stdout)
-    proc = stepwatch("compare", str(out), str(track_run), "--json", cwd=tmp_path)
+    b = json.loads(run_stepwatch("summary", str(track_run), "--json", cwd=tmp_path).stdout)
+    proc = run_stepwatch("compare", str(out), str(track_run), "--json", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr  # 2 ranks against 1: different workloads, inconclusive
     result = json.loads(proc.stdout)
     assert result["verdict"]["verdict"] == "INCONCLUSIVE" and "world size 2 vs 1" in result["verdict"]["reasons"][-1]
@@ -260,14 +242,14 @@ def test_compare_two_runs(two_ranks: tuple[Path, subprocess.CompletedProcess[str
     assert median["delta"] == pytest.approx(median["b"] - median["a"])
     assert {"step_ms.p90", "step_ms.p99", "throughput_steps_per_s", "phase_share.forward",
             "memory_peak_allocated_bytes"} <= set(rows)
-    table = stepwatch("compare", str(out), str(track_run), cwd=tmp_path)
+    table = run_stepwatch("compare", str(out), str(track_run), cwd=tmp_path)
     assert table.returncode == 3 and "verdict INCONCLUSIVE: " in table.stdout
     assert "step_ms.median" in table.stdout and "throughput_steps_per_s" in table.stdout and "%" in table.stdout
 
 
 def test_import_a_track_run_and_summarise_it(track_run: Path, tmp_path: Path) -> None:
     target = tmp_path / "new.sqlite"
-    proc = stepwatch("import", str(track_run), "--into", str(target), "--json", cwd=tmp_path)
+    proc = run_stepwatch("import", str(track_run), "--into", str(target), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     written = json.loads(proc.stdout)
     sid = json.loads((track_run / "run.json").read_text())["session_id"]
@@ -283,18 +265,18 @@ def test_import_a_track_run_and_summarise_it(track_run: Path, tmp_path: Path) ->
                      ("heartbeats", len(beats)), ("steps", 30)):
         assert query(target, f"SELECT COUNT(*) FROM {table} WHERE session_id = ?", (sid,)) == [(n,)], table
     # importing again stores nothing twice where ids exist
-    stepwatch("import", str(track_run), "--into", str(target), cwd=tmp_path)
+    run_stepwatch("import", str(track_run), "--into", str(target), cwd=tmp_path)
     assert query(target, "SELECT COUNT(*) FROM spans") == [(len(spool.spans),)]
     assert query(target, "SELECT COUNT(*) FROM marks") == [(30,)]
 
-    via_temp = stepwatch("summary", str(track_run), "--json", cwd=tmp_path)
+    via_temp = run_stepwatch("summary", str(track_run), "--json", cwd=tmp_path)
     assert via_temp.returncode == 0, via_temp.stderr
     assert not (track_run / "history.sqlite").exists()
     summary = json.loads(via_temp.stdout)
     assert summary["session_id"] == sid and summary["overall"]["steps"] == 30 and summary["ranks"] == [0]
-    from_store = json.loads(stepwatch("summary", str(target), "--json", cwd=tmp_path).stdout)
+    from_store = json.loads(run_stepwatch("summary", str(target), "--json", cwd=tmp_path).stdout)
     assert from_store["overall"]["step_ms"] == summary["overall"]["step_ms"]
-    text = stepwatch("summary", str(track_run), cwd=tmp_path)
+    text = run_stepwatch("summary", str(track_run), cwd=tmp_path)
     assert text.returncode == 0 and "steps 30" in text.stdout
 
 

@@ -31,8 +31,8 @@ from stepwatch.schema.limits import (
     sender_problem,
 )
 from stepwatch.transport.frames import encode_frame
-from tests.conftest import make_event
-from tests.server.test_http_ingest import AUTH, ThreadServer, post
+from tests.support.http import AUTH, ThreadServer, post
+from tests.support.records import make_event
 
 # -- the bounds, written from docs/ingestion-limits.md (not read back from the code) ----------
 

@@ -5,10 +5,7 @@ summary and the timeline say about it (docs/run-outcome.md)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +17,10 @@ import pytest
 from stepwatch.analysis.markers import derive_session_timeline_markers
 from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
+from tests.support import STEPWATCH, clean_env, free_port
 
 pytest.importorskip("torch")
 
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 
 TRAIN = '''
 import os, signal, sys, time
@@ -57,18 +53,6 @@ worker = threading.Thread(target=lambda: 1 / 0, name="loader-thread")
 worker.start(); worker.join()
 raise KeyError("missing column")
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_",
-            "TORCHELASTIC_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 def run(base: Path, out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:

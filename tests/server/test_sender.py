@@ -12,14 +12,9 @@ import pytest
 
 from stepwatch.transport.frames import FrameDecoder, decode_body
 from stepwatch.transport.sender import FrameSender, parse_address
+from tests.support import free_port
 
 META = {"session_id": "sender-test", "rank": 1, "host": "h"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tables(i: int) -> dict[str, list[Any]]:

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from stepwatch.server.launcher import STALL_KILL_EXIT
-
-from .test_outcome import STEPWATCH, clean_env, free_port
+from tests.support import STEPWATCH, clean_env, free_port
 
 pytest.importorskip("torch")
 

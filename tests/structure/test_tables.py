@@ -17,8 +17,8 @@ from stepwatch.store import rows as store_rows
 from stepwatch.store import sqlite as store_sqlite
 from stepwatch.store.base import COLUMNS
 from stepwatch.transport.frames import COLUMNAR
+from tests.support.records import make_record
 
-from ..conftest import make_record
 from ._source import modules
 
 S = "00000000-0000-4000-8000-000000000001"

@@ -7,7 +7,6 @@ import email.utils
 import gzip
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,6 +32,7 @@ from stepwatch.transport.http_exporter import (
     batch_id_of,
     parse_retry_after,
 )
+from tests.support import free_port
 
 KEY = "sk-test-123"
 SDK = "9.9.9"
@@ -129,12 +129,6 @@ class TraceServer:
             self.gate.set()
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

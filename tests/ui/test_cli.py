@@ -16,7 +16,7 @@ import pytest
 from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
 from stepwatch.schema import SessionSummary, telemetry_event_to_dict
 from stepwatch.ui.format import fmt_bytes
-from tests.conftest import make_event, make_record
+from tests.support.records import make_event, make_record
 
 GiB = 1024**3
 _script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))

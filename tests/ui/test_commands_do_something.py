@@ -5,30 +5,16 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import stepwatch.ui
+from tests.support import run_stepwatch
 
 UI = Path(stepwatch.ui.__file__).resolve().parent  # the package under test, wherever it is imported from
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 TINY = "import sys\nprint('ran', sys.argv[1:])\n"
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
-def stepwatch(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*STEPWATCH, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def nothing_started(cwd: Path) -> bool:
@@ -38,7 +24,7 @@ def nothing_started(cwd: Path) -> bool:
 @pytest.mark.parametrize("typo", [["--nproc-per-nod", "2"], ["--nproc-per-nod=2"]])
 def test_run_with_a_mistyped_option_is_a_usage_error_that_starts_nothing(tmp_path: Path, typo: list[str]) -> None:
     (tmp_path / "train.py").write_text(TINY)
-    proc = stepwatch("run", *typo, "train.py", cwd=tmp_path)
+    proc = run_stepwatch("run", *typo, "train.py", cwd=tmp_path)
     assert proc.returncode == 2, proc
     assert "--nproc-per-nod" in proc.stderr and "Did you mean '--nproc-per-node'?" in proc.stderr
     assert "ran" not in proc.stdout and "aggregator" not in proc.stderr
@@ -47,7 +33,7 @@ def test_run_with_a_mistyped_option_is_a_usage_error_that_starts_nothing(tmp_pat
 
 def test_run_passes_options_after_the_script_to_it(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(TINY)
-    proc = stepwatch("run", "--quiet", "--out", "out", "train.py", "--nproc-per-nod", "2", cwd=tmp_path)
+    proc = run_stepwatch("run", "--quiet", "--out", "out", "train.py", "--nproc-per-nod", "2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "ran ['--nproc-per-nod', '2']" in proc.stdout
     assert json.loads((tmp_path / "out" / "run.json").read_text())["outcome"] == "succeeded"
@@ -55,13 +41,13 @@ def test_run_passes_options_after_the_script_to_it(tmp_path: Path) -> None:
 
 def test_run_of_a_module_still_works(tmp_path: Path) -> None:
     (tmp_path / "tinymod.py").write_text(TINY)
-    proc = stepwatch("run", "--quiet", "--out", "out", "-m", "tinymod", "x", cwd=tmp_path)
+    proc = run_stepwatch("run", "--quiet", "--out", "out", "-m", "tinymod", "x", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "ran ['x']" in proc.stdout
 
 
 def test_run_of_a_missing_script_starts_nothing(tmp_path: Path) -> None:
-    proc = stepwatch("run", "missing.py", cwd=tmp_path)
+    proc = run_stepwatch("run", "missing.py", cwd=tmp_path)
     assert proc.returncode == 2, proc
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["error: missing.py: no such script (nothing was started)"], proc.stderr
@@ -70,7 +56,7 @@ def test_run_of_a_missing_script_starts_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("interpreter_options", [[], ["-X", "dev", "-u"]])
 def test_track_of_a_missing_python_script_starts_nothing(tmp_path: Path, interpreter_options: list[str]) -> None:
-    proc = stepwatch("track", "--", sys.executable, *interpreter_options, "missing.py", cwd=tmp_path)
+    proc = run_stepwatch("track", "--", sys.executable, *interpreter_options, "missing.py", cwd=tmp_path)
     assert proc.returncode == 2, proc
     assert "missing.py: no such script" in proc.stderr and "Traceback" not in proc.stderr
     assert nothing_started(tmp_path)
@@ -78,7 +64,7 @@ def test_track_of_a_missing_python_script_starts_nothing(tmp_path: Path, interpr
 
 def test_track_of_a_module_still_works(tmp_path: Path) -> None:
     (tmp_path / "tinymod.py").write_text(TINY)
-    proc = stepwatch("track", "--out", "out", "--", sys.executable, "-m", "tinymod", "y", cwd=tmp_path)
+    proc = run_stepwatch("track", "--out", "out", "--", sys.executable, "-m", "tinymod", "y", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "ran ['y']" in proc.stdout
 
@@ -87,7 +73,7 @@ def test_track_of_a_module_still_works(tmp_path: Path) -> None:
 def track_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("track")
     (base / "script.py").write_text(TINY)
-    proc = stepwatch("track", "--interval", "100", "--out", "run", "--", sys.executable, "script.py", cwd=base)
+    proc = run_stepwatch("track", "--interval", "100", "--out", "run", "--", sys.executable, "script.py", cwd=base)
     assert proc.returncode == 0, proc.stderr
     return base / "run"
 
@@ -95,7 +81,7 @@ def track_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_summary_of_an_unknown_session_is_an_error_listing_the_sessions(track_run: Path) -> None:
     sid = json.loads((track_run / "run.json").read_text())["session_id"]
     for target in (track_run, track_run / "telemetry" / "rank0"):
-        proc = stepwatch("summary", str(target), "--session", "no-such-id", cwd=track_run.parent)
+        proc = run_stepwatch("summary", str(target), "--session", "no-such-id", cwd=track_run.parent)
         assert proc.returncode == 2, proc
         assert "no-such-id" in proc.stderr and sid in proc.stderr and proc.stderr.startswith("error: ")
         assert proc.stdout == ""
@@ -103,7 +89,7 @@ def test_summary_of_an_unknown_session_is_an_error_listing_the_sessions(track_ru
 
 def test_summary_write_on_a_track_run_writes_the_final_summary(track_run: Path) -> None:
     assert not (track_run / "history.sqlite").exists()
-    proc = stepwatch("summary", str(track_run), "--write", cwd=track_run.parent)
+    proc = run_stepwatch("summary", str(track_run), "--write", cwd=track_run.parent)
     assert proc.returncode == 0, proc.stderr
     written = json.loads((track_run / "final_summary.json").read_text())
     sid = json.loads((track_run / "run.json").read_text())["session_id"]

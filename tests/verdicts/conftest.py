@@ -4,40 +4,18 @@ commands that read them back (``summary``, ``explain``, ``compare``)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
+
 pytest.importorskip("torch")
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "verdict_train.py"
-_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
-STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    drop = ("STEPWATCH_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(extra)
-    return env
-
-
-def stepwatch(*args: str, cwd: Path, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*STEPWATCH, *args], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 class Run:
@@ -56,7 +34,7 @@ class Run:
         return self.summary["diagnosis"]
 
     def explain(self, *args: str) -> dict[str, Any]:
-        proc = stepwatch("explain", str(self.out), "--json", *args, cwd=self.out.parent)
+        proc = run_stepwatch("explain", str(self.out), "--json", *args, cwd=self.out.parent)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 

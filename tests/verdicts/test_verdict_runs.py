@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch.analysis.markers import derive_verdict_markers
+from tests.support import run_stepwatch as stepwatch
 
-from .conftest import PROGRAM, Run, stepwatch
+from .conftest import PROGRAM, Run
 
 # 20 ms of sleep in each forward: a loaded machine's timing noise (~0.5 ms a step) stays well
 # inside compare's +/- 3 % band, so the same script twice is EQUIVALENT

@@ -1,0 +1,45 @@
+"""Helpers every test that starts a real process shares: the ``stepwatch`` command, an environment
+free of the caller's stepwatch/torchrun contract, and a free loopback port.
+
+Tests run in parallel (pytest-xdist), so nothing here holds a fixed port or a shared path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
+STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
+
+# what a test's own environment may carry that would change what a started process does: the
+# stepwatch and torchrun contracts, a rich console's forced settings, the Cirron SDK's settings
+_LEAKS = ("STEPWATCH_", "CIRRON_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+          "MASTER_", "TORCHELASTIC_")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any variable that would change a started process's
+    identity or output, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LEAKS)}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A loopback port free right now (the kernel's pick, so parallel tests do not collide)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_stepwatch(*args: str, cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    """``stepwatch ARGS`` run to its end in ``cwd`` with a clean environment, output captured."""
+    return subprocess.run([*STEPWATCH, *args], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
