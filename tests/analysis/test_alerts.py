@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.analysis.alerts import ALERT_KINDS, Alert, AlertPolicy, AlertRules, alert_from_dict, is_nonfinite
+from stepwatch.analysis.alerts import (ALERT_KINDS, Alert, AlertPolicy, AlertRules, alert_from_dict, is_nonfinite,
+                                      iso_time)
 from stepwatch.analysis.markers import derive_alert_markers
 
 T0 = 1_700_000_000.0
@@ -147,6 +148,68 @@ def test_a_lost_rank_is_not_also_a_stall() -> None:
     assert kinds(rules.check(t + 10)) == ["RANK_LOST"]
 
 
+def beating(rules: AlertRules, ranks: list[int], until: float, *, every: float = 0.5, host: str = "node-b") -> None:
+    """Each rank's frames reach the aggregator with a heartbeat every ``every`` s, T0 to ``until``."""
+    t = T0
+    while t <= until:
+        for rank in ranks:
+            rules.observe_frame(rank, t, host=host)
+            rules.observe_heartbeat(rank, {**hb(3, t), "rank": rank, "pid": 200 + rank}, at=t)
+        t += every
+
+
+def test_a_connection_closed_without_stop_is_lost_after_the_heartbeat_grace_saying_how() -> None:
+    rules = AlertRules(AlertPolicy(stall_after_s=3, lost_grace_s=1))
+    stepped(rules, [0, 1], 3)
+    t = T0 + 5
+    beating(rules, [0, 1], t)
+    rules.observe_disconnect(1, at=t + 0.2)
+    grace = max(1.0, 2.5 * 0.5, 0.5 + 2.0)  # the rank's heartbeat may be silent this long
+    assert rules.check(t + 0.2 + grace - 0.1) == []
+    [alert] = rules.check(t + 0.2 + grace)
+    assert alert.kind == "RANK_LOST" and alert.ranks == (1,) and alert.step == 3
+    evidence = alert.evidence
+    assert evidence["lost_by"] == "connection" and evidence["host"] == "node-b" and evidence["pid"] == 201
+    assert evidence["connection_dropped_at"] == iso_time(t + 0.2) and evidence["grace_s"] == grace
+    assert evidence["last_heartbeat"] is not None and evidence["last_frame_at"] is not None
+    assert "on node-b, pid 201" in alert.message and "connection to the aggregator closed at" in alert.message
+    assert rules.check(t + 60) == []  # once; and no STALL of the rank that waits for it
+
+
+@pytest.mark.parametrize("then", ["frame", "alive", "stop"])
+def test_a_dropped_connection_is_no_loss_once_the_rank_is_heard_seen_alive_or_stopped(then: str) -> None:
+    rules = AlertRules(AlertPolicy(stall_after_s=30, lost_grace_s=1))
+    beating(rules, [0], T0 + 5)
+    rules.observe_disconnect(0, at=T0 + 5.2)
+    if then == "frame":
+        rules.observe_frame(0, T0 + 6.5)  # its sender reconnected
+    elif then == "alive":
+        rules.observe_process_alive(0)  # its pid, on this host, is alive
+    else:
+        rules.observe_stop(0, at=T0 + 5.3)
+    assert rules.check(T0 + 20) == []
+    assert rules.check(T0 + 21, final=True) == []
+
+
+def test_a_stop_before_the_drop_keeps_it_from_counting_and_the_end_judges_a_drop_at_once() -> None:
+    rules = AlertRules(AlertPolicy(lost_grace_s=2))
+    beating(rules, [0, 1], T0 + 2)
+    rules.observe_stop(0, at=T0 + 2.1)
+    rules.observe_disconnect(0, at=T0 + 2.2)
+    rules.observe_disconnect(1, at=T0 + 2.2)
+    [alert] = rules.check(T0 + 2.3, final=True)
+    assert alert.kind == "RANK_LOST" and alert.ranks == (1,) and alert.evidence["lost_by"] == "connection"
+
+
+def test_no_stall_is_judged_while_a_dropped_rank_may_be_lost() -> None:
+    rules = AlertRules(AlertPolicy(stall_after_s=1, lost_grace_s=1, heartbeat_interval_s=5))
+    t = stepped(rules, [0, 1], 3)
+    rules.observe_disconnect(1, at=t + 0.1)
+    assert rules.check(t + 12) == []  # rank 0 waits for rank 1: no stall while 2.5 heartbeats may pass
+    assert kinds(rules.check(t + 0.1 + 12.5)) == ["RANK_LOST"]
+    assert rules.check(t + 30) == []
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), "nan", "-inf"])
 def test_a_nonfinite_loss_mark_alerts_once_until_it_is_finite_again(value: Any) -> None:
     rules = AlertRules()
@@ -252,6 +315,9 @@ _observation = st.one_of(
     st.tuples(st.just("mark"), st.integers(0, 3), st.sampled_from(["loss", "grad_norm", "lr"]), _values,
               st.integers(0, 50)),
     st.tuples(st.just("gone"), st.integers(0, 3)),
+    st.tuples(st.just("drop"), st.integers(0, 3)),
+    st.tuples(st.just("frame"), st.integers(0, 3)),
+    st.tuples(st.just("alive"), st.integers(0, 3)),
     st.tuples(st.just("stop"), st.integers(0, 3)),
     st.tuples(st.just("activity"), st.integers(0, 3), st.floats(0, 100)),
     st.tuples(st.just("check"), st.floats(0, 20)),
@@ -275,6 +341,12 @@ def _play(observations: list[tuple[Any, ...]], policy: AlertPolicy) -> list[dict
             rules.observe_mark(obs[1], obs[2], obs[3], step=obs[4], key=obs[4], ts=now, at=now)
         elif kind == "gone":
             rules.observe_gone(obs[1], at=now)
+        elif kind == "drop":
+            rules.observe_disconnect(obs[1], at=now)
+        elif kind == "frame":
+            rules.observe_frame(obs[1], now, host="node-b")
+        elif kind == "alive":
+            rules.observe_process_alive(obs[1])
         elif kind == "stop":
             rules.observe_stop(obs[1], at=now)
         elif kind == "activity":
@@ -298,6 +370,9 @@ def test_any_observations_give_well_formed_deterministic_alerts(observations: li
         assert alert["kind"] in ALERT_KINDS and alert["severity"] in ("warn", "crit")
         assert alert["ranks"] and set(alert["ranks"]) <= seen_ranks
         assert isinstance(alert["message"], str) and alert["message"]
+        if alert["kind"] == "RANK_LOST":  # only a process found gone or a connection closed says lost
+            assert set(alert["ranks"]) <= {obs[1] for obs in observations if obs[0] in ("gone", "drop")}
+            assert alert["evidence"]["lost_by"] in ("process", "connection")
     nonfinite_seen = any(
         (obs[0] == "mark" and obs[2] in ("loss", "grad_norm") and is_nonfinite(obs[3]) is not None)
         or (obs[0] == "hb" and obs[3] == "progress" and is_nonfinite(obs[5], null_is_nonfinite=True) is not None)

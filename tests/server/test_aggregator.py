@@ -115,7 +115,13 @@ def test_four_ranks_and_hostile_clients(aggregator: Aggregator) -> None:
 
     assert stats["rejected"] == {"oversize": 1, "not_msgpack": 1, "truncated": 1, "bad_meta": 2, "bad_rows": 3}
     assert stats["frames_accepted"] == RANKS * FRAMES_PER_RANK + 1
-    assert stats["rows_written"] == stats["rows_accepted"]
+    # every sender hung up without a stop event: the watchdog calls each rank lost as the
+    # aggregator stops, and those alerts are the rows it wrote beyond the ranks' own
+    assert stats["dropped_without_stop"] == RANKS + 1
+    lost = query(store, "SELECT session_id, kind, ranks FROM alerts ORDER BY session_id, ranks")
+    assert sorted(lost) == sorted([(SID, "RANK_LOST", f"[{r}]") for r in range(RANKS)]
+                                  + [("intruder-ok", "RANK_LOST", "[0]")])
+    assert stats["rows_written"] == stats["rows_accepted"] + len(lost)
 
     per_rank = {
         "telemetry": 4 * FRAMES_PER_RANK,

@@ -3,7 +3,8 @@
 Verdicts say why a run is slow; alerts say that something is wrong *now* and may be acted on:
 ``STALL``, ``RANK_LOST``, ``THROUGHPUT_DROP``, ``NONFINITE``, ``ZERO_GRAD`` (docs/watchdog.md has
 each rule in words). ``AlertRules`` is fed observations (heartbeat records, completed steps,
-marks, closed spans, stop records, a process found gone) with the time the feeder saw them, and
+marks, closed spans, stop records, a process found gone, a connection to the aggregator closed
+without a stop record, a frame that came) with the time the feeder saw them, and
 ``check(now)`` returns the alerts that became true since the last check. Each condition alerts
 once per episode: it must clear (the rank steps again, a finite value comes, ...) before the
 same alert can fire again. No I/O, no clock of its own: the same observations and the same
@@ -162,7 +163,7 @@ class _Rank:
     __slots__ = ("rank", "pid", "first_seen_at", "step", "advanced_at", "activity_ts", "hb_seen_at", "hb_ts",
                  "hb_gaps", "has_phase", "phase", "phase_ts", "stopped", "gone_at", "lost", "last_step_end",
                  "origin", "buckets", "closed_cache", "in_drop", "zero_run", "zero_key", "zero_steps",
-                 "zero_alerted", "hb_step", "has_steps")
+                 "zero_alerted", "hb_step", "has_steps", "host", "heard_at", "dropped_at")
 
     def __init__(self, rank: int, at: float) -> None:
         self.rank = rank
@@ -194,6 +195,11 @@ class _Rank:
         self.zero_key: Any = None
         self.zero_steps: list[int | None] = []
         self.zero_alerted = False
+        self.host: str | None = None  # as its frames name it (the aggregator's feed)
+        self.heard_at: float | None = None  # watchdog clock: its last frame to the aggregator
+        # watchdog clock: its connection to the aggregator closed without a stop record, and
+        # nothing came from it since (None once it is heard again, or its process is seen alive)
+        self.dropped_at: float | None = None
 
 
 class AlertRules:
@@ -357,6 +363,30 @@ class AlertRules:
         if state.gone_at is None:
             state.gone_at = at
 
+    def observe_frame(self, rank: int, at: float, *, host: str | None = None) -> None:
+        """A frame of the rank reached the aggregator: it is connected, whatever closed before."""
+        state = self._rank(rank, at)
+        state.heard_at = at
+        state.dropped_at = None
+        if host is not None:
+            state.host = host
+
+    def observe_disconnect(self, rank: int, at: float) -> None:
+        """The rank's last connection to the aggregator closed from its end (the aggregator saw
+        it) with no stop record sent: the process died, or its host, or the network between; or
+        its sender will reconnect, which ``observe_frame`` then says. The one view of a rank on
+        another host, where no pid can be checked."""
+        state = self._rank(rank, at)
+        if not state.stopped and not state.lost and state.dropped_at is None:
+            state.dropped_at = at
+
+    def observe_process_alive(self, rank: int) -> None:
+        """The feeder saw the rank's process alive (same host, its pid): a connection it closed
+        is its sender's to reopen, not a loss. The pid is the better evidence where there is one."""
+        state = self.ranks.get(rank)
+        if state is not None:
+            state.dropped_at = None
+
     # -- the rules -----------------------------------------------------------------------------
 
     def check(self, now: float, *, final: bool = False) -> list[Alert]:
@@ -384,25 +414,63 @@ class AlertRules:
         return Alert(ts=now, kind=kind, severity=SEVERITY[kind], ranks=tuple(sorted(ranks)), step=step,
                      message=message, evidence=evidence, session_id=self.session_id)
 
+    def _drop_grace(self, state: _Rank) -> float:
+        """How long a dropped connection waits for the rank to be heard again before it is lost:
+        as long as its heartbeat may be silent (``_hb_silent``), ``lost_grace_s`` at least. A
+        living sender that closed its socket (a send that timed out) reconnects within its 1 s
+        backoff and sends what it queued, a heartbeat among it, well within that."""
+        interval = self._hb_interval(state)
+        return max(self.policy.lost_grace_s, 2.5 * interval, interval + 2.0)
+
     def _lost(self, now: float, final: bool) -> list[Alert]:
         out = []
         for state in sorted(self.ranks.values(), key=lambda s: s.rank):
-            if state.stopped or state.lost or state.gone_at is None:
+            if state.stopped or state.lost:
                 continue
-            if not final and now - state.gone_at < self.policy.lost_grace_s:
+            if state.gone_at is not None:
+                if not final and now - state.gone_at < self.policy.lost_grace_s:
+                    continue
+                out.append(self._lost_by_process(state, now))
+            elif state.dropped_at is not None:
+                if not final and now - state.dropped_at < self._drop_grace(state):
+                    continue
+                out.append(self._lost_by_connection(state, now))
+            else:
                 continue
             state.lost = True
             self._stall_covered.discard(state.rank)
-            seen = state.hb_seen_at if state.hb_seen_at is not None else state.first_seen_at
-            out.append(self._alert(
-                now, "RANK_LOST", [state.rank], state.step,
-                f"rank {state.rank} (pid {state.pid}) is gone without a stop record; last step "
-                f"{state.step if state.step is not None else '-'}, last heard {max(0.0, now - seen):.0f} s ago",
-                {"pid": state.pid, "last_step": state.step, "gone_seen_at": iso_time(state.gone_at),
-                 "last_heartbeat": iso_time(state.hb_ts) if state.hb_ts is not None else None,
-                 "stop_records_looked_for": ["heartbeat stop record", "telemetry stop event",
-                                             f"outcome_rank{state.rank}.json"]}))
         return out
+
+    def _lost_evidence(self, state: _Rank, lost_by: str) -> dict[str, Any]:
+        return {"lost_by": lost_by, "host": state.host, "pid": state.pid, "last_step": state.step,
+                "last_heartbeat": iso_time(state.hb_ts) if state.hb_ts is not None else None,
+                "stop_records_looked_for": ["heartbeat stop record", "telemetry stop event",
+                                            f"outcome_rank{state.rank}.json"]}
+
+    def _lost_by_process(self, state: _Rank, now: float) -> Alert:
+        assert state.gone_at is not None
+        seen = state.hb_seen_at if state.hb_seen_at is not None else state.first_seen_at
+        return self._alert(
+            now, "RANK_LOST", [state.rank], state.step,
+            f"rank {state.rank} (pid {state.pid}) is gone without a stop record; last step "
+            f"{state.step if state.step is not None else '-'}, last heard {max(0.0, now - seen):.0f} s ago",
+            {**self._lost_evidence(state, "process"), "gone_seen_at": iso_time(state.gone_at)})
+
+    def _lost_by_connection(self, state: _Rank, now: float) -> Alert:
+        assert state.dropped_at is not None
+        who = ", ".join(part for part in (f"on {state.host}" if state.host else "",
+                                          f"pid {state.pid}" if state.pid is not None else "") if part)
+        heartbeat = iso_time(state.hb_ts) if state.hb_ts is not None else "none"
+        return self._alert(
+            now, "RANK_LOST", [state.rank], state.step,
+            f"rank {state.rank}{f' ({who})' if who else ''} is gone without a stop record: its connection to "
+            f"the aggregator closed at {iso_time(state.dropped_at)} and nothing came since "
+            f"({max(0.0, now - state.dropped_at):.0f} s); last step {state.step if state.step is not None else '-'}, "
+            f"last heartbeat {heartbeat}",
+            {**self._lost_evidence(state, "connection"), "connection_dropped_at": iso_time(state.dropped_at),
+             "silent_since_drop_s": round(max(0.0, now - state.dropped_at), 3),
+             "grace_s": round(self._drop_grace(state), 3),
+             "last_frame_at": iso_time(state.heard_at) if state.heard_at is not None else None})
 
     def _hb_interval(self, state: _Rank) -> float:
         return statistics.median(state.hb_gaps) if state.hb_gaps else self.policy.heartbeat_interval_s
@@ -419,9 +487,10 @@ class AlertRules:
     def _stall(self, now: float) -> list[Alert]:
         policy = self.policy
         active = self.active()
-        if any(s.gone_at is not None for s in active) or any(s.lost for s in self.ranks.values()):
+        if any(s.gone_at is not None or s.dropped_at is not None for s in active) \
+                or any(s.lost for s in self.ranks.values()):
             self._stall_since = None
-            return []  # a rank died: RANK_LOST says so, the others wait for a rank that is gone
+            return []  # a rank died (or may have): RANK_LOST says so, the others wait for a rank that is gone
 
         def threshold(state: _Rank) -> float:
             return policy.stall_after_s if state.advanced_at is not None else max(policy.stall_after_s,

@@ -15,6 +15,12 @@ Sessions: a session is ``running`` from its first frame; once every rank seen in
 ``ended_at_ns`` the last stop), written by the writer after the stop rows themselves. The
 launcher's own final upsert comes after the aggregator has stopped, so it has the last word.
 
+Connections: each TCP connection carries one rank's frames (transport/sender.py). When the
+last connection of a rank closes from the rank's end (EOF or a reset: its process died, or its
+host) and no ``stop`` event came from it, the watchdog is told (``feed_disconnect``): a rank on
+another host, whose pid no one here can check, is known lost this way (docs/watchdog.md). A
+connection the aggregator hangs up itself (a bad frame, shutdown) tells nothing.
+
 Retention (``retention_ns``): the writer applies ``HistoryStore.apply_retention`` every tenth of
 the window (between 1 s and an hour), and forgets HTTP batch ids older than the 24 h dedupe
 window as often.
@@ -132,6 +138,9 @@ class Aggregator:
         self.disk_full_errors = 0  # of write_errors, those for want of space
         self._first_write_error: str | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._links: Counter[tuple[str, int]] = Counter()  # open TCP connections carrying each rank's frames
+        self._last_sender: tuple[str, int] | None = None  # of the frame ``_queue`` took last
+        self.dropped_without_stop = 0  # ranks whose last connection closed from their end, no stop sent
         self.steps_seen: Counter[str] = Counter()  # step rows queued per session (live verdicts look at new ones)
 
     # -- intake --------------------------------------------------------------------------------
@@ -253,6 +262,7 @@ class Aggregator:
             self.store.upsert_session(session)
             self._session_ranks.setdefault(session_id, set()).add(rank)
         self.ranks.add((session_id, rank))
+        self._last_sender = (session_id, rank)
         telemetry = rows.get("telemetry")
         if telemetry:
             stops = [row for row in telemetry if row[3] == "stop"]
@@ -332,12 +342,15 @@ class Aggregator:
         self.connections += 1
         self._writers.add(writer)
         decoder = FrameDecoder(self.max_frame)
+        carried: set[tuple[str, int]] = set()  # the ranks whose frames came on this connection
+        rank_hung_up = False
         try:
             while True:
                 data = await reader.read(1 << 16)
                 if not data:
                     if decoder.pending_bytes:
                         self.reject("truncated", f"the connection closed {decoder.pending_bytes} bytes into a frame")
+                    rank_hung_up = True
                     break
                 try:
                     bodies = decoder.feed(data)
@@ -350,17 +363,37 @@ class Aggregator:
                     except TransportError as exc:
                         self.reject(exc.reason, str(exc))
                         continue
+                    sender = self._last_sender
+                    if sender is not None and sender not in carried:
+                        carried.add(sender)
+                        self._links[sender] += 1
                 if self.paused:
                     await self.wait_for_room()  # backpressure: stop reading this rank
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             self.reject("connection_reset", f"{type(exc).__name__}: {exc}")
+            rank_hung_up = True
         finally:
+            self._closed_link(carried, rank_hung_up and not self._stopping.is_set())
             self._writers.discard(writer)
             writer.close()
             try:
                 await writer.wait_closed()
             except (ConnectionError, OSError):
                 pass
+
+    def _closed_link(self, carried: set[tuple[str, int]], rank_hung_up: bool) -> None:
+        """A connection ended: a rank it carried, with no other connection open and no stop
+        event sent, is dropped (the watchdog judges whether it is lost)."""
+        for sender in carried:
+            self._links[sender] -= 1
+            if self._links[sender] > 0:
+                continue
+            del self._links[sender]
+            session_id, rank = sender
+            if rank_hung_up and rank not in self._stops.get(session_id, {}):
+                self.dropped_without_stop += 1
+                if self.watchdog is not None:
+                    self.watchdog.feed_disconnect(session_id, rank)
 
     # -- the single writer -----------------------------------------------------------------------
 
@@ -506,7 +539,8 @@ class Aggregator:
     def stats(self) -> dict[str, Any]:
         batches = self.write_batches[-100:]
         return {
-            "connections": self.connections, "frames_accepted": self.frames_accepted,
+            "connections": self.connections, "dropped_without_stop": self.dropped_without_stop,
+            "frames_accepted": self.frames_accepted,
             "rows_accepted": self.rows_accepted, "rows_written": self.rows_written,
             "rejected": dict(self.rejected), "ranks": len(self.ranks), "pending_rows": self._pending_rows,
             "write_errors": self.write_errors, "rows_lost": self.rows_lost,

@@ -7,6 +7,11 @@ frame: a reference and a length, nothing decoded on the intake path) and ``stepw
 decodes what was fed, checks which ranks' processes are gone, runs the rules, and for each alert
 takes the stack dumps (STALL) and appends the line to ``<run>/alerts.jsonl``; the caller stores
 the returned rows and prints the lines. Nothing here writes into a heartbeat file.
+
+Whether a rank is lost: its pid, where it runs on this host (gone: lost; alive: not lost,
+whatever its connection did); else, under the aggregator, its connection (closed from the rank's
+end without a stop record, nothing heard since: ``feed_disconnect``), the one view there is of a
+rank on another host. ``stepwatch watch`` has no connections: it judges local pids only.
 """
 
 from __future__ import annotations
@@ -126,14 +131,22 @@ class Watchdog:
         """The rows of one accepted frame (store tuples). Keeps a reference and the length: the
         aggregator only ever appends to its pending lists, so the first ``n`` stay this frame's."""
         at = self.clock()
+        fed = len(self._fed)
         for table in _FED:
             table_rows = rows.get(table)
             if table_rows:
                 self._fed.append((session_id, rank, host, table, table_rows, len(table_rows), at))
+        if len(self._fed) == fed:  # rows the rules do not read (memory samples): still a sign of life
+            self._fed.append((session_id, rank, host, "frame", None, 0, at))
 
     def feed_stop(self, session_id: str, rank: int) -> None:
         """The rank's telemetry ``stop`` event."""
         self._fed.append((session_id, rank, None, "stop", None, 0, self.clock()))
+
+    def feed_disconnect(self, session_id: str, rank: int) -> None:
+        """The rank's last connection to the aggregator closed from its end, no stop event sent
+        on it (``Aggregator.handle_connection``)."""
+        self._fed.append((session_id, rank, None, "disconnect", None, 0, self.clock()))
 
     def feed_heartbeat(self, session_id: str, rank: int, record: Mapping[str, Any], at: float) -> None:
         """A heartbeat record read from a file (``stepwatch watch``)."""
@@ -151,6 +164,12 @@ class Watchdog:
             rules = self.rules_of(session_id)
             if table == "stop":
                 rules.observe_stop(rank, at)
+                continue
+            if table == "disconnect":
+                rules.observe_disconnect(rank, at)
+                continue
+            rules.observe_frame(rank, at, host=self._hosts.get((session_id, rank)))
+            if table == "frame":
                 continue
             try:
                 getattr(self, f"_rows_{table}")(rules, session_id, table_rows[:count], at)
@@ -201,19 +220,25 @@ class Watchdog:
     # -- checking ------------------------------------------------------------------------------
 
     def _check_processes(self, now: float) -> None:
-        if self._processes is None:
-            return
+        """The pid where it can be checked (this host); a dropped connection where it cannot.
+        A rank whose end records are on disk (a shared run directory) stopped, whichever."""
         for session_id, rules in self.rules.items():
             for state in rules.active():
-                if state.pid is None or state.gone_at is not None:
+                if state.gone_at is not None:
                     continue
-                gone = self._processes.gone(state.pid, self._first_ts.get((session_id, state.rank)),
-                                            self._hosts.get((session_id, state.rank)))
-                if not gone:
+                gone = None
+                if self._processes is not None and state.pid is not None:
+                    gone = self._processes.gone(state.pid, self._first_ts.get((session_id, state.rank)),
+                                                self._hosts.get((session_id, state.rank)))
+                if gone is False:
+                    if state.dropped_at is not None:
+                        rules.observe_process_alive(state.rank)
+                    continue
+                if gone is None and state.dropped_at is None:
                     continue
                 if self._stopped_on_disk(session_id, state.rank):
                     rules.observe_stop(state.rank, now)
-                else:
+                elif gone:
                     rules.observe_gone(state.rank, now)
 
     def _stopped_on_disk(self, session_id: str, rank: int) -> bool:
