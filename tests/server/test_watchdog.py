@@ -111,3 +111,38 @@ def test_an_ended_session_is_forgotten(tmp_path: Path) -> None:
     clock.now = T0 + 11
     dog.tick()
     assert dog.rules == {}
+
+
+def test_a_dropped_connection_is_lost_where_no_pid_can_tell_and_the_pid_decides_on_this_host(tmp_path: Path) -> None:
+    """Rank 0 runs on this host and lives (this process), rank 1 runs on another host: both
+    connections close without a stop event."""
+    import os
+    import socket
+
+    sid = new_session_id()
+    clock = Clock()
+    dog = Watchdog(tmp_path, AlertPolicy(stall_after_s=60, lost_grace_s=1), dump_stacks=False, clock=clock)
+    aggregator = Aggregator(SqliteStore(tmp_path / "history.sqlite"), watchdog=dog)
+    ranks = {0: (socket.gethostname(), os.getpid()), 1: ("node-b", 4242)}
+    for step in range(1, 11):  # a heartbeat every 0.5 s: the drop's grace is 2.5 s
+        clock.now = T0 + step * 0.5
+        for rank, (host, pid) in ranks.items():
+            beat = {"ts": clock.now, "iso": "x", "pid": pid, "rank": rank, "step": step, "msg": "heartbeat"}
+            aggregator.accept_tables({"session_id": sid, "rank": rank, "world_size": 2, "host": host, "pid": pid},
+                                     {"heartbeat": [beat]}, "tcp")
+        assert dog.tick() == []
+    clock.now = T0 + 5.2
+    for rank in ranks:
+        dog.feed_disconnect(sid, rank)
+    assert dog.tick() == []  # within the grace
+    clock.now = T0 + 5.2 + 2.6
+    [(alert, _)] = dog.tick()  # rank 0's process lives: its sender will reconnect
+    assert alert.kind == "RANK_LOST" and alert.ranks == (1,) and alert.evidence["lost_by"] == "connection"
+    assert alert.evidence["host"] == "node-b" and alert.evidence["pid"] == 4242
+    assert alert.evidence["connection_dropped_at"] == "2027-01-15T08:00:05.200Z"
+    assert alert.evidence["last_heartbeat"] == "2027-01-15T08:00:05.000Z"
+    assert "(on node-b, pid 4242)" in alert.message and "connection to the aggregator closed at" in alert.message
+    clock.now = T0 + 30
+    assert dog.tick() == []
+    # rank 0 was never lost: its pid said it lives
+    assert not dog.rules[sid].ranks[0].lost
