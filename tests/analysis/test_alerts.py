@@ -10,8 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.analysis.alerts import (ALERT_KINDS, Alert, AlertPolicy, AlertRules, alert_from_dict, is_nonfinite,
-                                      iso_time)
+from stepwatch.analysis.alerts import (
+    ALERT_KINDS,
+    Alert,
+    AlertPolicy,
+    AlertRules,
+    alert_from_dict,
+    is_nonfinite,
+    iso_time,
+)
 from stepwatch.analysis.markers import derive_alert_markers
 
 T0 = 1_700_000_000.0

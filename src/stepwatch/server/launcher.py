@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from ..lifetime import LAUNCHER_PID_ENV, preexec_die_with_parent
 from ..log import logger
 from ..schema import SessionStatus, new_session_id
 
-__all__ = ["KILL_GRACE_S", "STALL_KILL_EXIT", "LaunchOptions", "launch"]
+__all__ = ["KILL_GRACE_S", "STALL_KILL_EXIT", "TORCHRUN_PORT", "LaunchOptions", "launch", "master_port"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
 REMOTE_DRAIN_S = 60.0  # how long node 0 waits for other nodes' ranks after its own are done
@@ -29,11 +30,12 @@ _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 
 # says a command ran too long), and how long the job has between SIGTERM and SIGKILL
 STALL_KILL_EXIT = 124
 KILL_GRACE_S = 5.0
+TORCHRUN_PORT = 29500  # torchrun's default rendezvous port: what every node of a multi-node job names
 
 
 class LaunchOptions:
     def __init__(self, *, script: Sequence[str], nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
-                 master_addr: str = "127.0.0.1", master_port: int = 29500, use_torchrun: bool = False,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, use_torchrun: bool = False,
                  host: str = "127.0.0.1", port: int = 0, http_port: int | None = None, aggregator: str | None = None,
                  session_id: str | None = None, out: Path | None = None, interval_ms: int = 1000,
                  token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
@@ -48,7 +50,7 @@ class LaunchOptions:
         self.nnodes = nnodes
         self.node_rank = node_rank
         self.master_addr = master_addr
-        self.master_port = master_port
+        self.master_port = master_port  # None: see ``master_port()``
         self.use_torchrun = use_torchrun or nproc_per_node > 1 or nnodes > 1
         self.host = host
         self.port = port
@@ -80,13 +82,46 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
     return process, json.loads(line)
 
 
-def _training_command(options: LaunchOptions) -> list[str]:
+def master_port(options: LaunchOptions, env: Mapping[str, str]) -> int | None:
+    """The port of torchrun's rendezvous: the user's (``--master-port``, else ``MASTER_PORT``);
+    None where torchrun's own variables name one (``PET_MASTER_PORT``, ``PET_RDZV_ENDPOINT``: it
+    reads them itself); ``TORCHRUN_PORT`` across nodes (every node must name the same, and
+    torchrun's default is what they name); else, on a single node, a free port, as ``torchrun
+    --standalone`` takes one: a second job on the machine must not find 29500 taken by the first.
+    ConfigError for a ``MASTER_PORT`` that is not a port (before anything is started)."""
+    from ..errors import ConfigError
+
+    if options.master_port is not None:
+        return options.master_port
+    named = env.get("MASTER_PORT", "").strip()
+    if named:
+        if not named.isdigit() or not 0 < int(named) < 65536:
+            raise ConfigError(f"MASTER_PORT={named!r} is not a port (1-65535); unset it or give --master-port")
+        return int(named)
+    if env.get("PET_MASTER_PORT") or env.get("PET_RDZV_ENDPOINT"):
+        return None
+    if options.nnodes > 1:
+        return TORCHRUN_PORT
+    return _free_port(options.master_addr)
+
+
+def _free_port(address: str) -> int:
+    """A port nothing listens on, on ``address`` (any local address if it cannot be bound)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def _training_command(options: LaunchOptions, port: int | None) -> list[str]:
     if not options.use_torchrun:
         return [sys.executable, *options.script]
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={options.nproc_per_node}",
         f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", f"--master-addr={options.master_addr}",
-        f"--master-port={options.master_port}", *options.script,
+        *([f"--master-port={port}"] if port is not None else []), *options.script,
     ]
 
 
@@ -318,11 +353,13 @@ def _close_rank_sessions(run_dir: Path, session_id: str) -> SessionStatus:
 
 def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dict[str, Any] | None]:
     """Runs the whole job; returns (training exit code, run dir, summary or None)."""
+    rendezvous = master_port(options, os.environ) if options.use_torchrun else None
     run_dir = options.out or Path("stepwatch_runs") / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{options.session_id[:8]}"
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = RunManifest(session_id=options.session_id, started_at_ns=time.time_ns(), command_line=options.script,
                            launcher="run", world_size=options.nproc_per_node * options.nnodes,
-                           versions=current_versions(), extra={"nnodes": options.nnodes, "node_rank": options.node_rank})
+                           versions=current_versions(), extra={"nnodes": options.nnodes, "node_rank": options.node_rank,
+                                                               **({"master_port": rendezvous} if rendezvous is not None else {})})
     write_run_manifest(run_dir, manifest)
     aggregator_process = None
     events: AggregatorEvents | None = None
@@ -352,7 +389,7 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     if not options.use_torchrun:
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
     env[LAUNCHER_PID_ENV] = str(os.getpid())
-    training = _start_job(_training_command(options), env)
+    training = _start_job(_training_command(options, rendezvous), env)
     actions.training = training
     hangup: list[int] = []
     forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome

@@ -24,7 +24,9 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
 @click.option("--nnodes", type=click.IntRange(1, 100_000), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--master-addr", default="127.0.0.1", show_default=True)
-@click.option("--master-port", type=int, default=29500, show_default=True)
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="torchrun's rendezvous port. Default: $MASTER_PORT, else a free port on one node "
+                   "(two jobs can share a machine), 29500 across nodes.")
 @click.option("--torchrun", "use_torchrun", is_flag=True, help="Use torchrun even for one rank.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Aggregator bind address (0.0.0.0 for multi-node).")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Aggregator TCP port (0: any free).")
