@@ -1,8 +1,8 @@
 """A rank lost on another host is named RANK_LOST, not STALL (docs/watchdog.md): two real ranks
 (tiny torch loops under ``stepwatch.init``) ship to a real ``stepwatch serve`` over TCP, and name
 other hosts in their records (``socket.gethostname`` is what the runtime takes its host from), so
-no pid of theirs can be checked here. Rank 0 is SIGKILLed; rank 1 holds the GIL for 3 s (no
-heartbeat, no frame, its connection open), then ends cleanly."""
+no pid of theirs can be checked here. Rank 1 first holds the GIL for 3 s (no heartbeat, no
+frame, its connection open); then rank 0 is SIGKILLed; then rank 1 ends cleanly."""
 
 from __future__ import annotations
 
@@ -88,15 +88,15 @@ def lost_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 ranks[rank] = subprocess.Popen([sys.executable, str(base / "rank.py"), str(rank), host, str(out),
                                                 str(control)], env=env, stdout=log, stderr=subprocess.STDOUT)
         _wait(lambda: all((control / f"at20-{r}").exists() for r in ranks), 120, "every rank at step 20")
+        (control / "freeze-1").touch()  # silent longer than its heartbeat's grace, shorter than a stall
+        _wait(lambda: (control / "thawed-1").exists(), 30, "rank 1 to thaw")
+        time.sleep(1.5)  # the watchdog hears rank 1 again and ticks after it
         ranks[0].send_signal(signal.SIGKILL)
         killed_at = time.time()
-        (control / "freeze-1").touch()
         # the loss is judged within the grace (2.5 heartbeat intervals); STALL_AFTER_S later,
         # without it, the watchdog would call rank 0 stalled
         _wait(lambda: any(a["kind"] == "RANK_LOST" for a in _alerts(hub)), STALL_AFTER_S + 10, "RANK_LOST")
         lost_seen_after_s = time.time() - killed_at
-        _wait(lambda: (control / "thawed-1").exists(), 30, "rank 1 to thaw")
-        time.sleep(2.0)  # the watchdog sees rank 1 again, ticks after it
         (control / "finish").touch()
         codes = {rank: proc.wait(60) for rank, proc in ranks.items()}
         outputs = {rank: (base / f"rank{rank}.log").read_text() for rank in ranks}
