@@ -16,8 +16,7 @@ import pytest
 
 from stepwatch.errors import ConfigError
 from stepwatch.server.launcher import TORCHRUN_PORT, LaunchOptions, _training_command, master_port
-
-from .test_outcome import STEPWATCH, clean_env, free_port
+from tests.support import STEPWATCH, clean_env, free_port
 
 
 def options(**given: Any) -> LaunchOptions:

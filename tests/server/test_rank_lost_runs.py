@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from stepwatch.schema import new_session_id
-
-from .test_outcome import STEPWATCH, clean_env
+from tests.support import STEPWATCH, clean_env
 
 pytest.importorskip("torch")
 
