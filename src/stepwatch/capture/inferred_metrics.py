@@ -19,8 +19,10 @@ gradients is skipped by the scaler, not a failure.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ..guard import Site, report_internal
@@ -51,9 +53,15 @@ class _Slot:
 class InferredMetrics:
     """The pending values of one runtime's training threads, and their reading."""
 
-    def __init__(self, recorder: SpanRecorder, torch: Any) -> None:
+    def __init__(self, recorder: SpanRecorder, torch: Any, threads: Any = None,
+                 register_post_hook: Callable[[Any], Any] | None = None) -> None:
         self.recorder = recorder
         self.torch = torch
+        self.threads = threads  # training.py's per-thread bookkeeping (``threads.me``)
+        self._register = register_post_hook  # torch's register_optimizer_step_post_hook
+        self._lock = threading.Lock()
+        self._waiting: dict[int, list[tuple[str, Any, int, dict[str, Any]]]] = {}  # thread -> values held
+        self._hook: Any = None
         # (span, name, value: float | _Slot, ts_ns, attrs), appended by training threads
         self.pending: deque[tuple[OpenSpan, str, Any, int, dict[str, Any]]] = deque()
         self.dropped = 0
@@ -64,34 +72,82 @@ class InferredMetrics:
 
     # -- training thread ------------------------------------------------------------------------
 
-    def loss(self, stack: list[OpenSpan], root: Any) -> None:
-        """A scalar ``root`` went through ``backward()``: the loss, on the span where a mark made
-        on the next line would land (``stack``: this thread's open spans)."""
+    def loss(self, local: Any, root: Any) -> None:
+        """A scalar ``root`` went through ``backward()`` on the thread whose bookkeeping is
+        ``local`` (training.py's ``_ThreadState``): the loss of its step."""
         scaled = self.scaled
         if scaled is not None and scaled[0] is root:
             root = scaled[1]
             self.scaled = None
-        self._note(stack[-1] if stack else self.recorder.session, "loss", root, _LOSS_ATTRS)
+        self._note(local, "loss", root, _LOSS_ATTRS)
 
-    def grad_norm(self, stack: list[OpenSpan], norm: Any) -> None:
+    def grad_norm(self, local: Any, norm: Any) -> None:
         """What ``clip_grad_norm_`` returned."""
-        self._note(stack[-1] if stack else self.recorder.session, "grad_norm", norm,
-                   _NORM_SCALER_ATTRS if self.scaler_seen else _NORM_ATTRS)
+        self._note(local, "grad_norm", norm, _NORM_SCALER_ATTRS if self.scaler_seen else _NORM_ATTRS)
 
-    def _note(self, span: OpenSpan, name: str, tensor: Any, attrs: dict[str, Any]) -> None:
+    def _note(self, local: Any, name: str, tensor: Any, attrs: dict[str, Any]) -> None:
+        """The value goes on the thread's innermost open span (where a mark made on the next line
+        lands: the running step), except when that is a step whose optimizer step has returned
+        (kept open for marks; a loop with no DataLoader holds the next iteration's phases until
+        its optimizer step makes their step): then on the step the next optimizer step makes."""
         if len(self.pending) >= _PENDING_MAX:
             self.dropped += 1
             return
-        if tensor.is_cpu:
-            value: Any = tensor.item()
-        elif tensor.device.type == "cuda":
-            value = self._copy_async(tensor)
-            if value is None:
-                self.dropped += 1
-                return
-        else:  # another accelerator (MPS, XLA): reading it would sync or run the graph
+        value = self._read(tensor)
+        if value is None:
             return
-        self.pending.append((span, name, value, _time_ns(), attrs))
+        if local.step is not None and local.live is None:
+            self._defer(local, name, value, attrs)
+            return
+        stack = local.stack
+        self.pending.append((stack[-1] if stack else self.recorder.session, name, value, _time_ns(), attrs))
+
+
+    def _read(self, tensor: Any) -> Any:
+        """A host scalar's value, a device scalar's slot (its copy started), else None."""
+        if tensor.is_cpu:
+            return tensor.item()
+        if tensor.device.type == "cuda":
+            slot = self._copy_async(tensor)
+            if slot is None:
+                self.dropped += 1
+            return slot
+        return None  # another accelerator (MPS, XLA): reading it would sync or run the graph
+
+    def _defer(self, local: Any, name: str, value: Any, attrs: dict[str, Any]) -> None:
+        """Held for the step the thread's next optimizer step makes: a global optimizer post-hook
+        registered for as long as values wait (after the training state's own, so that the step
+        is made when it runs)."""
+        with self._lock:
+            self._waiting.setdefault(local.ident, []).append((name, value, _time_ns(), attrs))
+            if self._hook is None and self._register is not None:
+                self._hook = self._register(self._adopt)
+
+    def _adopt(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            local = self.threads.me
+            with self._lock:
+                held = self._waiting.pop(local.ident, None)
+                if not self._waiting and self._hook is not None:
+                    self._hook.remove()
+                    self._hook = None
+            if held:
+                span = local.step if local.step is not None else self.recorder.session
+                for name, value, ts_ns, attrs in held:
+                    self.pending.append((span, name, value, ts_ns, attrs))
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, Site.INFERRED_RESOLVE)
+
+    def release(self) -> None:
+        """At uninstall: values still waiting for a step go on the session span."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+        for held in waiting.values():
+            for name, value, ts_ns, attrs in held:
+                self.pending.append((self.recorder.session, name, value, ts_ns, attrs))
 
     def _copy_async(self, tensor: Any) -> _Slot | None:
         """Starts the copy of a device scalar into a pinned host slot; None when every slot is

@@ -40,7 +40,10 @@ class TorchPatches:
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self.installed = False
-        self.inferred = InferredMetrics(state.recorder, torch)
+        from torch.optim import optimizer
+
+        self.inferred = InferredMetrics(state.recorder, torch, state.threads,
+                                        optimizer.register_optimizer_step_post_hook)
         self.settings = ProgramSettings(state.recorder)
 
     def install(self) -> None:
@@ -82,6 +85,7 @@ class TorchPatches:
         with self._lock:
             self._restore()
         try:  # the values still in flight become marks before the last seal
+            self.inferred.release()
             self.inferred.resolve(wait=True)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.INFERRED_RESOLVE)
@@ -218,7 +222,7 @@ class TorchPatches:
             root = args[0] if args else kwargs.get("tensors")
             if isinstance(root, tensor) and root.ndim == 0:
                 try:
-                    loss(local.stack, root)
+                    loss(local, root)
                 except Exception as exc:  # noqa: BLE001
                     report_internal(exc, Site.INFERRED_LOSS)
             return result
@@ -236,7 +240,7 @@ class TorchPatches:
             norm = original(*args, **kwargs)
             if isinstance(norm, tensor) and norm.ndim == 0:
                 try:
-                    inferred.grad_norm(threads.me.stack, norm)
+                    inferred.grad_norm(threads.me, norm)
                 except Exception as exc:  # noqa: BLE001
                     report_internal(exc, Site.INFERRED_GRAD_NORM)
             return norm
