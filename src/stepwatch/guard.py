@@ -105,7 +105,6 @@ class Site(enum.StrEnum):
     INIT_CHILD = "init.child"
     CHILDREN_BOOTSTRAP = "children.bootstrap"
     AUTOATTACH_RESTORE = "autoattach.restore"
-    AUTOATTACH_FIND_SPEC = "autoattach.find_spec"
     AUTOATTACH_HUGGINGFACE = "autoattach.huggingface"
     AUTOATTACH_LIGHTNING = "autoattach.lightning"
     LIGHTNING_ATTACH = "lightning.attach"

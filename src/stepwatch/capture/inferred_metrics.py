@@ -138,6 +138,14 @@ class InferredMetrics:
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.INFERRED_RESOLVE)
 
+    def flush(self) -> None:
+        """At uninstall: every value becomes a mark row (waiting for the device if need be)."""
+        try:
+            self.release()
+            self.resolve(wait=True)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, Site.INFERRED_RESOLVE)
+
     def release(self) -> None:
         """At uninstall: values still waiting for a step go on the session span."""
         with self._lock:

@@ -84,11 +84,7 @@ class TorchPatches:
     def uninstall(self) -> None:
         with self._lock:
             self._restore()
-        try:  # the values still in flight become marks before the last seal
-            self.inferred.release()
-            self.inferred.resolve(wait=True)
-        except Exception as exc:  # noqa: BLE001
-            report_internal(exc, Site.INFERRED_RESOLVE)
+        self.inferred.flush()  # the values still in flight become marks before the last seal
 
     def _restore(self) -> None:
         for owner, name, original, own in reversed(self._originals):
