@@ -105,7 +105,6 @@ class Site(enum.StrEnum):
     INIT_CHILD = "init.child"
     CHILDREN_BOOTSTRAP = "children.bootstrap"
     AUTOATTACH_RESTORE = "autoattach.restore"
-    AUTOATTACH_FIND_SPEC = "autoattach.find_spec"
     AUTOATTACH_HUGGINGFACE = "autoattach.huggingface"
     AUTOATTACH_LIGHTNING = "autoattach.lightning"
     LIGHTNING_ATTACH = "lightning.attach"
@@ -122,6 +121,15 @@ class Site(enum.StrEnum):
     PATCH_PROCESS_GROUP = "patch.process_group"
     STEP_LEDGER_WRITE = "step_ledger.write"
     STEP_LEDGER_CREATE = "step_ledger.create"
+    # capture/after_import.py, capture/torch_attach.py
+    AFTER_IMPORT_FIND_SPEC = "after_import.find_spec"
+    AFTER_IMPORT_CALLBACK = "after_import.callback"
+    TORCH_ATTACH = "torch_attach.install"
+    # capture/inferred_metrics.py: the loss and gradient norm with no code, the program's settings
+    INFERRED_LOSS = "inferred.loss"
+    INFERRED_GRAD_NORM = "inferred.grad_norm"
+    INFERRED_RESOLVE = "inferred.resolve"
+    INFERRED_SETTINGS = "inferred.settings"
 
 
 logger = logging.getLogger("stepwatch.internal")

@@ -34,7 +34,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
-from stepwatch.capture import api  # noqa: E402
+from stepwatch.capture import after_import, api  # noqa: E402
 from stepwatch.capture.integrations import autoattach, huggingface, lightning  # noqa: E402
 from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
@@ -66,7 +66,9 @@ def parent_names(spool: LoadedSpool, name: str) -> Counter[str]:
 
 
 def marks_per_span(spool: LoadedSpool, name: str) -> Counter[str]:
-    return Counter(m["span_id"] for m in spool.marks if m["name"] == name)
+    """The framework's own marks of ``name`` per span (not the ones inferred from backward and
+    clip_grad_norm_, capture/inferred_metrics.py)."""
+    return Counter(m["span_id"] for m in spool.marks if m["name"] == name and not (m.get("attrs") or {}).get("inferred"))
 
 
 def inside(child: dict[str, Any], parent: dict[str, Any]) -> bool:
@@ -231,7 +233,7 @@ def test_trainers_are_wrapped_while_stepwatch_runs_and_given_back_at_shutdown(tm
     assert not hasattr(transformers.Trainer.get_batch_samples, "__stepwatch_original__")
     assert not hasattr(pl.Trainer.__init__, "__stepwatch_original__")
     assert not autoattach.installed()
-    assert not any(isinstance(f, autoattach._ImportHook) for f in sys.meta_path)
+    assert not set(autoattach.TARGETS) & after_import.waiting()
     assert stepwatch_callbacks(hf_trainer(tmp_path)) == []
     # auto_instrument=False: no patch of torch, nor of the Trainers
     stepwatch.init(out=tmp_path / "quiet", auto_instrument=False, **QUIET)

@@ -134,7 +134,13 @@ def by_id(spool: LoadedSpool, span_id: str) -> dict[str, Any]:
 
 def marks_on_steps(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     step_ids = {s["id"] for s in named(spool, "step")}
-    return [m for m in spool.marks if m["name"] == name and m["span_id"] in step_ids]
+    return [m for m in own_marks(spool) if m["name"] == name and m["span_id"] in step_ids]
+
+def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
+    """The marks the program made: not the loss, gradient norm and settings stepwatch records
+    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
+    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
+
 
 
 # -- the Trainer -------------------------------------------------------------------------------
@@ -299,7 +305,8 @@ def test_events_driven_by_hand_give_the_canonical_shape(run_dir: Path) -> None:
 
     spool = read_spool(run_dir)
     assert_canonical(spool, epochs=2, steps_per_epoch=2, framework="transformers")
-    logged = [s for s in named(spool, "step") if s["mark_ids"]]
+    own = {m["id"] for m in own_marks(spool)}
+    logged = [s for s in named(spool, "step") if own & set(s["mark_ids"])]
     assert [s["index"] for s in logged] == [1, 3]
     for name in ("loss", "learning_rate", "grad_norm"):
         assert [m["span_id"] for m in marks_on_steps(spool, name)] == [s["id"] for s in logged]

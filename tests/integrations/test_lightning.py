@@ -149,7 +149,13 @@ def assert_canonical(spool: LoadedSpool, *, epochs: int, steps_per_epoch: int,
 
 def marks_on_steps(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     step_ids = {s["id"] for s in named(spool, "step")}
-    return [m for m in spool.marks if m["name"] == name and m["span_id"] in step_ids]
+    return [m for m in own_marks(spool) if m["name"] == name and m["span_id"] in step_ids]
+
+def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
+    """The marks the program made: not the loss, gradient norm and settings stepwatch records
+    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
+    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
+
 
 
 # -- fit ----------------------------------------------------------------------------------------

@@ -34,6 +34,12 @@ def finish(run_dir: Path) -> LoadedSpool:
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
 
+def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
+    """The marks the program made: not the loss, gradient norm and settings stepwatch records
+    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
+    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
+
+
 
 def kids(spool: LoadedSpool) -> dict[str, list[dict[str, Any]]]:
     tree: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -119,7 +125,7 @@ def test_marks_after_optimizer_step_land_on_the_inferred_step(tmp_path: Path) ->
     spool = finish(tmp_path)
 
     steps = named(spool, "step")
-    losses = [m for m in spool.marks if m["name"] == "loss"]
+    losses = [m for m in own_marks(spool) if m["name"] == "loss"]
     assert len(steps) == len(losses) == 6
     by_id = spool.span_by_id()
     tree = kids(spool)
@@ -160,7 +166,10 @@ def test_loop_without_a_dataloader_gets_optimizer_driven_steps(tmp_path: Path) -
         else:
             assert step["start_ns"] == steps[number - 1]["end_ns"]  # from the previous optimizer step
         assert step["attrs"]["forward_ns"] == phases["forward"]["end_ns"] - phases["forward"]["start_ns"]
-        assert len(step["mark_ids"]) == 1
+        assert len(step["mark_ids"]) == 2  # the program's loss and the inferred one, each on its own step
+    assert [m["span_id"] for m in own_marks(spool)] == [s["id"] for s in steps]
+    assert [m["span_id"] for m in spool.marks if m["name"] == "loss" and m["attrs"].get("inferred")] == [
+        s["id"] for s in steps]
 
 
 def test_gradient_accumulation_without_a_dataloader_is_one_step(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stepwatch
-from stepwatch.artifacts.spool import SpoolWriter, read_spool
+from stepwatch.artifacts.spool import LoadedSpool, SpoolWriter, read_spool
 from stepwatch.errors import ArtifactError
 
 NAME = re.compile(r"(\d{20})-([0-9a-f]{32})\.json")
@@ -38,6 +38,12 @@ def span(i: int, parent: int | None = None, *, pad: int = 0, start: int | None =
             "index": None, "start_ns": t, "end_ns": t + 10, "cpu_ns": None, "gpu_ns": None,
             "memory_peak_bytes": None, "thread_id": 1, "pid": 2, "rank": 0, "attrs": {"pad": "x" * pad},
             "mark_ids": []}
+
+
+def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
+    """The marks the program made: not the loss, gradient norm and settings stepwatch records
+    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
+    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
 
 
 def mark(i: int, span_id: str = "root") -> dict[str, Any]:
@@ -256,12 +262,12 @@ def test_runtime_seals_on_sigterm_and_at_exit_without_shutdown(tmp_path: Path, e
         assert {"step_ns", "forward_ns", "backward_ns", "wait_ns"} <= set(step["attrs"])
     if ending == "exit":
         assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
-        assert len(steps) == 12 and len(spool.marks) == 12
+        assert len(steps) == 12 and len(own_marks(spool)) == 12
         assert not [s for s in spool.spans if "unclosed" in s["attrs"]]
     else:
         assert proc.returncode == -signal.SIGTERM, proc.stderr  # ended as the signal would end it
         assert "finished" not in proc.stdout
-        assert len(steps) == 9 and len(spool.marks) == 8
+        assert len(steps) == 9 and len(own_marks(spool)) == 8
         (cut,) = [s for s in steps if s["attrs"].get("unclosed")]
         assert cut["index"] == 8 and cut["attrs"]["optimizer_step_ns"] == 0
         assert [s["name"] for s in spool.spans if s["parent_id"] == cut["id"]].count("backward") == 1
@@ -459,7 +465,8 @@ def test_runtime_records_have_the_spec_fields_in_order(tmp_path: Path) -> None:
 
     raw = [json.loads(p.read_text()) for p in sorted((tmp_path / "spool").glob("*.json"))]
     spans = [s for batch in raw for s in batch["spans"]]
-    marks = [m for batch in raw for m in batch["marks"]]
+    marks = [m for batch in raw for m in batch["marks"] if not m["attrs"].get("inferred")
+             and not m["name"].startswith("stepwatch.")]
     assert spans and all(list(s) == SPAN_FIELDS for s in spans)
     assert all(s["cpu_ns"] is None and s["memory_peak_bytes"] is None for s in spans)
     assert all(re.fullmatch(r"[0-9a-f]{32}", s["id"]) for s in spans)
@@ -470,7 +477,7 @@ def test_runtime_records_have_the_spec_fields_in_order(tmp_path: Path) -> None:
     breakdown = ["step_ns", "data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns", "recompute_ns",
                  "wait_ns"]
     assert list(first["attrs"]) == ["lr", "tag", *breakdown] and first["attrs"]["lr"] == 0.1
-    assert first["mark_ids"] == [by_name["loss"]["id"], by_name["diverged"]["id"]]
+    assert [i for i in first["mark_ids"] if i in {m["id"] for m in marks}] == [by_name["loss"]["id"], by_name["diverged"]["id"]]
     assert list(second["attrs"]) == [*breakdown, "error"] and second["attrs"]["error"] == "KeyError"
     assert second["attrs"]["step_ns"] == second["end_ns"] - second["start_ns"]
 

@@ -108,7 +108,7 @@ def test_a_loader_turning_slow_mid_run_prints_a_live_verdict_and_stores_it(runs:
                STEPWATCH_VERDICT_INTERVAL_S="0.5")
     lines = [line for line in run.proc.stderr.splitlines() if line.startswith("[stepwatch] verdict INPUT_BOUND (")]
     assert len(lines) == 1, run.proc.stderr
-    assert "next step: more DataLoader workers" in lines[0]
+    assert "next step: num_workers is 0 on a " in lines[0] and "In general: more DataLoader workers" in lines[0]
     rows = _query(run.out, "SELECT session_id, ts_ns, step, window_steps, name, severity, score, ranks, message, "
                            "next_step, evidence FROM verdicts WHERE name = 'INPUT_BOUND'")
     assert len(rows) == 1

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 __all__ = ["ALERT_KINDS", "COLLECTIVE_PHASES", "Alert", "AlertPolicy", "AlertRules", "alert_from_dict",
-           "is_nonfinite", "iso_time"]
+           "inferred_source", "is_nonfinite", "iso_time"]
 
 ALERT_KINDS = ("STALL", "RANK_LOST", "THROUGHPUT_DROP", "NONFINITE", "ZERO_GRAD")
 SEVERITY = {"STALL": "crit", "RANK_LOST": "crit", "NONFINITE": "crit", "THROUGHPUT_DROP": "warn",
@@ -50,6 +50,15 @@ ACTIVITY_GAP_S = 1.0
 STEP_WAIT_S = 2.0  # how long a non-finite value without its step waits for the step's span
 _NONFINITE_TEXT = {"nan": "nan", "+nan": "nan", "-nan": "nan", "inf": "inf", "+inf": "inf", "infinity": "inf",
                    "+infinity": "inf", "-inf": "-inf", "-infinity": "-inf"}
+
+
+def inferred_source(attrs: Mapping[str, Any] | None) -> str | None:
+    """The ``source`` of a value stepwatch inferred with no code (capture/inferred_metrics.py:
+    ``"backward root"``, ``"clip_grad_norm_"``), None for a value the program logged."""
+    if not isinstance(attrs, Mapping) or attrs.get("inferred") is not True:
+        return None
+    source = attrs.get("source")
+    return source if isinstance(source, str) and source else "inferred"
 
 
 def iso_time(ts: float) -> str:
@@ -222,6 +231,7 @@ class AlertRules:
         self._drop_open = False
         self._zero_new: list[int] = []
         self._unnamed: dict[int, dict[Any, float]] = {}
+        self._logged: set[tuple[int, str]] = set()  # (rank, metric) the program logs itself
         self._first_key: dict[tuple[str, int], Any] = {}  # the key of a rank's first non-finite value  # rank -> key -> when: values waiting for their step
 
     # -- observations --------------------------------------------------------------------------
@@ -299,22 +309,35 @@ class AlertRules:
         self._advance(self._rank(rank, at), at, ts)
 
     def observe_mark(self, rank: int, name: str, value: Any, *, step: int | None = None, key: Any = None,
-                     ts: float | None = None, at: float) -> None:
+                     ts: float | None = None, at: float, attrs: Mapping[str, Any] | None = None) -> None:
         """A ``loss`` or ``grad_norm`` mark (others are ignored); ``value`` a number, or the text
         of a non-finite one (the spool's ``value_nonfinite``); ``key`` the step it belongs to
-        (its span), so one step's value counts once."""
-        if name in WATCHED_METRICS:
-            self.observe_value(rank, name, value, step=step, key=("mark", key if key is not None else step), ts=ts,
-                               at=at, source="mark")
+        (its span), so one step's value counts once. ``attrs``: the mark's; an inferred value
+        (``inferred``, ``source``: the backward root, ``clip_grad_norm_``) counts only while the
+        program logs no value of that name itself, and a non-finite gradient norm taken under
+        a ``GradScaler`` (``scaler``) is a step the scaler skips, not a failure."""
+        if name not in WATCHED_METRICS:
+            return
+        inferred = inferred_source(attrs)
+        if inferred is not None and attrs is not None and attrs.get("scaler") is True and is_nonfinite(value):
+            return
+        self.observe_value(rank, name, value, step=step, key=("mark", key if key is not None else step), ts=ts,
+                           at=at, source="mark", inferred=inferred)
 
     def observe_value(self, rank: int, name: str, value: Any, *, step: int | None, key: Any, ts: float | None,
-                      at: float, source: str, null_is_nonfinite: bool = False) -> None:
+                      at: float, source: str, null_is_nonfinite: bool = False, inferred: str | None = None) -> None:
+        if inferred is None:
+            self._logged.add((rank, name))
+        elif (rank, name) in self._logged:
+            return  # the program logs this value itself: its own series is the one watched
         state = self._rank(rank, at)
         bad = is_nonfinite(value, null_is_nonfinite=null_is_nonfinite)
         ranks = self._nonfinite.setdefault(name, {})
         if bad is not None:
             seen = ranks.setdefault(rank, {"value": bad, "step": step, "source": source,
                                            "ts": ts, "iso": iso_time(ts) if ts is not None else None})
+            if inferred is not None:
+                seen.setdefault("inferred", inferred)
             if seen["step"] is None and step is not None:  # a mark whose step span had not come yet
                 seen["step"] = step
             if seen["step"] is None:
@@ -584,7 +607,8 @@ class AlertRules:
             out.append(self._alert(
                 now, "NONFINITE", ranks.keys(), step,
                 f"{name} is {first['value']} on {_fmt_ranks(ranks)}"
-                + (f" at step {step}" if step is not None else ""),
+                + (f" at step {step}" if step is not None else "")
+                + (f" (inferred: {first['inferred']})" if first.get("inferred") else ""),
                 {"metric": name, "values": {str(r): v for r, v in sorted(ranks.items())}}))
         return out
 

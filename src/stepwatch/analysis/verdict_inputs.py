@@ -129,10 +129,13 @@ def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None =
                    policy: VerdictPolicy | None = None, inputs: VerdictInputs | None = None) -> Diagnosis:
     """``diagnose`` on ``session_id``'s window (all its steps when ``window`` is None), read from
     ``store`` unless the caller loaded ``inputs`` already (the live thread keeps them for the
-    verdict's row)."""
+    verdict's row); the advice names the loader and optimizer settings the capture recorded."""
     from .verdicts import diagnose
 
     if inputs is None:
         inputs = load_verdict_inputs(store, session_id, last_steps=window)
-    return diagnose(inputs.steps, inputs.memory, inputs.system, window=window, policy=DEFAULT_POLICY if policy is None else policy,
-                    expected_ranks=inputs.expected_ranks)
+    found = diagnose(inputs.steps, inputs.memory, inputs.system, window=window,
+                     policy=DEFAULT_POLICY if policy is None else policy, expected_ranks=inputs.expected_ranks)
+    from .program_settings import load_program_settings, with_settings  # the advice names the program's settings
+
+    return with_settings(found, load_program_settings(store, session_id))

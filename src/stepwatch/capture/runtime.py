@@ -36,6 +36,7 @@ from ..artifacts.step_ledger import StepLedger
 from ..guard import Site, guarded, report_internal, swallowed
 from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
 from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
+from . import torch_attach
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
 from .controls import (
@@ -644,15 +645,9 @@ class Runtime:
     # -- spans, spool, torch ---------------------------------------------------------------------
 
     def install_patches(self) -> bool:
-        """Torch auto-instrumentation, once torch is fully imported (also when it comes later)."""
-        if _fully_imported_torch() is None:
-            return False
-        from .torch_patches import TorchPatches
-
-        patches = TorchPatches(self.training)
-        self.patches = patches  # set first: a failing install is not retried every tick
-        patches.install()
-        return True
+        """Torch auto-instrumentation: at once when torch is imported, else the moment its import
+        completes (torch_attach.py); the tick's call is the fallback."""
+        return torch_attach.install(self)
 
     def _enable_gpu_timing(self) -> None:
         torch = _fully_imported_torch()
@@ -923,6 +918,7 @@ class Runtime:
         if self._stopped:
             return
         self._stopped = True
+        torch_attach.cancel(self)
         deadline = time.monotonic() + max(0.0, float(timeout))
         self._stop.set()
         if threading.current_thread() is not self._thread:

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -233,6 +234,9 @@ class SpanRecorder:
         self.closed = SpanTable("spans", rows)
         self.marks: BoundedTable[MarkRow] = BoundedTable("marks", rows)
         self._deferred: list[OpenSpan] = []  # closed spans whose GPU time is not resolved yet
+        # Called by the sampler before each drain of the marks: values the patches read late (the
+        # loss of a step on the GPU, inferred_metrics.py) become mark rows first.
+        self.before_marks: Callable[[], Any] | None = None
         self.depth_dropped = 0
         session = self.open(SESSION_SPAN, parent_id=None, root=True)
         assert session is not None
@@ -399,6 +403,8 @@ class SpanRecorder:
 
     def mark_records(self) -> list[SpoolMark]:
         """Spool records of the marks made since the last call, oldest first."""
+        if self.before_marks is not None:
+            self.before_marks()
         fmt = self.format_id
         return [SpoolMark(fmt(row.id), fmt(row.span_id), row.name, row.value_type, row.value,  # type: ignore[arg-type]
                           clean_attrs(row.attrs), row.ts_ns, row.kind, row.nonfinite)

@@ -1,5 +1,8 @@
 """Torch auto-instrumentation: forward, backward, optimizer_step, data_load and h2d spans with
-no code change, installed at init and removed at shutdown.
+no code change, installed at init (or the moment torch is imported, torch_attach.py) and removed
+at shutdown. The same patches record the loss (each scalar backward root), the gradient norm
+(``clip_grad_norm_``) and the settings of the program's loaders, optimizers and copies
+(inferred_metrics.py, program_settings.py).
 
 Every wrapper follows one rule (STYLE habit 13): do stepwatch's work inside a guard, call the
 original outside it, and never catch what the user's code raises. Optimizer steps use torch's
@@ -16,6 +19,8 @@ import time
 from typing import Any
 
 from ..guard import Site, report_internal
+from .inferred_metrics import InferredMetrics
+from .program_settings import ProgramSettings
 from .training import TrainingState
 
 __all__ = ["TorchPatches"]
@@ -35,6 +40,11 @@ class TorchPatches:
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self.installed = False
+        from torch.optim import optimizer
+
+        self.inferred = InferredMetrics(state.recorder, torch, state.threads,
+                                        optimizer.register_optimizer_step_post_hook)
+        self.settings = ProgramSettings(state.recorder)
 
     def install(self) -> None:
         with self._lock:
@@ -55,8 +65,17 @@ class TorchPatches:
                 c10d = _c10d(torch)
                 if c10d is not None:  # once per init_process_group, never per step (children.py)
                     self._patch(c10d, "_update_default_pg", _wrap_default_group)
+                clip_grad = getattr(torch.nn.utils, "clip_grad", None)
+                for owner in (torch.nn.utils, clip_grad):
+                    if owner is not None and callable(vars(owner).get("clip_grad_norm_")):
+                        self._patch(owner, "clip_grad_norm_", self._wrap_clip_grad_norm)
+                scaler = _grad_scaler(torch)
+                if scaler is not None:
+                    self._patch(scaler, "scale", self._wrap_scaler_scale)
                 self._hooks.append(optimizer.register_optimizer_step_pre_hook(self.state.optimizer_pre))
                 self._hooks.append(optimizer.register_optimizer_step_post_hook(self.state.optimizer_post))
+                self.state.on_new_optimizer = self.settings.optimizer
+                self.state.recorder.before_marks = self.inferred.resolve
             except BaseException:
                 self._restore()  # all or nothing: never leave half the patches in place
                 raise
@@ -65,6 +84,7 @@ class TorchPatches:
     def uninstall(self) -> None:
         with self._lock:
             self._restore()
+        self.inferred.flush()  # the values still in flight become marks before the last seal
 
     def _restore(self) -> None:
         for owner, name, original, own in reversed(self._originals):
@@ -76,6 +96,8 @@ class TorchPatches:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self.state.on_new_optimizer == self.settings.optimizer:
+            self.state.on_new_optimizer = None
         self.installed = False
 
     def _patch(self, owner: Any, name: str, make: Any) -> None:
@@ -169,6 +191,8 @@ class TorchPatches:
         checkpointing recomputes and back-propagates inside backward) is part of it."""
         state = self.state
         threads = state.threads
+        tensor = self.torch.Tensor
+        loss = self.inferred.loss
 
         def backward(*args: Any, **kwargs: Any) -> Any:
             local = threads.me
@@ -181,7 +205,7 @@ class TorchPatches:
                 report_internal(exc, Site.PATCH_BACKWARD)
             local.in_backward = True
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 local.in_backward = False
                 if span is not None:
@@ -189,8 +213,50 @@ class TorchPatches:
                         state.phase_end(local, span)
                     except Exception as exc:  # noqa: BLE001
                         report_internal(exc, Site.PATCH_BACKWARD_END)
+            # The loss: a scalar root (Tensor.backward passes itself first). A backward of
+            # several tensors, or of a non-scalar, is not one.
+            root = args[0] if args else kwargs.get("tensors")
+            if isinstance(root, tensor) and root.ndim == 0:
+                try:
+                    loss(local, root)
+                except Exception as exc:  # noqa: BLE001
+                    report_internal(exc, Site.INFERRED_LOSS)
+            return result
 
         return backward
+
+    # -- the gradient norm, and GradScaler's scaled loss ----------------------------------------
+
+    def _wrap_clip_grad_norm(self, original: Any) -> Any:
+        threads = self.state.threads
+        inferred = self.inferred
+        tensor = self.torch.Tensor
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            norm = original(*args, **kwargs)
+            if isinstance(norm, tensor) and norm.ndim == 0:
+                try:
+                    inferred.grad_norm(threads.me, norm)
+                except Exception as exc:  # noqa: BLE001
+                    report_internal(exc, Site.INFERRED_GRAD_NORM)
+            return norm
+
+        return clip_grad_norm_
+
+    def _wrap_scaler_scale(self, original: Any) -> Any:
+        """``GradScaler.scale``: the loss times the scale goes through backward; the loss
+        recorded is the scaler's input."""
+        inferred = self.inferred
+        tensor = self.torch.Tensor
+
+        def scale(scaler: Any, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(scaler, outputs, *args, **kwargs)
+            if result is not outputs and isinstance(outputs, tensor) and outputs.ndim == 0:
+                inferred.scaled = (result, outputs)
+                inferred.scaler_seen = True
+            return result
+
+        return scale
 
     # -- optimizer: torch's own global hooks, TrainingState.optimizer_pre/_post themselves -----
 
@@ -199,7 +265,10 @@ class TorchPatches:
     def _wrap_loader_iter(self, original: Any) -> Any:
         state = self.state
 
+        settings = self.settings
+
         def __iter__(loader: Any) -> Any:
+            settings.loader(loader)  # once per loader (it reports its own errors)
             timed = _TimedIterator(original(loader), state, loader)  # user errors pass through
             try:
                 state.start_pass(timed.pass_)
@@ -214,6 +283,7 @@ class TorchPatches:
     def _wrap_to(self, original: Any) -> Any:
         state = self.state
         torch = self.torch
+        settings = self.settings
 
         def to(*args: Any, **kwargs: Any) -> Any:
             # Most calls are host-side (x.to("cpu"), .to(dtype)): decided from the target first,
@@ -228,17 +298,18 @@ class TorchPatches:
             if (not args or target is None or not getattr(args[0], "is_cpu", False)
                     or not _is_accelerator(torch, target)):
                 return original(*args, **kwargs)
-            return _timed_copy(state, original, args[0], args[1:], kwargs)
+            return _timed_copy(state, original, args[0], args[1:], kwargs, settings)
 
         return to
 
     def _wrap_cuda(self, original: Any) -> Any:
         state = self.state
+        settings = self.settings
 
         def cuda(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if not tensor.is_cpu:
                 return original(tensor, *args, **kwargs)
-            return _timed_copy(state, original, tensor, args, kwargs)
+            return _timed_copy(state, original, tensor, args, kwargs, settings)
 
         return cuda
 
@@ -302,7 +373,12 @@ def _is_accelerator(torch: Any, target: Any) -> bool:
     return isinstance(target, int) and not isinstance(target, bool)
 
 
-def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwargs: Any) -> Any:
+def _timed_copy(state: TrainingState, original: Any, tensor: Any, args: Any, kwargs: Any,
+                settings: ProgramSettings | None = None) -> Any:
+    if settings is not None:
+        non_blocking = bool(kwargs.get("non_blocking", False)) if kwargs else False
+        if non_blocking not in settings.h2d_seen:  # the first copy of each kind: is its source pinned?
+            settings.h2d(tensor, non_blocking)
     local = state.threads.me
     if local.in_forward or local.in_backward:
         # A copy the model makes inside its forward (or a hook in backward) is already forward
@@ -359,6 +435,14 @@ class _TimedIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)
+
+
+def _grad_scaler(torch: Any) -> Any:
+    """``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` derives from it), when it
+    defines ``scale`` itself."""
+    amp = getattr(torch, "amp", None)
+    scaler = getattr(amp, "GradScaler", None)
+    return scaler if scaler is not None and callable(vars(scaler).get("scale")) else None
 
 
 def _c10d(torch: Any) -> Any:

@@ -156,6 +156,7 @@ class TrainingState:
         self.train_loader: Callable[[], Any] | None = None  # a weakref to it, once known
         self.grad_enabled: Callable[[], bool] = lambda: True  # torch.is_grad_enabled, from the patches
         self.optimizer_labels: dict[int, str] = {}  # id(optimizer) -> "<class>#<order first stepped>"
+        self.on_new_optimizer: Callable[[Any], None] | None = None  # at an optimizer's first step
 
     @property
     def local(self) -> _ThreadState:
@@ -226,6 +227,8 @@ class TrainingState:
             label = self.optimizer_labels.get(id(optimizer))
             if label is None:
                 label = self.optimizer_labels[id(optimizer)] = f"{type(optimizer).__name__}#{len(self.optimizer_labels)}"
+                if self.on_new_optimizer is not None:
+                    self.on_new_optimizer(optimizer)  # its settings (program_settings.py)
             local.opt_label = label
             local.opt_nested = 0
             if local.step is not None and local.implicit and self.auto_steps and not self.owners:

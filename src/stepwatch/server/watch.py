@@ -169,9 +169,11 @@ class RunWatcher:
                 ts_s = ts / 1e9 if type(ts) is int else None
                 value = mark.get("value") if mark.get("value") is not None else mark.get("value_nonfinite")
                 span_id = mark.get("span_id")
+                attrs = mark.get("attrs")
                 rules.observe_mark(self._span_rank.get(span_id, 0), name_, value, key=span_id, ts=ts_s,
                                    step=self._step_index.get(span_id),
-                                   at=min(ts_s, now) if ts_s is not None else now)
+                                   at=min(ts_s, now) if ts_s is not None else now,
+                                   attrs=attrs if isinstance(attrs, dict) else None)
 
     def _read_ends(self, now: float) -> None:
         rules = self.watchdog.rules_of(self.session_id)

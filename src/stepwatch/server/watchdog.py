@@ -214,8 +214,12 @@ class Watchdog:
             value = number if number is not None else text
             span = row[idx["span_id"]]
             ts = row[idx["ts_ns"]]
+            attrs = row[idx["attrs"]]
+            if isinstance(attrs, str) and '"inferred"' in attrs:  # JSON text; a user mark's is left unread
+                attrs = json.loads(attrs)
             rules.observe_mark(row[idx["rank"]], name, value, step=self._step_spans.get(span), key=span,
-                               ts=ts / 1e9 if isinstance(ts, int) else None, at=at)
+                               ts=ts / 1e9 if isinstance(ts, int) else None, at=at,
+                               attrs=attrs if isinstance(attrs, dict) else None)
 
     # -- checking ------------------------------------------------------------------------------
 

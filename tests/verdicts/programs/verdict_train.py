@@ -15,14 +15,17 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class Numbers(Dataset):
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, item_ms: float = 0.0) -> None:
         self.x = torch.randn(size, 8)
         self.y = torch.randn(size, 1)
+        self.item_ms = item_ms
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.item_ms:
+            time.sleep(self.item_ms / 1000)
         return self.x[i], self.y[i]
 
 
@@ -46,6 +49,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--slow-loader-ms", type=float, default=0.0, help="sleep in each batch's collate")
     parser.add_argument("--slow-loader-after", type=int, default=0, help="the loader turns slow from this step")
+    parser.add_argument("--slow-item-ms", type=float, default=0.0, help="sleep in each item's __getitem__")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-forward-ms", type=float, default=0.0)
     parser.add_argument("--forward-ms", type=float, default=0.0, help="every rank sleeps this long in forward")
@@ -66,7 +71,8 @@ def main() -> None:
             time.sleep(args.slow_loader_ms / 1000)
         return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
-    loader = DataLoader(Numbers(args.steps * args.batch), batch_size=args.batch, collate_fn=collate)
+    loader = DataLoader(Numbers(args.steps * args.batch, args.slow_item_ms), batch_size=args.batch, collate_fn=collate,
+                        num_workers=args.workers)
     forward_ms = args.forward_ms + (args.slow_forward_ms if rank == args.slow_rank else 0.0)
     model: nn.Module = SlowOn(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), forward_ms)
     if distributed:
