@@ -4,7 +4,6 @@ before the program's next line, so a loop started right after the import is reco
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import sys
@@ -15,20 +14,15 @@ import pytest
 
 from stepwatch.artifacts.spool import read_spool
 from stepwatch.capture import after_import
+from tests.support import STEPWATCH, clean_env
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "steps_after_import.py"
-STEPWATCH = str(Path(sys.executable).with_name("stepwatch"))
 STEPS = 40
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 def test_a_loop_right_after_import_torch_is_recorded_whole_under_stepwatch_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = subprocess.run([STEPWATCH, "run", "--out", str(out), str(PROGRAM), str(STEPS)], cwd=tmp_path,
+    proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), str(PROGRAM), str(STEPS)], cwd=tmp_path,
                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with sqlite3.connect(out / "history.sqlite") as db:

@@ -5,10 +5,8 @@ script with no stepwatch call under ``stepwatch run``, and in-process loops unde
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +17,16 @@ import stepwatch
 from stepwatch.artifacts.spool import read_spool
 from stepwatch.capture.inferred_metrics import GRAD_NORM_SOURCE, LOSS_SOURCE
 from stepwatch.guard import reset_swallowed, swallowed
+from tests.support import STEPWATCH, clean_env
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "loss_no_code.py"
-STEPWATCH = str(Path(sys.executable).with_name("stepwatch"))
 STEPS, NAN_FROM = 30, 17
 QUIET = {"interval": 60.0, "heartbeat_interval": 60.0}
 
 
-def clean_env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
 def run(base: Path, name: str, nan_from: int) -> Path:
     out = base / name
-    proc = subprocess.run([STEPWATCH, "run", "--out", str(out), str(PROGRAM), str(STEPS), str(nan_from)], cwd=base,
+    proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), str(PROGRAM), str(STEPS), str(nan_from)], cwd=base,
                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
