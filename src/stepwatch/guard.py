@@ -2,13 +2,13 @@
 user code. ``KeyboardInterrupt`` and ``SystemExit`` always pass (they are the user's).
 
 Tests read ``swallowed()`` and fail on anything there, so a bug hidden by the guard still fails
-the suite (STYLE habit 17).
+the suite.
 
 It sits at the top of the package, below capture and transport alike, so a transport module never
 imports the training process's capture code to fail open. Every site a caller names is a member
 of :class:`Site`: the counts and the once-only log line are keyed by it, so two places that picked
 the same free-text name would share one count and hide each other's first error. ``@unique``
-refuses a repeated name when this module is imported, and ``tests/test_structure.py`` checks that
+refuses a repeated name when this module is imported, and ``tests/structure/test_guard.py`` checks that
 no member is named by two modules.
 """
 

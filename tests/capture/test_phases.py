@@ -23,7 +23,7 @@ from stepwatch.telemetry import load_telemetry_sessions
 
 @pytest.fixture(autouse=True)
 def nothing_swallowed() -> Iterator[None]:
-    """A bug hidden by the fail-open guard still fails the test (STYLE habit 17)."""
+    """A bug hidden by the fail-open guard still fails the test."""
     reset_swallowed()
     yield
     assert swallowed() == {}

@@ -56,3 +56,24 @@ def test_every_cited_section_is_a_heading_of_its_page() -> None:
         if not any(section.lower() in heading.lower() for heading in _headings(page)):
             missing.append(f"{where}: {name} \"{section}\"")
     assert missing == []
+
+
+_REPO_PATH = re.compile(r"(?<![\w/.-])((?:src|tests|bench|docs|examples)/[\w./-]+\.(?:py|md))\b")
+
+
+def test_every_repository_path_the_code_and_docs_name_exists() -> None:
+    """A reader follows ``tests/structure/test_guard.py`` from a docstring; it must be there."""
+    texts = [*SRC.rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md", *(ROOT / "bench").glob("*.py")]
+    missing = [f"{path.relative_to(ROOT)}: {name}" for path in texts
+               for name in _REPO_PATH.findall(path.read_text()) if not (ROOT / name).exists()]
+    assert missing == []
+
+
+def test_nothing_cites_the_teams_notes_outside_the_repository() -> None:
+    """Comments once pointed at a style page that is not in the repository ("STYLE habit 13")."""
+    texts = [*SRC.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*"), *(ROOT / "docs").rglob("*.md")]
+    outside = re.compile(r"STYLE(?:\.md| habit)|\.\./shared|DESIGN\.md")
+    cited = [str(path.relative_to(ROOT)) for path in texts
+             if path.is_file() and path.suffix in {".py", ".md"} and path.name != "test_doc_references.py"
+             and outside.search(path.read_text())]
+    assert cited == []

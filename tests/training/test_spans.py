@@ -4,7 +4,7 @@ scope shape"): session > epoch[n] > step[n] > data_load, forward, backward, opti
 Every test trains a real (tiny) torch model on CPU between ``stepwatch.init`` and
 ``stepwatch.shutdown`` and reads the spool back; the autouse fixture shuts down even when a test
 fails (the runtime patches torch globally) and fails any test in which stepwatch swallowed an
-internal error (STYLE habit 17).
+internal error.
 """
 
 from __future__ import annotations
@@ -484,7 +484,7 @@ def test_scope_closed_on_another_thread_is_written_once(tmp_path: Path) -> None:
 
 
 def test_span_buffer_stays_bounded_and_counts_evictions(tmp_path: Path) -> None:
-    """STYLE habit 10/15: the training thread's span table never grows past ``table_rows``;
+    """The training thread's span table never grows past ``table_rows``;
     what it evicts (oldest first) is counted in the stop event."""
     runtime = start(tmp_path, table_rows=16, spool_interval=3600)  # no seal before shutdown
     for i in range(100):

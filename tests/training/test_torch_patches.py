@@ -1,4 +1,4 @@
-"""The torch patches (torch_patches.py, STYLE habit 13): installed at init, removed at shutdown,
+"""The torch patches (torch_patches.py): installed at init, removed at shutdown,
 transparent to user exceptions, fail-open on their own errors, h2d only for accelerator copies,
 and never a ``synchronize()``."""
 

@@ -51,7 +51,7 @@ class PhaseScopes:
         self._threads = threading.local()  # (ident, name) of the thread, looked up once
         # The open scopes live in a ContextVar, not a threading.local: asyncio tasks sharing one
         # thread each keep their own stack (a task never nests under, or closes, another task's
-        # scope), and a new thread starts with an empty one (STYLE habit 4).
+        # scope), and a new thread starts with an empty one.
         # A stack entry is (name, path, seq, attributes).
         self._open: contextvars.ContextVar[tuple[tuple[Any, ...], ...]] = contextvars.ContextVar(
             "stepwatch_phase_scopes", default=()

@@ -4,7 +4,7 @@ at shutdown. The same patches record the loss (each scalar backward root), the g
 (``clip_grad_norm_``) and the settings of the program's loaders, optimizers and copies
 (inferred_metrics.py, program_settings.py).
 
-Every wrapper follows one rule (STYLE habit 13): do stepwatch's work inside a guard, call the
+Every wrapper follows one rule: do stepwatch's work inside a guard, call the
 original outside it, and never catch what the user's code raises. Optimizer steps use torch's
 own global optimizer hooks; the rest keep the original and restore it on uninstall.
 """

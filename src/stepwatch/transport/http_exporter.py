@@ -11,7 +11,7 @@ session span) is uploaded by ``close()``, first in line, and a failed batch is n
 it is re-queued after a cool-down, and what this process could not send stays on disk, listed
 by ``pending_on_disk()`` (batch files not in ``<spool>/.uploaded``) for a later process.
 
-Threads (STYLE habits 9-12): ``submit()`` only appends to a bounded queue under a lock and
+Threads: ``submit()`` only appends to a bounded queue under a lock and
 returns; one named daemon thread does every HTTP request; ``close(timeout)`` flushes to a
 deadline, then stops. Nothing raises into the caller: every loss is counted by reason.
 """
@@ -276,7 +276,7 @@ class HttpExporter:
                 self._cond.notify_all()
             self._ensure_worker()
             return True
-        except Exception as exc:  # noqa: BLE001 - fail-open (STYLE habit 9)
+        except Exception as exc:  # noqa: BLE001 - fail-open
             self._internal(exc)
             return False
 

@@ -1,4 +1,4 @@
-"""Framework integrations: one self-gating module per training library (STYLE habit 3).
+"""Framework integrations: one self-gating module per training library.
 
 ``stepwatch.capture.integrations.huggingface`` (``transformers.Trainer``) and
 ``stepwatch.capture.integrations.lightning`` (``lightning.pytorch.Trainer``) import their library

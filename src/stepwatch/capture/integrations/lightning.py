@@ -323,7 +323,7 @@ class StepwatchCallback(Callback):
             if number is not None:
                 self._link.mark(name, number, **attrs)
 
-    # -- reversible wrappers (STYLE habit 13) --------------------------------------------------
+    # -- reversible wrappers ---------------------------------------------------------------------
 
     def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
         current = getattr(owner, name)
