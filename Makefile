@@ -4,7 +4,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+# The suite runs on parallel workers (pytest-xdist): most of its time is real training runs that
+# wait on their processes, so more workers than cores keep both cores busy.
+TEST_WORKERS ?= 4
+
+.PHONY: demo test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +20,11 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
+
+# the inner loop: no process started, no model trained (the tests marked `real` stay out)
+test-fast: $(VENV)/.installed
+	STEPWATCH_TESTS_FAST=1 $(PY) -m pytest -q -n 2 -m "not real" --durations=10
 
 bench: $(VENV)/.installed
 	$(PY) bench/bench_sink_write.py

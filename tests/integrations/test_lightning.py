@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.marks import own_marks
+
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -151,10 +153,6 @@ def marks_on_steps(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     step_ids = {s["id"] for s in named(spool, "step")}
     return [m for m in own_marks(spool) if m["name"] == name and m["span_id"] in step_ids]
 
-def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
-    """The marks the program made: not the loss, gradient norm and settings stepwatch records
-    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
-    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
 
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
+from tests.support.marks import own_marks
 
 from .test_torch_patches import _FakeDeviceCopy
 
@@ -34,10 +35,6 @@ def finish(run_dir: Path) -> LoadedSpool:
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
 
-def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
-    """The marks the program made: not the loss, gradient norm and settings stepwatch records
-    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
-    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
 
 
 

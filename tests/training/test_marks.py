@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.spans import cut_utf8, mark_value
+from tests.support.marks import own_marks
 
 SESSION = "stepwatch.session"
 
@@ -27,10 +28,6 @@ SESSION = "stepwatch.session"
 def start(run_dir: Path, **options: Any) -> Any:
     return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
 
-def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
-    """The marks the program made: not the loss, gradient norm and settings stepwatch records
-    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
-    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
 
 
 

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
+from tests.support.marks import own_marks
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 PHASES = ("data_load", "forward", "backward", "optimizer_step")
@@ -72,10 +73,6 @@ def children(spool: LoadedSpool) -> dict[str | None, list[dict[str, Any]]]:
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
 
-def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
-    """The marks the program made: not the loss, gradient norm and settings stepwatch records
-    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
-    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
 
 
 

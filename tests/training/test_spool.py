@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stepwatch
-from stepwatch.artifacts.spool import LoadedSpool, SpoolWriter, read_spool
+from stepwatch.artifacts.spool import SpoolWriter, read_spool
 from stepwatch.errors import ArtifactError
+from tests.support.marks import own_marks
 
 NAME = re.compile(r"(\d{20})-([0-9a-f]{32})\.json")
 KEYS = {"schema_version", "sdk_version", "batch_id", "created_ns", "spans", "marks", "snapshots"}
@@ -40,10 +41,6 @@ def span(i: int, parent: int | None = None, *, pad: int = 0, start: int | None =
             "mark_ids": []}
 
 
-def own_marks(spool: LoadedSpool) -> list[dict[str, Any]]:
-    """The marks the program made: not the loss, gradient norm and settings stepwatch records
-    by itself (capture/inferred_metrics.py, capture/program_settings.py)."""
-    return [m for m in spool.marks if not (m.get("attrs") or {}).get("inferred") and not m["name"].startswith("stepwatch.")]
 
 
 def mark(i: int, span_id: str = "root") -> dict[str, Any]:
