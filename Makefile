@@ -20,11 +20,11 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out)
 test-fast: $(VENV)/.installed
-	STEPWATCH_TESTS_FAST=1 $(PY) -m pytest -q -n 2 -m "not real" --durations=10
+	STEPWATCH_TESTS_FAST=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not real" --durations=10
 
 bench: $(VENV)/.installed
 	$(PY) bench/bench_sink_write.py
