@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from stepwatch.analysis.step_windows import build_window
 from stepwatch.analysis.verdicts import diagnose
+from stepwatch.analysis.verdicts.step_windows import build_window
 from stepwatch.phases import STEP_COLUMNS
 
 from .verdict_rows import steps
@@ -166,8 +166,8 @@ mem_sample = st.fixed_dictionaries({
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 120), st.lists(mem_sample, max_size=120), st.booleans())
 def test_the_numpy_memory_facts_are_the_row_facts(ranks: int, count: int, samples: list, columns: bool) -> None:
-    from stepwatch.analysis.memory_arrays import facts_from_arrays
-    from stepwatch.analysis.memory_verdicts import _facts_from_samples, parse_samples
+    from stepwatch.analysis.verdicts.memory import _facts_from_samples, parse_samples
+    from stepwatch.analysis.verdicts.memory_arrays import facts_from_arrays
 
     rows: list[dict[str, Any]] = []
     for rank in range(ranks):
@@ -189,8 +189,8 @@ def test_the_numpy_memory_facts_are_the_row_facts(ranks: int, count: int, sample
 
 @pytest.mark.parametrize("columns", [False, True])
 def test_a_sample_taken_as_a_step_starts_belongs_to_that_step(columns: bool) -> None:
-    from stepwatch.analysis.memory_arrays import facts_from_arrays
-    from stepwatch.analysis.memory_verdicts import _facts_from_samples, parse_samples
+    from stepwatch.analysis.verdicts.memory import _facts_from_samples, parse_samples
+    from stepwatch.analysis.verdicts.memory_arrays import facts_from_arrays
 
     rows = [r for rank in range(2) for r in steps(rank, 30, t0=0)]
     samples = [{"rank": r["rank"], "timestamp_ns": r["start_ns"], "collector": "stepwatch.cpu_tracker",

@@ -2,9 +2,9 @@
 back, whether memory creeps. Pure: rows in, verdicts out (no I/O, no torch), deterministic.
 
 The surfaces (final summary, ``explain``, the live aggregator, ``compare``) call ``diagnose``;
-``verdict_inputs.load_verdict_inputs`` reads its arguments from a history store. The rules live
-in ``step_verdicts`` and ``memory_verdicts``, the thresholds in ``verdict_policy``;
-docs/verdicts.md publishes every formula and threshold.
+``inputs.load_verdict_inputs`` reads its arguments from a history store. The rules live in
+``step_time`` and ``memory``, the thresholds in ``policy``; docs/verdicts.md publishes every
+formula and threshold.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .memory_verdicts import memory_facts, memory_verdicts, system_verdicts
-from .step_verdicts import pick_primary, step_time_verdicts
-from .step_windows import build_window
-from .verdict_policy import (
+from .memory import memory_facts, memory_verdicts, system_verdicts
+from .model import SEVERITY_RANK, Diagnosis, Severity, Verdict
+from .policy import (
     DEFAULT_POLICY,
     NAME_ALIASES,
     PolicyError,
@@ -23,7 +22,8 @@ from .verdict_policy import (
     canonical_verdict_name,
     load_policy,
 )
-from .verdict_types import SEVERITY_RANK, Diagnosis, Severity, Verdict
+from .step_time import pick_primary, step_time_verdicts
+from .step_windows import build_window
 
 __all__ = ["DEFAULT_POLICY", "NAME_ALIASES", "SEVERITY_RANK", "Diagnosis", "PolicyError", "Severity", "Verdict",
            "VerdictPolicy", "canonical_verdict_name", "diagnose", "load_policy"]

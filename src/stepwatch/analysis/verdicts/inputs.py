@@ -13,10 +13,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..store.base import HistoryStore
+from ...store.base import HistoryStore
+from .model import Diagnosis
+from .policy import DEFAULT_POLICY, VerdictPolicy
 from .step_columns import COLUMNS, StepColumns
-from .verdict_policy import DEFAULT_POLICY, VerdictPolicy
-from .verdict_types import Diagnosis
 
 __all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
 
@@ -130,7 +130,7 @@ def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None =
     """``diagnose`` on ``session_id``'s window (all its steps when ``window`` is None), read from
     ``store`` unless the caller loaded ``inputs`` already (the live thread keeps them for the
     verdict's row)."""
-    from .verdicts import diagnose
+    from .engine import diagnose
 
     if inputs is None:
         inputs = load_verdict_inputs(store, session_id, last_steps=window)

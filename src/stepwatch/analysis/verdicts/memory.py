@@ -19,10 +19,10 @@ from typing import Any
 
 from .memory_arrays import facts_from_arrays
 from .memory_facts import COLUMNAR_MIN_SAMPLES, CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
+from .model import Severity, Verdict
+from .policy import VerdictPolicy
 from .step_columns import clean_int, numpy_or_none
 from .step_windows import RankWindow, StepWindow, clean_number
-from .verdict_policy import VerdictPolicy
-from .verdict_types import Severity, Verdict
 
 __all__ = ["MemoryFacts", "Sample", "memory_facts", "memory_verdicts", "parse_samples", "system_verdicts"]
 

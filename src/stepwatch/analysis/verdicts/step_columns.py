@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..phases import PHASES, RESIDUAL, STEP_COLUMNS
+from ...phases import PHASES, RESIDUAL, STEP_COLUMNS
 
 __all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_int", "clean_number", "numpy_or_none", "reduce_columns"]
 

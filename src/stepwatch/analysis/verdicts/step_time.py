@@ -8,9 +8,9 @@ from __future__ import annotations
 from statistics import median as _median
 from typing import Any
 
+from .model import SEVERITY_RANK, Severity, Verdict
+from .policy import VerdictPolicy
 from .step_windows import COMPONENTS, COMPUTE_PHASES, RankWindow, StepWindow
-from .verdict_policy import VerdictPolicy
-from .verdict_types import SEVERITY_RANK, Severity, Verdict
 
 __all__ = ["PRIMARY_ORDER", "pick_primary", "step_time_verdicts"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..phases import PHASES, RESIDUAL
+from ...phases import PHASES, RESIDUAL
 from .step_columns import COMPUTE_PHASES, StepColumns, clean_int, clean_number, is_clock, reduce_columns
 
 __all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
