@@ -59,8 +59,8 @@ def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
 
 
 def _warm_up() -> None:
-    """Imports what the engine loads on first use (numpy for long sample series) before the
-    first round, on this thread, so the first evaluation costs what the others do."""
+    """Imports what the engine loads on first use (numpy, for its reductions) before the first
+    round, on this thread, so the first evaluation costs what the others do."""
     try:
         import numpy  # noqa: F401
 

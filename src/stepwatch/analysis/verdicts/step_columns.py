@@ -1,13 +1,18 @@
-"""The step rows as columns, and the window's per-rank reduction done on them with numpy.
+"""The step rows as numpy columns: what the step window is reduced on.
 
-A summary judges every step of a run: 64 ranks x 20,000 steps is 1.28M rows, which the
-row-at-a-time reduction of ``step_windows`` walks in seconds. Where numpy is importable (it comes
-with torch; the core install does without it) the same reduction runs on columns, a few array
-passes over all ranks at once. ``StepColumns`` holds the columns; ``load_verdict_inputs`` builds
-it straight from the history's tuples, and ``diagnose`` builds it from rows when it gets rows.
-Both reductions give the same sums (tests/analysis/test_verdicts_properties.py checks it).
+A summary judges every step of a run (64 ranks x 20,000 steps is 1.28M rows), the live view the
+last 100 steps every few seconds; both reduce a few array passes over all ranks at once.
+``load_verdict_inputs`` builds ``StepColumns`` straight from the history's tuples, ``diagnose``
+builds it from row dicts when it gets rows. What a value means is decided here, once:
 
-numpy is imported inside the functions, never at import, so ``stepwatch.analysis`` stays light.
+- a number (``step_ns`` and the phase columns): an int or a float (never a bool or a string),
+  finite, ``>= 0`` and below 2**63 (no duration is that long); anything else is unknown (NaN);
+- ``rank`` and ``step``: a whole number (an int, or a float without a fraction) in
+  ``[0, 2**53)``; anything else makes the row unusable;
+- a clock (``start_ns``, ``end_ns``): a whole number in ``[0, 2**63)``, held exactly as int64
+  with a mask of the known ones (a float64 would round a nanosecond clock to 256 ns).
+
+numpy is imported inside the functions, never at import, so ``import stepwatch`` stays light.
 """
 
 from __future__ import annotations
@@ -16,91 +21,130 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ...phases import PHASES, RESIDUAL, STEP_COLUMNS
+from ...phases import PHASES, STEP_COLUMNS
 
-__all__ = ["COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_int", "clean_number", "numpy_or_none", "reduce_columns"]
+__all__ = ["CLOCKS", "COLUMNS", "COMPUTE_PHASES", "StepColumns", "clean_int", "clean_number", "clock_array",
+           "number_array"]
 
 COLUMNS: tuple[str, ...] = ("rank", "step", "start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
-_INT_LIMIT = float(1 << 62)
-_PAST_INT64 = 2.0**63
-_TWO_63 = 1 << 63
+CLOCKS: tuple[str, ...] = ("start_ns", "end_ns")
 # the phases that make up compute (stepwatch.phases: in the residual, and not h2d)
 COMPUTE_PHASES: tuple[str, ...] = tuple(p.share for p in PHASES if p.in_residual and p.share != "h2d")
+_PAST_INT64 = 2.0**63
+_TWO_63 = 1 << 63
+_NUMBERS = frozenset({int, float, type(None)})
 
 
 def clean_int(value: Any) -> int | None:
-    """A whole number in int64's range (an int, or a float without a fraction), else None:
-    ranks, steps, times (the columnar path holds them in int64 arrays)."""
+    """A whole number in int64's range (an int, or a float without a fraction), else None."""
     if type(value) is int:
         return value if -_TWO_63 <= value < _TWO_63 else None
-    if isinstance(value, float) and value.is_integer() and -_PAST_INT64 <= value < _PAST_INT64:
+    if type(value) is float and value.is_integer() and -_PAST_INT64 <= value < _PAST_INT64:
         return int(value)
     return None
 
 
-def is_clock(value: Any) -> bool:
-    """An int in int64's range: a nanosecond clock a step's start or end can be compared on."""
-    return type(value) is int and -_TWO_63 <= value < _TWO_63
-
-
 def clean_number(value: Any) -> float | int | None:
-    """A non-negative finite number, or None (unknown): bools, strings, NaN, negatives are unknown."""
+    """A non-negative finite number below 2**63, or None (unknown): bools, strings, NaN,
+    negatives are unknown."""
     kind = type(value)
     if kind is int:
-        return value if value >= 0 else None
+        return value if 0 <= value < _TWO_63 and float(value) < _PAST_INT64 else None
     if kind is float:
-        return value if value >= 0 and math.isfinite(value) else None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        return number if number >= 0 and math.isfinite(number) else None
+        return value if 0 <= value < _PAST_INT64 else None  # NaN fails both comparisons
     return None
 
 
-def numpy_or_none() -> Any:
-    try:
-        import numpy
-    except ImportError:  # the core install: the row reduction does the work
-        return None
-    return numpy
+def _clock(value: Any) -> int:
+    """A clock's nanoseconds, or -1 where unknown."""
+    if type(value) is int:
+        return value if 0 <= value < _TWO_63 else -1
+    if type(value) is float and value.is_integer() and 0 <= value < _PAST_INT64:
+        return int(value)
+    return -1
+
+
+def number_array(values: Sequence[Any]) -> Any:
+    """float64, NaN where the value is no number (see the module's rules)."""
+    import numpy as np
+
+    if _NUMBERS.issuperset(map(type, values)):  # one C pass: no bool, no str converted as a number
+        try:
+            array = np.array(values, dtype=np.float64)
+        except OverflowError:  # an int past float64
+            array = None
+        if array is not None and array.ndim == 1:
+            with np.errstate(invalid="ignore"):
+                array[~((array >= 0) & (array < _PAST_INT64))] = np.nan  # NaN and inf fail too
+            return array
+    cleaned = (clean_number(v) for v in values)
+    return np.array([math.nan if c is None else c for c in cleaned], dtype=np.float64)
+
+
+def clock_array(values: Sequence[Any]) -> tuple[Any, Any]:
+    """(int64 nanoseconds, which are known): exact, 0 where unknown."""
+    import numpy as np
+
+    array = None
+    if set(map(type, values)) == {int}:  # the common case: every clock an int
+        try:
+            array = np.array(values)
+        except (TypeError, ValueError, OverflowError):
+            array = None
+        if array is not None and (array.ndim != 1 or array.dtype != np.int64):
+            array = None
+    if array is None:
+        array = np.array([_clock(v) for v in values], dtype=np.int64)
+    known = array >= 0
+    if not known.all():
+        array = np.where(known, array, 0)
+    return array, known
 
 
 class StepColumns(Sequence[Mapping[str, Any]]):
-    """Step rows held as one array per column (float64, NaN where the value is unknown; the clocks
-    as int64 with a mask where every value is known). Reads as a sequence of row dicts too, so a
-    caller that iterates rows still can."""
+    """Step rows held as one array per column: float64 with NaN where unknown, and the clocks as
+    exact int64 with a mask (``known``). Reads as a sequence of row dicts too, so a caller that
+    iterates rows still can. ``skipped``: items of the input that were no row mapping (the window
+    counts them with the rows it ignores)."""
 
-    def __init__(self, arrays: Mapping[str, Any], length: int) -> None:
+    def __init__(self, arrays: Mapping[str, Any], known: Mapping[str, Any], length: int, skipped: int = 0) -> None:
         self.arrays = dict(arrays)
+        self.known = dict(known)
         self.length = length
+        self.skipped = skipped
 
     @classmethod
-    def from_lists(cls, columns: Mapping[str, Sequence[Any]]) -> StepColumns | None:
-        """From one list per column (None: unknown); None when numpy is not importable."""
-        np = numpy_or_none()
-        if np is None:
-            return None
+    def from_lists(cls, columns: Mapping[str, Sequence[Any]]) -> StepColumns:
+        """From one list per column (None: unknown; a column not given: unknown throughout)."""
         length = len(next(iter(columns.values()))) if columns else 0
-        arrays = {name: _array(np, columns.get(name, [None] * length), clock=name in ("start_ns", "end_ns"))
-                  for name in COLUMNS}
-        return cls(arrays, length)
+        arrays: dict[str, Any] = {}
+        known: dict[str, Any] = {}
+        for name in COLUMNS:
+            values = columns.get(name)
+            if values is None:
+                values = [None] * length
+            if name in CLOCKS:
+                arrays[name], known[name] = clock_array(values)
+            else:
+                arrays[name] = number_array(values)
+        return cls(arrays, known, length)
 
     @classmethod
-    def from_rows(cls, rows: Iterable[Any]) -> StepColumns | None:
-        """From row mappings (anything else in the sequence is skipped); None without numpy."""
-        if numpy_or_none() is None:
-            return None
-        mappings = [r for r in rows if isinstance(r, Mapping)]
+    def from_rows(cls, rows: Iterable[Any]) -> StepColumns:
+        """From row mappings (anything else in the sequence is skipped)."""
+        given = rows if isinstance(rows, list | tuple) else list(rows)
+        mappings = [r for r in given if type(r) is dict or isinstance(r, Mapping)]  # the ABC check only for others
         try:
             lists = {name: [r[name] for r in mappings] for name in COLUMNS}
         except KeyError:
             lists = {name: [r.get(name) for r in mappings] for name in COLUMNS}
-        return cls.from_lists(lists)
+        columns = cls.from_lists(lists)
+        columns.skipped = len(given) - len(mappings)
+        return columns
 
     @classmethod
-    def from_tuples(cls, rows: list[tuple[Any, ...]]) -> StepColumns | None:
-        """From tuples in ``COLUMNS`` order (the history's SELECT); None without numpy."""
-        if numpy_or_none() is None:
-            return None
+    def from_tuples(cls, rows: list[tuple[Any, ...]]) -> StepColumns:
+        """From tuples in ``COLUMNS`` order (the history's SELECT)."""
         lists = list(zip(*rows)) if rows else [() for _ in COLUMNS]
         return cls.from_lists(dict(zip(COLUMNS, lists)))  # type: ignore[arg-type]
 
@@ -114,152 +158,20 @@ class StepColumns(Sequence[Mapping[str, Any]]):
             index += self.length
         if not 0 <= index < self.length:
             raise IndexError(index)
-        return {name: _value(self.arrays[name], index) for name in COLUMNS}
+        return {name: self._value(name, index) for name in COLUMNS}
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         for i in range(self.length):
             yield self[i]
 
+    def _value(self, name: str, index: int) -> Any:
+        if name in CLOCKS:
+            return int(self.arrays[name][index]) if self.known[name][index] else None
+        value = float(self.arrays[name][index])
+        return None if value != value else (int(value) if value.is_integer() else value)
 
-def _value(array: Any, index: int) -> Any:
-    value = array[index]
-    if array.dtype.kind == "f":
-        return None if value != value else (int(value) if float(value).is_integer() else float(value))
-    return int(value)
-
-
-def _array(np: Any, values: Sequence[Any], *, clock: bool = False) -> Any:
-    """float64 with NaN for unknown (None, NaN, inf, negatives, anything not a number, anything
-    past int64: no clock or byte count is that large); a clock column stays int64 when every
-    value is an int64 (exact nanoseconds)."""
-    try:
-        inferred = np.array(values)  # all ints: int64, the common case and the fastest
-    except (TypeError, ValueError, OverflowError):
-        inferred = None
-    if inferred is not None and inferred.ndim == 1 and inferred.dtype.kind == "i":
-        if clock:
-            return inferred.astype(np.int64)
-        array = inferred.astype(np.float64)
-        array[inferred < 0] = np.nan
-        return array
-    if inferred is not None and inferred.ndim == 1 and inferred.dtype.kind == "f":
-        array = inferred
-        with np.errstate(invalid="ignore"):
-            array[~(np.isfinite(array) & (array >= 0) & (array < _PAST_INT64))] = np.nan
-        return array
-    try:
-        array = np.array(values, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError):
-        array = None
-    if array is None or array.ndim != 1:
-        array = np.array([clean_number(v) for v in values], dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        array[~(np.isfinite(array) & (array >= 0) & (array < _PAST_INT64))] = np.nan
-    return array
-
-
-_FETCH = next(p.column for p in PHASES if p.share == "data_load")
-_IN_STEP = {p.share: p.column for p in PHASES if p.share != "data_load"}
-
-
-def reduce_columns(columns: StepColumns, window: int | None) -> tuple[list[dict[str, Any]], int, int | None, list[int]]:
-    """Per rank of the window: its step count, first and last step, clocks, and per component the
-    known sum, known count and the steps' time over those steps, with the time between
-    consecutive steps (the same quantities ``step_windows._reduce`` gives, row by row).
-    Returns (one dict per rank, rows ignored, the window's last step, every rank with a step)."""
-    np = numpy_or_none()
-    a = columns.arrays
-    rank_f = np.asarray(a["rank"], dtype=np.float64)
-    step_f = np.asarray(a["step"], dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        usable = (np.isfinite(rank_f) & np.isfinite(step_f) & (np.floor(rank_f) == rank_f)
-                  & (np.floor(step_f) == step_f) & (np.abs(rank_f) < _INT_LIMIT) & (np.abs(step_f) < _INT_LIMIT)
-                  & ~np.isnan(a["step_ns"]))
-    ignored = int(columns.length - usable.sum())
-    if not usable.any():
-        return [], ignored, None, []
-    every = bool(usable.all())
-    keep = None if every else np.flatnonzero(usable)
-    rank = (rank_f if every else rank_f[keep]).astype(np.int64)
-    step = (step_f if every else step_f[keep]).astype(np.int64)
-    # the history gives rows by (rank, step) already: sort only when they are not
-    ordered = bool(np.all((rank[1:] > rank[:-1]) | ((rank[1:] == rank[:-1]) & (step[1:] > step[:-1]))))
-    if ordered:
-        picked = keep
-    else:
-        order = np.lexsort((step, rank))  # stable: of two rows of one (rank, step), the later given stays last
-        rank, step = rank[order], step[order]
-        last_of_key = np.ones(len(rank), dtype=bool)
-        last_of_key[:-1] = (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])
-        rank, step = rank[last_of_key], step[last_of_key]
-        picked = (order if keep is None else keep[order])[last_of_key]
-    rank_end = np.flatnonzero(np.r_[rank[1:] != rank[:-1], True])
-    seen = rank[rank_end].tolist()
-    high = int(step[rank_end].min())
-    low = high - window + 1 if window is not None else None
-    inside = step <= high if low is None else (step <= high) & (step >= low)
-    if not inside.all():
-        index = np.flatnonzero(inside)
-        rank, step = rank[index], step[index]
-        picked = index if picked is None else picked[index]
-    if not len(rank):
-        return [], ignored, high, seen
-
-    def col(name: str) -> Any:
-        return a[name] if picked is None else a[name][picked]
-
-    step_ns = col("step_ns")
-    fetch, wait = col(_FETCH), col(RESIDUAL.column)
-    both = ~np.isnan(fetch) & ~np.isnan(wait)
-    overhang = np.where(both & (fetch > wait), fetch - wait, 0.0)
-    overhang = np.nan_to_num(overhang, nan=0.0)
-    totals = step_ns + overhang
-    residual = np.where(both, np.maximum(wait - fetch, 0.0), np.nan)
-    phases = {share: col(column) for share, column in _IN_STEP.items()}
-    compute = sum(phases[p] for p in COMPUTE_PHASES)
-    starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
-    components = {"input": fetch, "h2d": phases["h2d"], "compute": compute, "residual": residual,
-                  **{p: phases[p] for p in COMPUTE_PHASES}}
-    sums: dict[str, Any] = {}
-    for name, values in components.items():
-        known = ~np.isnan(values)
-        sums[name] = (np.add.reduceat(np.where(known, values, 0.0), starts),
-                      np.add.reduceat(known.astype(np.int64), starts),
-                      np.add.reduceat(np.where(known, totals, 0.0), starts))
-    counts = np.diff(np.r_[starts, len(rank)])
-    total_time = np.add.reduceat(totals, starts)
-    # time between consecutive steps of one rank
-    start_col, end_col = col("start_ns"), col("end_ns")
-    rank_index = np.repeat(np.arange(len(starts)), counts)
-    start_known = ~np.isnan(start_col) if start_col.dtype.kind == "f" else np.ones(len(rank), dtype=bool)
-    end_known = ~np.isnan(end_col) if end_col.dtype.kind == "f" else np.ones(len(rank), dtype=bool)
-    pair = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1] + 1) & end_known[:-1] & start_known[1:]
-    gap_raw = (start_col[1:] - end_col[:-1]).astype(np.float64) - overhang[1:]
-    gap = np.where(pair, np.maximum(gap_raw, 0.0), 0.0)
-    owner = rank_index[1:]
-    between = np.bincount(owner, weights=gap, minlength=len(starts))
-    between_wall = np.bincount(owner, weights=np.where(pair, gap + totals[1:], 0.0), minlength=len(starts))
-    pairs = np.bincount(owner, weights=pair.astype(np.float64), minlength=len(starts))
-    # per rank, read as Python numbers once (a numpy scalar per value costs more than the arrays)
-    names = list(sums)
-    per_name = {n: (sums[n][0].tolist(), sums[n][1].tolist(), sums[n][2].tolist()) for n in names}
-    lasts = starts + counts - 1
-    totals_l, between_l, wall_l, pairs_l = total_time.tolist(), between.tolist(), between_wall.tolist(), pairs.tolist()
-    firsts = zip(rank[starts].tolist(), step[starts].tolist(), step[lasts].tolist(), start_col[starts].tolist(),
-                 start_known[starts].tolist(), end_col[lasts].tolist(), end_known[lasts].tolist())
-    out = []
-    for i, (begin, count, (rank_i, first, last, start, start_ok, end, end_ok)) in enumerate(
-            zip(starts.tolist(), counts.tolist(), firsts)):
-        out.append({
-            "rank": rank_i, "steps": count, "first_step": first, "last_step": last,
-            "start_ns": int(start) if start_ok else None, "end_ns": int(end) if end_ok else None,
-            "step_total_ns": totals_l[i],
-            "sums": {n: per_name[n][0][i] for n in names},
-            "known": {n: per_name[n][1][i] for n in names},
-            "denominators": {n: per_name[n][2][i] for n in names},
-            "between_ns": between_l[i] if pairs_l[i] else None,
-            "between_wall_ns": wall_l[i] if pairs_l[i] else 0.0,
-            "step_numbers": step[begin:begin + count], "step_starts": start_col[begin:begin + count],
-            "starts_known": start_known[begin:begin + count],
-        })
-    return out, ignored, high, seen
+    def span(self) -> tuple[int, int] | None:
+        """(the earliest known start, the latest known end), None unless both are known somewhere."""
+        starts = self.arrays["start_ns"][self.known["start_ns"]]
+        ends = self.arrays["end_ns"][self.known["end_ns"]]
+        return (int(starts.min()), int(ends.max())) if len(starts) and len(ends) else None

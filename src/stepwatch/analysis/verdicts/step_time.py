@@ -1,5 +1,5 @@
 """Step-time verdicts: where a step's time goes, which rank holds the others back, and how much
-wall time falls between steps. Rules over a ``StepWindow`` (analysis/step_windows.py); the
+wall time falls between steps. Rules over a ``StepWindow`` (``step_windows``); the
 formulas and thresholds are published in docs/verdicts.md.
 """
 

@@ -14,6 +14,10 @@ A column with no value (SQL NULL, or a value that is no non-negative finite numb
 never 0: a component is summed over the steps where it is known, against the time of those same
 steps, and is known on a rank only where it is known on ``min_phase_coverage`` of its window
 steps (so one partial last step leaves the others' phases standing).
+
+The reduction runs on the numpy columns of ``step_columns`` (which also says which values are
+known), a few array passes over every rank at once: the live window's 6,400 rows and a whole
+run's 1.28M alike.
 """
 
 from __future__ import annotations
@@ -23,17 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...phases import PHASES, RESIDUAL
-from .step_columns import COMPUTE_PHASES, StepColumns, clean_int, clean_number, is_clock, reduce_columns
+from .step_columns import COMPUTE_PHASES, StepColumns, clean_int
 
-__all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window", "clean_number"]
+__all__ = ["COMPONENTS", "COMPUTE_PHASES", "RankWindow", "StepWindow", "build_window"]
 
-# phase columns (stepwatch.phases), named by their share
-_PHASE_COLUMNS: dict[str, str] = {p.share: p.column for p in PHASES}
-_WAIT = RESIDUAL.column
 # the components that add up to a step's time, then the phases reported on their own
-# from this many rows on, rows are turned into columns and reduced with numpy (where importable)
-COLUMNAR_MIN_ROWS = 2000
 COMPONENTS: tuple[str, ...] = ("input", "h2d", "compute", "residual", *COMPUTE_PHASES)
+_FETCH = next(p.column for p in PHASES if p.share == "data_load")
+_IN_STEP = {p.share: p.column for p in PHASES if p.share != "data_load"}
+_STEP_LIMIT = float(1 << 53)  # a rank or step number past this is no number a float holds exactly
 
 
 @dataclass
@@ -53,18 +55,10 @@ class RankWindow:
     denominators: dict[str, float] = field(default_factory=dict)
     between_ns: float | None = None  # time between consecutive steps (None: no pair could tell)
     between_wall_ns: float = 0.0  # the wall time those pairs and their steps span
-    step_numbers: Any = ()  # in order (a list, or an array from step_columns); memory samples are bucketed by them
-    step_starts: Any = ()  # start_ns of each (None or NaN: unknown)
-    starts_known: Any = None  # with arrays: which starts are known
-
-    def step_clock(self) -> tuple[list[Any], list[int]]:
-        """(start_ns, step number) of the steps whose start is known, by start time."""
-        if self.starts_known is not None:
-            known = self.starts_known
-            pairs = sorted(zip(self.step_starts[known].tolist(), self.step_numbers[known].tolist()))
-        else:
-            pairs = sorted((s, n) for s, n in zip(self.step_starts, self.step_numbers) if is_clock(s))
-        return [p[0] for p in pairs], [p[1] for p in pairs]
+    # each step of the window in order (int64 arrays): the memory samples are bucketed by them
+    step_numbers: Any = ()
+    step_starts: Any = ()  # its start_ns (0 where unknown)
+    starts_known: Any = ()  # which starts are known
 
     def has(self, component: str, coverage: float) -> bool:
         known = self.known.get(component, 0)
@@ -120,119 +114,115 @@ class StepWindow:
                 "clock": "host wall clock (step span start/end), per rank"}
 
 
-def _group(steps: Iterable[Mapping[str, Any]]) -> tuple[dict[int, list[Mapping[str, Any]]], int]:
-    by_rank: dict[int, list[Mapping[str, Any]]] = {}
-    ignored = 0
-    for row in steps:
-        try:
-            rank, step = clean_int(row.get("rank")), clean_int(row.get("step"))
-        except AttributeError:  # not a mapping
-            ignored += 1
-            continue
-        if rank is None or step is None or clean_number(row.get("step_ns")) is None:
-            ignored += 1
-            continue
-        rows = by_rank.get(rank)
-        if rows is None:
-            by_rank[rank] = [row]
-        else:
-            rows.append(row)
-    return by_rank, ignored
-
-
-def _ordered(rows: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The rank's rows by step, one per step (the last given wins a duplicate)."""
-    numbers = [clean_int(r["step"]) for r in rows]
-    if all(a < b for a, b in zip(numbers, numbers[1:])):
-        return rows
-    by_step: dict[int, Mapping[str, Any]] = {}
-    for number, row in zip(numbers, rows):
-        by_step[number] = row  # type: ignore[index]
-    return [by_step[n] for n in sorted(by_step)]
 
 
 def build_window(steps: Iterable[Mapping[str, Any]], window: int | None, *,
-                 expected_ranks: Sequence[int] = (), columnar: bool | None = None) -> StepWindow:
+                 expected_ranks: Sequence[int] = ()) -> StepWindow:
     """The window of ``steps`` (rows of the history's ``steps`` table, or ``StepColumns``):
     ``window`` = N, the last N steps completed on every rank; None: every step completed on every
-    rank. ``columnar``: reduce on numpy columns (None: when numpy is importable and the input is
-    columns or large)."""
+    rank. A row without a usable rank, step or step time is counted in ``rows_ignored``; of two
+    rows of one (rank, step), the later given wins."""
     expected = {int(r) for r in expected_ranks if clean_int(r) is not None}
-    columns = steps if isinstance(steps, StepColumns) else None
-    large = isinstance(steps, Sequence) and len(steps) >= COLUMNAR_MIN_ROWS
-    if columns is None and (columnar or (columnar is None and large)):
-        columns = StepColumns.from_rows(steps)
-    if columns is not None and columnar is not False:
-        reduced, ignored, last, seen = reduce_columns(columns, window)
-        ranks = {item["rank"]: RankWindow(**item) for item in reduced}
-        firsts = [r.first_step for r in ranks.values()]
-        return StepWindow(ranks, min(firsts) if firsts else None, last if ranks else None, window, ignored,
-                          tuple(sorted((expected | set(seen)) - set(ranks))))
-    by_rank, ignored = _group(steps)
-    missing = tuple(sorted(expected - set(by_rank)))
-    if not by_rank:
-        return StepWindow({}, None, None, window, ignored, missing)
-    ordered = {rank: _ordered(rows) for rank, rows in sorted(by_rank.items())}
-    last = min(clean_int(rows[-1]["step"]) for rows in ordered.values())  # type: ignore[type-var]
-    assert last is not None
-    first = last - window + 1 if window is not None else None
-    ranks: dict[int, RankWindow] = {}
-    for rank, rows in ordered.items():
-        chosen = [r for r in rows if (first is None or clean_int(r["step"]) >= first)  # type: ignore[operator]
-                  and clean_int(r["step"]) <= last]  # type: ignore[operator]
-        if chosen:
-            ranks[rank] = _reduce(rank, chosen)
-    empty = tuple(sorted(set(ordered) - set(ranks)))
-    firsts = [r.first_step for r in ranks.values()]
-    return StepWindow(ranks, min(firsts) if firsts else None, last, window, ignored, tuple(sorted({*missing, *empty})))
+    columns = steps if isinstance(steps, StepColumns) else StepColumns.from_rows(steps)
+    reduced, ignored, last, seen = _reduce(columns, window)
+    ranks = {w.rank: w for w in reduced}
+    firsts = [w.first_step for w in reduced]
+    return StepWindow(ranks, min(firsts) if firsts else None, last if ranks else None, window, ignored,
+                      tuple(sorted((expected | set(seen)) - set(ranks))))
 
 
-def _column(rows: list[Mapping[str, Any]], name: str) -> list[Any]:
-    return [v if type(v) is int and v >= 0 else clean_number(v) for v in (r.get(name) for r in rows)]
+def _reduce(columns: StepColumns, window: int | None) -> tuple[list[RankWindow], int, int | None, list[int]]:
+    """Per rank of the window: its steps, clocks and per-component sums, in a few array passes over
+    every rank at once. Returns (the ranks' windows, rows ignored, the window's last step, every
+    rank with a usable row)."""
+    import numpy as np
 
+    a = columns.arrays
+    rank_f, step_f = a["rank"], a["step"]  # NaN where no number; >= 0 otherwise
+    with np.errstate(invalid="ignore"):
+        usable = ((np.floor(rank_f) == rank_f) & (np.floor(step_f) == step_f) & (rank_f < _STEP_LIMIT)
+                  & (step_f < _STEP_LIMIT) & ~np.isnan(a["step_ns"]))
+    ignored = int(columns.length - usable.sum()) + columns.skipped
+    if not usable.any():  # no row at all included
+        return [], ignored, None, []
+    every = bool(usable.all())
+    keep = None if every else np.flatnonzero(usable)
+    rank = (rank_f if every else rank_f[keep]).astype(np.int64)
+    step = (step_f if every else step_f[keep]).astype(np.int64)
+    # the history gives rows by (rank, step) already: sort only when they are not
+    ordered = bool(np.all((rank[1:] > rank[:-1]) | ((rank[1:] == rank[:-1]) & (step[1:] > step[:-1]))))
+    if ordered:
+        picked = keep
+    else:
+        order = np.lexsort((step, rank))  # stable: of two rows of one (rank, step), the later given stays last
+        rank, step = rank[order], step[order]
+        last_of_key = np.ones(len(rank), dtype=bool)
+        last_of_key[:-1] = (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])
+        rank, step = rank[last_of_key], step[last_of_key]
+        picked = (order if keep is None else keep[order])[last_of_key]
+    rank_end = np.flatnonzero(np.r_[rank[1:] != rank[:-1], True])
+    seen = rank[rank_end].tolist()
+    high = int(step[rank_end].min())
+    low = high - window + 1 if window is not None else None
+    inside = step <= high if low is None else (step <= high) & (step >= low)
+    if not inside.all():
+        index = np.flatnonzero(inside)
+        rank, step = rank[index], step[index]
+        picked = index if picked is None else picked[index]
+    if not len(rank):
+        return [], ignored, high, seen
 
-def _sum_known(values: list[Any], totals: list[float]) -> tuple[float, int, float]:
-    """(sum of the known values, how many, the steps' time over those steps)."""
-    pairs = [(v, t) for v, t in zip(values, totals) if v is not None]
-    if len(pairs) == len(values):
-        return float(sum(values)), len(values), float(sum(totals))
-    return float(sum(v for v, _ in pairs)), len(pairs), float(sum(t for _, t in pairs))
+    def col(name: str) -> Any:
+        return a[name] if picked is None else a[name][picked]
 
+    def known(name: str) -> Any:
+        return columns.known[name] if picked is None else columns.known[name][picked]
 
-def _reduce(rank: int, rows: list[Mapping[str, Any]]) -> RankWindow:
-    step_ns = [clean_number(r.get("step_ns")) for r in rows]  # all known: _group kept only those
-    fetch = _column(rows, _PHASE_COLUMNS["data_load"])
-    wait = _column(rows, _WAIT)
+    step_ns = col("step_ns")
+    fetch, wait = col(_FETCH), col(RESIDUAL.column)
+    both = ~np.isnan(fetch) & ~np.isnan(wait)
     # a fetch longer than the residual was (partly) made before the step opened: its overhang
     # belongs to the step's time, and not to the time between steps
-    overhang = [d - w if d is not None and w is not None and d > w else 0 for d, w in zip(fetch, wait)]
-    totals = [s + o for s, o in zip(step_ns, overhang)]  # type: ignore[operator]
-    residual = [None if d is None or w is None else (w - d if w > d else 0) for d, w in zip(fetch, wait)]
-    phases = {share: _column(rows, column) for share, column in _PHASE_COLUMNS.items() if share != "data_load"}
-    compute_parts = [phases[p] for p in COMPUTE_PHASES]
-    compute = [None if None in parts else sum(parts) for parts in zip(*compute_parts)]
-    window = RankWindow(rank=rank, steps=len(rows), first_step=clean_int(rows[0]["step"]) or 0,
-                        last_step=clean_int(rows[-1]["step"]) or 0,
-                        start_ns=clean_int(rows[0].get("start_ns")), end_ns=clean_int(rows[-1].get("end_ns")),
-                        step_total_ns=float(sum(totals)))
-    for name, values in (("input", fetch), ("h2d", phases["h2d"]), ("compute", compute), ("residual", residual),
-                         *((p, phases[p]) for p in COMPUTE_PHASES)):
-        total, known, denominator = _sum_known(values, totals)
-        window.sums[name], window.known[name], window.denominators[name] = total, known, denominator
-    _between(window, rows, totals, overhang)
-    return window
-
-
-def _between(window: RankWindow, rows: list[Mapping[str, Any]], totals: list[float], overhang: list[Any]) -> None:
-    """Time outside every step: the gap from one step's end to the next step's start (less the
-    next fetch's overhang), over pairs of consecutive step numbers with both clocks known."""
-    numbers = [r["step"] for r in rows]
-    starts = [r.get("start_ns") for r in rows]
-    ends = [r.get("end_ns") for r in rows]
-    pairs = [(max(0.0, float(s - e) - o), t)
-             for n0, n1, e, s, o, t in zip(numbers, numbers[1:], ends, starts[1:], overhang[1:], totals[1:])
-             if n1 == n0 + 1 and is_clock(e) and is_clock(s)]
-    window.step_numbers, window.step_starts = numbers, starts
-    if pairs:
-        gaps = float(sum(g for g, _ in pairs))
-        window.between_ns, window.between_wall_ns = gaps, gaps + float(sum(t for _, t in pairs))
+    overhang = np.where(both & (fetch > wait), fetch - wait, 0.0)
+    totals = step_ns + overhang
+    residual = np.where(both, np.maximum(wait - fetch, 0.0), np.nan)
+    phases = {share: col(column) for share, column in _IN_STEP.items()}
+    compute = sum(phases[p] for p in COMPUTE_PHASES)  # NaN where any part is unknown
+    starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
+    components = {"input": fetch, "h2d": phases["h2d"], "compute": compute, "residual": residual,
+                  **{p: phases[p] for p in COMPUTE_PHASES}}
+    sums: dict[str, tuple[list[float], list[int], list[float]]] = {}
+    for name, values in components.items():
+        have = ~np.isnan(values)
+        sums[name] = (np.add.reduceat(np.where(have, values, 0.0), starts).tolist(),
+                      np.add.reduceat(have.astype(np.int64), starts).tolist(),
+                      np.add.reduceat(np.where(have, totals, 0.0), starts).tolist())
+    counts = np.diff(np.r_[starts, len(rank)])
+    total_time = np.add.reduceat(totals, starts)
+    # time between consecutive steps of one rank: the gap from a step's end to the next one's
+    # start, less the next fetch's overhang; clocks are exact int64, >= 0, so the difference fits
+    start_col, end_col = col("start_ns"), col("end_ns")
+    start_known, end_known = known("start_ns"), known("end_ns")
+    pair = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1] + 1) & end_known[:-1] & start_known[1:]
+    gap = np.where(pair, np.maximum((start_col[1:] - end_col[:-1]).astype(np.float64) - overhang[1:], 0.0), 0.0)
+    owner = np.repeat(np.arange(len(starts)), counts)[1:]
+    between = np.bincount(owner, weights=gap, minlength=len(starts)).tolist()
+    between_wall = np.bincount(owner, weights=np.where(pair, gap + totals[1:], 0.0), minlength=len(starts)).tolist()
+    pairs = np.bincount(owner, weights=pair.astype(np.float64), minlength=len(starts)).tolist()
+    # per rank, read as Python numbers once (a numpy scalar per value costs more than the arrays)
+    lasts = starts + counts - 1
+    firsts = zip(rank[starts].tolist(), step[starts].tolist(), step[lasts].tolist(), start_col[starts].tolist(),
+                 start_known[starts].tolist(), end_col[lasts].tolist(), end_known[lasts].tolist())
+    out = []
+    for i, (begin, count, (rank_i, first, last, start, start_ok, end, end_ok)) in enumerate(
+            zip(starts.tolist(), counts.tolist(), firsts)):
+        out.append(RankWindow(
+            rank=rank_i, steps=count, first_step=first, last_step=last,
+            start_ns=start if start_ok else None, end_ns=end if end_ok else None,
+            step_total_ns=float(total_time[i]),
+            sums={n: v[0][i] for n, v in sums.items()}, known={n: v[1][i] for n, v in sums.items()},
+            denominators={n: v[2][i] for n, v in sums.items()},
+            between_ns=between[i] if pairs[i] else None, between_wall_ns=between_wall[i] if pairs[i] else 0.0,
+            step_numbers=step[begin:begin + count], step_starts=start_col[begin:begin + count],
+            starts_known=start_known[begin:begin + count]))
+    return out, ignored, high, seen
