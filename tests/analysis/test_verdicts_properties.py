@@ -128,10 +128,11 @@ def check_window(rows: list[Any], window: int | None, expected: tuple[int, ...] 
     want = oracle.window(rows, window, expected)
     got = build_window(rows, window, expected_ranks=expected)
     _same_window(got, want)
-    mappings = [r for r in rows if isinstance(r, dict)]
-    tuples = [tuple(r.get(c) for c in STEP_ORDER) for r in mappings]
+    # as the history gives them: SQLite stores a bool as its int
+    stored = [{k: int(v) if type(v) is bool else v for k, v in r.items()} for r in rows if isinstance(r, dict)]
+    tuples = [tuple(r.get(c) for c in STEP_ORDER) for r in stored]
     from_store = build_window(StepColumns.from_tuples(tuples), window, expected_ranks=expected)
-    _same_window(from_store, oracle.window(mappings, window, expected))
+    _same_window(from_store, oracle.window(stored, window, expected))
 
 
 def _close(a: float, b: float) -> bool:
