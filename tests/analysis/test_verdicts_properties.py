@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -328,3 +330,13 @@ def test_step_columns_read_back_as_the_rows_they_hold() -> None:
     assert back[0]["start_ns"] == rows[0]["start_ns"] and back[0]["forward_ns"] == rows[0]["forward_ns"]
     assert back[3]["start_ns"] is None and back[3]["end_ns"] is None and back[3]["forward_ns"] is None
     assert columns.span() == (rows[0]["start_ns"], rows[2]["end_ns"])
+
+
+def test_the_engine_imports_numpy_only_when_it_runs() -> None:
+    """numpy is a dependency of the reductions, never of ``import``: the surfaces that import the
+    engine (the CLI, the aggregator) stay light until they judge a run."""
+    code = ("import sys; import stepwatch.analysis.verdicts, stepwatch.analysis.bundle_risks; "
+            "assert 'numpy' not in sys.modules; stepwatch.analysis.verdicts.diagnose([]); "
+            "assert 'numpy' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
