@@ -11,6 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -182,7 +183,7 @@ def check_facts(samples: list[Any], rows: list[Any], window: int | None = None) 
 
 STEP_ORDER = ("rank", "step", "start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
 edge = st.sampled_from([2**63, 2.0**63, 2**64, 2**63 - 1, -1, -1.0, math.nan, math.inf, -math.inf, True, False,
-                        "5", 1.5, 0, 0.0, T0, float(T0)])
+                        "5", 1.5, 0, 0.0, T0, float(T0), numpy.float64(2.5), numpy.float64(-1.0)])
 number = st.one_of(st.none(), st.integers(0, 10_000_000), st.floats(0, 1e7), edge)
 clock = st.one_of(st.none(), st.integers(0, 1_000_000_000), st.integers(T0, T0 + 10**9), edge)
 plausible_row = st.fixed_dictionaries(

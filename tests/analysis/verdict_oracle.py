@@ -19,10 +19,12 @@ COMPUTE = ("forward", "backward", "optimizer", "recompute")
 
 
 def number(value: Any) -> float | int | None:
-    """Known: an int or float (no bool, no str), finite, >= 0, below 2**63 as a float."""
+    """Known: an int or float (no bool, no str), finite, >= 0, below 2**63 as a float; a
+    subclass of either (numpy's float64) as its float."""
     if type(value) is int:
         return value if 0 <= value < 2**63 and float(value) < 2.0**63 else None
-    if type(value) is float:
+    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
+        value = float(value)
         return value if value == value and 0 <= value < 2.0**63 else None
     return None
 

@@ -46,12 +46,18 @@ def clean_int(value: Any) -> int | None:
 
 def clean_number(value: Any) -> float | int | None:
     """A non-negative finite number below 2**63, or None (unknown): bools, strings, NaN,
-    negatives are unknown."""
+    negatives are unknown. A subclass of int or float (numpy's float64) is its float."""
     kind = type(value)
     if kind is int:
         return value if 0 <= value < _TWO_63 and float(value) < _PAST_INT64 else None
     if kind is float:
         return value if 0 <= value < _PAST_INT64 else None  # NaN fails both comparisons
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            return None
+        return number if 0 <= number < _PAST_INT64 else None
     return None
 
 
