@@ -123,8 +123,8 @@ def worker_stepwatch(args: list[str]) -> dict[str, Any]:
     """args: kind (live|full), form (columns|rows), ranks, steps, repeat."""
     kind, form, ranks, steps, repeat = args[0], args[1], int(args[2]), int(args[3]), int(args[4])
     _stepwatch_path()
-    from stepwatch.analysis.step_columns import COLUMNS, StepColumns
     from stepwatch.analysis.verdicts import diagnose
+    from stepwatch.analysis.verdicts.step_columns import COLUMNS, StepColumns
 
     data = step_tuples(ranks, steps)
     window = 100 if kind == "live" else None
@@ -150,9 +150,9 @@ def worker_sqlite(args: list[str]) -> dict[str, Any]:
     """args: path, ranks, steps, repeat: build the history once (untimed), then time the loads."""
     path, ranks, steps, repeat = Path(args[0]), int(args[1]), int(args[2]), int(args[3])
     _stepwatch_path()
-    from stepwatch.analysis.step_columns import COLUMNS
-    from stepwatch.analysis.verdict_inputs import load_verdict_inputs
     from stepwatch.analysis.verdicts import diagnose
+    from stepwatch.analysis.verdicts.inputs import load_verdict_inputs
+    from stepwatch.analysis.verdicts.step_columns import COLUMNS
     from stepwatch.store.sqlite import SqliteStore
 
     built = 0.0

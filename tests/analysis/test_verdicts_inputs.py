@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stepwatch.analysis.verdict_inputs import diagnose_store, load_verdict_inputs
+from stepwatch.analysis.verdicts.inputs import diagnose_store, load_verdict_inputs
 from stepwatch.store.sqlite import SqliteStore
 
 from .verdict_rows import CPU, steps

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.analysis.verdict_policy import PolicyError, canonical_verdict_name
 from stepwatch.analysis.verdicts import DEFAULT_POLICY, VerdictPolicy, diagnose, load_policy
+from stepwatch.analysis.verdicts.policy import PolicyError, canonical_verdict_name
 
 from .verdict_rows import steps
 

@@ -17,8 +17,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import stepwatch  # noqa: E402
-from stepwatch.analysis.verdict_inputs import diagnose_store  # noqa: E402
 from stepwatch.analysis.verdicts import Diagnosis  # noqa: E402
+from stepwatch.analysis.verdicts.inputs import diagnose_store  # noqa: E402
 from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 from stepwatch.store import open_store  # noqa: E402
 from stepwatch.store.importers import import_path  # noqa: E402

@@ -140,7 +140,7 @@ def test_unknown_counters_stay_unknown_and_the_session_keeps_its_start_and_peak(
 
 
 def test_inspect_and_diagnose_read_a_session_with_unknown_counters(stormlog_oom_run: dict[str, Path]) -> None:
-    from stepwatch.analysis.diagnose import assess_risks, timeline_from_events
+    from stepwatch.analysis.bundle_risks import assess_risks, timeline_from_events
     from stepwatch.analysis.session_report import report_session
 
     [loaded] = load_telemetry_sessions(stormlog_oom_run["sink"])

@@ -1,5 +1,6 @@
 """Epochs in the final summary (text and JSON), ``stepwatch summary`` and ``stepwatch inspect``:
-a real loop of 3 epochs, each 10 training steps and an evaluation of 3 forward-only batches."""
+a real loop of 3 epochs, each 10 training steps and an evaluation of 3 forward-only batches;
+and a loop with no stepwatch code that evaluates after each pass over its training loader."""
 
 from __future__ import annotations
 
@@ -48,6 +49,64 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+# No stepwatch code: the epochs are the passes over the training loader, each ended when the loader
+# is exhausted, and the evaluation follows it (minGPT's trainer does this).
+LOOP_EVAL_AFTER = """
+import time, torch
+from torch.utils.data import DataLoader, TensorDataset
+time.sleep(1.5)  # the sampler installs torch's patches at its next tick after the import
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+train = DataLoader(TensorDataset(torch.randn(40, 8), torch.randn(40, 2)), batch_size=4)
+val = DataLoader(TensorDataset(torch.randn(12, 8), torch.randn(12, 2)), batch_size=4)
+for epoch in range(3):
+    model.train()
+    for x, y in train:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        for x, y in val:
+            model(x)
+            time.sleep(0.01)
+    time.sleep(0.05)  # between the evaluation and the next epoch: no one's evaluation
+"""
+
+
+@pytest.fixture(scope="module")
+def eval_after_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch")
+    base = tmp_path_factory.mktemp("eval_after")
+    script = base / "loop.py"
+    script.write_text(LOOP_EVAL_AFTER)
+    out = base / "run"
+    proc = subprocess.run(check=False, args=[*STEPWATCH, "run", "--out", str(out), str(script)], cwd=base,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_evaluation_after_each_epoch_is_that_epochs(eval_after_run: Path) -> None:
+    epochs = json.loads((eval_after_run / "final_summary.json").read_text())["epochs"]
+    assert epochs["count"] == 3 and epochs["steps_per_epoch"] == {"median": 10, "min": 10, "max": 10}
+    listed = epochs["epochs"]
+    assert [e["eval_steps"] for e in listed] == [3, 3, 3]
+    for i, epoch in enumerate(listed):
+        assert epoch["eval_ms"] >= 30 and epoch["eval_after_ms"] == epoch["eval_ms"]  # three 10 ms batches, after it
+        if i + 1 < len(listed):  # ended before the next epoch: the 50 ms pause is no one's evaluation
+            gap_ms = (listed[i + 1]["start_ns"] - epoch["start_ns"]) / 1e6 - epoch["duration_ms"]
+            assert epoch["eval_ms"] <= gap_ms - 40
+    total = epochs["eval_ms"]["total"]
+    assert total == epochs["eval_ms"]["after_epochs"] == pytest.approx(sum(e["eval_ms"] for e in listed), abs=0.01)
+    assert total >= 90
+    assert epochs["eval_ms"]["share"] == pytest.approx(total / (epochs["duration_ms"]["total"] + total), abs=1e-3)
+    line = next(line for line in (eval_after_run / "final_summary.txt").read_text().splitlines()
+                if line.startswith("epochs "))
+    assert "eval none" not in line and " eval " in line and "% of epoch time" in line
 
 
 def _check(epochs: dict[str, Any]) -> None:
@@ -104,6 +163,7 @@ def test_epoch_report_takes_any_spans(spans: list[dict[str, Any]]) -> None:
     per_rank = {r: sum(1 for s in valid if s["rank"] == r) for r in {s["rank"] for s in valid}}
     assert report["count"] == max(per_rank.values())
     assert sum(e["steps"] for e in report["epochs"]) <= sum(1 for s in spans if s["name"] == "step")
-    assert all(e["eval_ms"] <= e["duration_ms"] + 1e-6 for e in report["epochs"])
-    assert report["eval_ms"]["total"] <= report["duration_ms"]["total"] + 1e-6
+    # evaluation inside an epoch is within its time; what follows it is counted apart
+    assert all(e["eval_ms"] <= e["duration_ms"] + e["eval_after_ms"] + 1e-6 for e in report["epochs"])
+    assert report["eval_ms"]["share"] is None or 0 <= report["eval_ms"]["share"] <= 1
     assert isinstance(render_epoch_line(report), str)

@@ -11,8 +11,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.analysis.diagnosis import diagnosis_lines, evidence_text, verdict_line
 from stepwatch.analysis.markers import derive_verdict_markers
+from stepwatch.analysis.verdicts.diagnosis import diagnosis_lines, evidence_text, verdict_line
 from stepwatch.server.live_verdicts import INTERVAL_ENV, LiveVerdicts, interval_from_env
 from stepwatch.store.sqlite import SqliteStore
 from tests.analysis.verdict_rows import steps

@@ -23,8 +23,9 @@ _EXPORTS = {
     "Verdict": "verdicts",
     "VerdictPolicy": "verdicts",
     "diagnose": "verdicts",
+    "diagnose_store": "verdicts",
     "load_policy": "verdicts",
-    "load_verdict_inputs": "verdict_inputs",
+    "load_verdict_inputs": "verdicts",
 }
 
 __all__ = sorted(_EXPORTS)

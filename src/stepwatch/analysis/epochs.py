@@ -1,19 +1,24 @@
-"""Epochs of a run: how many, how long, how many steps each, and the evaluation inside them.
+"""Epochs of a run: how many, how long, how many steps each, and the evaluation of each.
 
 Built from span rows (the history's ``spans`` table, or a spool's span records): the ``epoch``
-spans, and the ``step`` and ``eval_step`` spans of the same rank that start inside each epoch's
-time (a step nested under a scope of the epoch still counts). The same function serves the
-final summary and ``stepwatch inspect``.
+spans, the ``step`` spans of the same rank that start inside each epoch's time (a step nested
+under a scope of the epoch still counts), and the ``eval_step`` spans of each epoch
+(``eval_owner``): those that start inside it, and those that follow it, before the rank's next
+epoch starts or the run ends. An epoch inferred from a pass over the training DataLoader ends
+when the loader is exhausted, and a loop that evaluates after each pass (minGPT's trainer, most
+hand-written loops) evaluates outside every epoch span: that evaluation is still the epoch's.
+The same function serves the final summary and ``stepwatch inspect``.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from statistics import median
 from typing import Any
 
-__all__ = ["epoch_report", "render_epoch_line"]
+__all__ = ["epoch_report", "eval_owner", "render_epoch_line"]
 
 _MAX_LISTED = 1000  # epochs listed one by one in the report (the statistics take them all)
 
@@ -59,33 +64,64 @@ def epoch_report(spans: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
     per_rank: dict[str, dict[str, Any]] = {}
     for rank in sorted(epochs):
         rank_steps = sorted(steps[rank])
-        total_ms = eval_total_ms = 0.0
-        for start, end, index in sorted(epochs[rank], key=_epoch_order):
+        ordered = sorted(epochs[rank], key=_epoch_order)
+        owned: list[list[tuple[int, int]]] = [[] for _ in ordered]
+        starts = sorted(start for start, _, _ in ordered)
+        for a, b in evals[rank]:
+            owner = eval_owner(ordered, a)
+            if owner is not None:
+                # up to the rank's next epoch: evaluation that runs on into it is that one's time
+                following = bisect_right(starts, a)
+                owned[owner].append((a, min(b, starts[following]) if following < len(starts) else b))
+        total_ms = eval_total_ms = after_total_ms = 0.0
+        for (start, end, index), mine in zip(ordered, owned):
             took = (end - start) / 1e6
             n_steps = sum(1 for s in rank_steps if start <= s < end)
-            inside = [(a, b) for a, b in evals[rank] if start <= a < end]
-            eval_ms = _covered([(a, min(b, end)) for a, b in inside]) / 1e6
+            eval_ms = _covered(mine) / 1e6
+            after_ms = _covered([(max(a, end), b) for a, b in mine if b > end]) / 1e6
             durations.append(took)
             step_counts.append(n_steps)
             total_ms += took
             eval_total_ms += eval_ms
+            after_total_ms += after_ms
             if len(listed) < _MAX_LISTED:
                 listed.append({"rank": rank, "index": index, "start_ns": start, "duration_ms": round(took, 3),
-                               "steps": n_steps, "eval_steps": len(inside), "eval_ms": round(eval_ms, 3)})
+                               "steps": n_steps, "eval_steps": len(mine), "eval_ms": round(eval_ms, 3),
+                               "eval_after_ms": round(after_ms, 3)})
         per_rank[str(rank)] = {"count": len(epochs[rank]), "total_ms": round(total_ms, 3),
-                               "eval_ms": round(eval_total_ms, 3)}
+                               "eval_ms": round(eval_total_ms, 3), "eval_after_ms": round(after_total_ms, 3)}
     busiest = max(per_rank.values(), key=lambda r: (r["count"], r["total_ms"]))
+    # the share of the epochs' time with the evaluation that followed them (<= 1)
+    spent = busiest["total_ms"] + busiest["eval_after_ms"]
     return {
         "count": busiest["count"],
         "duration_ms": {"median": _round(_median(durations)), "mean": _round(sum(durations) / len(durations)),
                         "total": busiest["total_ms"]},
         "steps_per_epoch": {"median": _median([float(n) for n in step_counts]), "min": min(step_counts),
                             "max": max(step_counts)},
-        "eval_ms": {"total": busiest["eval_ms"],
-                    "share": round(busiest["eval_ms"] / busiest["total_ms"], 4) if busiest["total_ms"] > 0 else None},
+        "eval_ms": {"total": busiest["eval_ms"], "after_epochs": busiest["eval_after_ms"],
+                    "share": round(min(1.0, busiest["eval_ms"] / spent), 4) if spent > 0 else None},
         "per_rank": per_rank,
         "epochs": listed,
     }
+
+
+def eval_owner(epochs: list[tuple[int, int, Any]], start_ns: int) -> int | None:
+    """Which of a rank's ``epochs`` (start, end, index), in ``_epoch_order``, an evaluation step
+    that starts at ``start_ns`` belongs to: the epoch that holds it (the latest started of those
+    that do, an epoch nested in another); else the epoch it follows (of those started before it,
+    the latest ended, then the latest started); None before every epoch."""
+    holding = None
+    following = None
+    for i, (start, end, _) in enumerate(epochs):
+        if start > start_ns:
+            continue
+        if start_ns < end:
+            if holding is None or start >= epochs[holding][0]:
+                holding = i
+        elif following is None or (end, start) >= (epochs[following][1], epochs[following][0]):
+            following = i
+    return holding if holding is not None else following
 
 
 def _epoch_order(epoch: tuple[int, int, Any]) -> tuple[int, int, int, int]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..store.base import HistoryStore
-from .verdict_types import Diagnosis, Verdict
+from .verdicts.model import Diagnosis, Verdict
 
 __all__ = ["ProgramSettings", "load_program_settings", "with_settings"]
 

@@ -17,8 +17,8 @@ from .._decode import read_json_file
 from ..phases import PHASES as PHASE_TABLE
 from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
-from .diagnosis import diagnosis_lines, summary_diagnosis
 from .epochs import epoch_report, render_epoch_line
+from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
            "render_summary_text", "run_outcome"]

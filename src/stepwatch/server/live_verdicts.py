@@ -4,7 +4,7 @@ A thread of its own, never the asyncio intake path nor the single writer: every 
 (``STEPWATCH_VERDICT_INTERVAL_S``, default 3 s; 0 turns it off) it reads, through a read-only
 connection of its own, the last ``window`` (100) steps completed on every rank of every session
 that received steps since it last looked, and the memory samples over the same span
-(``analysis.verdict_inputs``: index seeks, so the cost does not grow with the run), and runs
+(``analysis.verdicts.inputs``: index seeks, so the cost does not grow with the run), and runs
 ``analysis.verdicts.diagnose`` on them.
 
 Intake comes first: a round is skipped while the aggregator is under load (``busy``:
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..analysis.verdict_inputs import VerdictInputs
+    from ..analysis.verdicts.inputs import VerdictInputs
 
 __all__ = ["INTERVAL_ENV", "LiveVerdicts", "interval_from_env"]
 
@@ -59,12 +59,12 @@ def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
 
 
 def _warm_up() -> None:
-    """Imports what the engine loads on first use (numpy for long sample series) before the
-    first round, on this thread, so the first evaluation costs what the others do."""
+    """Imports what the engine loads on first use (numpy, for its reductions) before the first
+    round, on this thread, so the first evaluation costs what the others do."""
     try:
         import numpy  # noqa: F401
 
-        from ..analysis import diagnosis, verdict_inputs, verdicts  # noqa: F401
+        from ..analysis.verdicts import diagnosis, inputs  # noqa: F401
     except ImportError:
         pass
 
@@ -163,7 +163,7 @@ class LiveVerdicts:
 
     def evaluate(self, session_id: str, ranks: list[int]) -> Any:
         """The session's diagnosis now; reports its primary verdict when that changed."""
-        from ..analysis.verdict_inputs import diagnose_store, load_verdict_inputs
+        from ..analysis.verdicts.inputs import diagnose_store, load_verdict_inputs
 
         inputs = load_verdict_inputs(self._open(), session_id, last_steps=self.window)
         diagnosis = diagnose_store(self._open(), session_id, window=self.window, policy=self.policy, inputs=inputs)

@@ -351,7 +351,7 @@ class SqliteStore:
 
     def query_tuples(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
         """Like ``query``, each row as a tuple in the SELECT's order: no dict per row, for the
-        readers that turn a window of rows into columns (analysis/verdict_inputs.py)."""
+        readers that turn a window of rows into columns (analysis/verdicts/inputs.py)."""
         with self._lock:
             try:
                 cursor = self._db.execute(sql, tuple(params))

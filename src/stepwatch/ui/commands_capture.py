@@ -72,7 +72,7 @@ def diagnose(path: Path | None, output: Path | None, duration: float, fail_on_ri
     With PATH (a run directory or any telemetry artifact) the bundle describes its default
     session; without, it samples this machine for --duration seconds.
     """
-    from ..analysis.diagnose import assess_risks, sample_timeline, timeline_from_events
+    from ..analysis.bundle_risks import assess_risks, sample_timeline, timeline_from_events
     from ..artifacts.bundles import write_diagnose_bundle
     from ..artifacts.telemetry_loader import load_telemetry_sessions
     from ..schema import SessionSummary, new_session_id, select_default_session

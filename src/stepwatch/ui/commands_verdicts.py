@@ -118,7 +118,7 @@ def explain(run_dir: Path, session_id: str | None, window: int | None, as_json: 
     Recomputed from the run's history.sqlite, or from its artifacts when it has none (a run
     captured with ``track`` or ``stepwatch.init`` alone). Exit codes: 0 done, 2 unreadable input.
     """
-    from ..analysis.verdict_inputs import diagnose_store
+    from ..analysis.verdicts.inputs import diagnose_store
 
     policy = load_cli_policy(policy_file, overrides)
     with open_run_history(run_dir, session_id) as (store, chosen, source):
@@ -133,7 +133,7 @@ def explain(run_dir: Path, session_id: str | None, window: int | None, as_json: 
 
 
 def render_explain_text(result: Mapping[str, Any]) -> str:
-    from ..analysis.diagnosis import diagnosis_lines, evidence_text, verdict_line
+    from ..analysis.verdicts.diagnosis import diagnosis_lines, evidence_text, verdict_line
 
     window = f"the last {result['window_steps']} steps of every rank" if result.get("window_steps") else "every step"
     lines = [f"stepwatch explain  session {result['session_id']}  from {result['source']}, over {window}"]

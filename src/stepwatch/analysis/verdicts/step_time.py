@@ -1,5 +1,5 @@
 """Step-time verdicts: where a step's time goes, which rank holds the others back, and how much
-wall time falls between steps. Rules over a ``StepWindow`` (analysis/step_windows.py); the
+wall time falls between steps. Rules over a ``StepWindow`` (``step_windows``); the
 formulas and thresholds are published in docs/verdicts.md.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 from statistics import median as _median
 from typing import Any
 
+from .model import SEVERITY_RANK, Severity, Verdict
+from .policy import VerdictPolicy
 from .step_windows import COMPONENTS, COMPUTE_PHASES, RankWindow, StepWindow
-from .verdict_policy import VerdictPolicy
-from .verdict_types import SEVERITY_RANK, Severity, Verdict
 
 __all__ = ["PRIMARY_ORDER", "pick_primary", "step_time_verdicts"]
 

@@ -1,4 +1,10 @@
-"""The content of a diagnose bundle: a short memory timeline and the risks it shows."""
+"""The content of a diagnose bundle (``stepwatch diagnose``): a short memory timeline and the
+risks it shows. Named apart from ``diagnose``, the verdict engine's entry point that
+``stepwatch.analysis`` exports, so importing this module never hides that function.
+
+Memory near its limit is the verdict policy's one rule (``pressure_warn``, the threshold of
+``HIGH_PRESSURE``), so a bundle and a run's verdicts call the same peak the same way.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,9 @@ import time
 from typing import Any
 
 from ..schema import TelemetryEventV3
+from .verdicts.policy import DEFAULT_POLICY, VerdictPolicy
 
 __all__ = ["assess_risks", "sample_timeline", "timeline_from_events"]
-
-HIGH_MEMORY_FRACTION = 0.90
 
 
 def timeline_from_events(events: list[TelemetryEventV3]) -> dict[str, list[float]]:
@@ -55,8 +60,10 @@ def sample_timeline(duration_s: float, hz: float = 10.0) -> dict[str, Any]:
             "collector": "stepwatch.cpu_tracker", "device_id": -1, "total": float(psutil.virtual_memory().total)}
 
 
-def assess_risks(events: list[TelemetryEventV3], timeline: dict[str, Any]) -> list[dict[str, Any]]:
-    """Named, threshold-based risks: OOMs, degraded collectors, memory near the device's limit."""
+def assess_risks(events: list[TelemetryEventV3], timeline: dict[str, Any],
+                 policy: VerdictPolicy = DEFAULT_POLICY) -> list[dict[str, Any]]:
+    """Named, threshold-based risks: OOMs, degraded collectors, memory near the device's limit
+    (a peak at or over ``policy.pressure_warn`` of it)."""
     risks: list[dict[str, Any]] = []
     ooms = [e for e in events if e.event_type == "error" and "oom_reason" in e.metadata]
     if ooms:
@@ -74,7 +81,7 @@ def assess_risks(events: list[TelemetryEventV3], timeline: dict[str, Any]) -> li
     total = timeline.get("total")
     if total and timeline.get("allocated"):
         peak_fraction = max(peak_fraction, max(timeline["allocated"]) / total)
-    if peak_fraction >= HIGH_MEMORY_FRACTION:
+    if peak_fraction >= policy.pressure_warn:
         risks.append({"name": "MEMORY_NEAR_LIMIT", "peak_fraction": round(peak_fraction, 4),
-                      "threshold": HIGH_MEMORY_FRACTION})
+                      "threshold": policy.pressure_warn})
     return risks

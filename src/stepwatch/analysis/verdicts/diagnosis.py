@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import StoreError
-from ..store.base import HistoryStore
-from .verdict_inputs import diagnose_store
+from ...errors import StoreError
+from ...store.base import HistoryStore
+from .inputs import diagnose_store
 
 __all__ = ["diagnosis_lines", "evidence_text", "summary_diagnosis", "verdict_line"]
 

@@ -13,10 +13,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..store.base import HistoryStore
+from ...store.base import HistoryStore
+from .model import Diagnosis
+from .policy import DEFAULT_POLICY, VerdictPolicy
 from .step_columns import COLUMNS, StepColumns
-from .verdict_policy import DEFAULT_POLICY, VerdictPolicy
-from .verdict_types import Diagnosis
 
 __all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
 
@@ -38,7 +38,7 @@ FROM ranks WHERE rank IS NOT NULL
 class VerdictInputs(NamedTuple):
     """``diagnose(steps, memory, system, window=..., expected_ranks=...)``'s arguments."""
 
-    steps: Sequence[Mapping[str, Any]]  # StepColumns where numpy is importable: a sequence of row dicts too
+    steps: Sequence[Mapping[str, Any]]  # StepColumns (a sequence of row dicts too); [] with no step
     memory: list[dict[str, Any]]
     system: list[dict[str, Any]]
     expected_ranks: tuple[int, ...] = ()
@@ -63,7 +63,7 @@ def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int
     sql = f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) AND {where} ORDER BY rank, step"
     params = (session_id, *ranks, *bounds)
     steps = _step_columns(store, sql, params)
-    span = _span(steps)
+    span = steps.span()
     if span is None:
         return VerdictInputs(steps, [], [], expected, last_steps)
     memory = store.query(f"SELECT {_MEMORY_SELECT} FROM telemetry WHERE session_id = ? AND rank IN ({marks}) "
@@ -73,30 +73,12 @@ def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int
     return VerdictInputs(steps, memory, system, expected, last_steps)
 
 
-def _step_columns(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> Sequence[Mapping[str, Any]]:
-    """The window's step rows as columns (numpy importable), from tuples where the store gives
-    them; else as the store's row dicts."""
+def _step_columns(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> StepColumns:
+    """The window's step rows as columns, from tuples where the store gives them."""
     query_tuples = getattr(store, "query_tuples", None)
     if query_tuples is not None:
-        columns = StepColumns.from_tuples(query_tuples(sql, params))
-        if columns is not None:
-            return columns
-    rows = store.query(sql, params)
-    return StepColumns.from_rows(rows) or rows
-
-
-def _span(steps: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
-    """(first start, last end) of the window's steps."""
-    if isinstance(steps, StepColumns):
-        starts, ends = steps.arrays["start_ns"], steps.arrays["end_ns"]
-        if starts.dtype.kind == "f":
-            starts = starts[starts == starts]
-        if ends.dtype.kind == "f":
-            ends = ends[ends == ends]
-        return (int(starts.min()), int(ends.max())) if len(starts) and len(ends) else None
-    first = [r["start_ns"] for r in steps if r["start_ns"] is not None]
-    last = [r["end_ns"] for r in steps if r["end_ns"] is not None]
-    return (min(first), max(last)) if first and last else None
+        return StepColumns.from_tuples(query_tuples(sql, params))
+    return StepColumns.from_rows(store.query(sql, params))
 
 
 def _expected_ranks(store: HistoryStore, session_id: str) -> tuple[int, ...]:
@@ -130,12 +112,12 @@ def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None =
     """``diagnose`` on ``session_id``'s window (all its steps when ``window`` is None), read from
     ``store`` unless the caller loaded ``inputs`` already (the live thread keeps them for the
     verdict's row); the advice names the loader and optimizer settings the capture recorded."""
-    from .verdicts import diagnose
+    from .engine import diagnose
 
     if inputs is None:
         inputs = load_verdict_inputs(store, session_id, last_steps=window)
     found = diagnose(inputs.steps, inputs.memory, inputs.system, window=window,
                      policy=DEFAULT_POLICY if policy is None else policy, expected_ranks=inputs.expected_ranks)
-    from .program_settings import load_program_settings, with_settings  # the advice names the program's settings
+    from ..program_settings import load_program_settings, with_settings  # the advice names the program's settings
 
     return with_settings(found, load_program_settings(store, session_id))

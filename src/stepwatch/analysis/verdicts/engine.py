@@ -2,9 +2,9 @@
 back, whether memory creeps. Pure: rows in, verdicts out (no I/O, no torch), deterministic.
 
 The surfaces (final summary, ``explain``, the live aggregator, ``compare``) call ``diagnose``;
-``verdict_inputs.load_verdict_inputs`` reads its arguments from a history store. The rules live
-in ``step_verdicts`` and ``memory_verdicts``, the thresholds in ``verdict_policy``;
-docs/verdicts.md publishes every formula and threshold.
+``inputs.load_verdict_inputs`` reads its arguments from a history store. The rules live in
+``step_time`` and ``memory``, the thresholds in ``policy``; docs/verdicts.md publishes every
+formula and threshold.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .memory_verdicts import memory_facts, memory_verdicts, system_verdicts
-from .step_verdicts import pick_primary, step_time_verdicts
-from .step_windows import build_window
-from .verdict_policy import (
+from .memory import memory_verdicts, system_verdicts
+from .memory_facts import memory_facts
+from .model import SEVERITY_RANK, Diagnosis, Severity, Verdict
+from .policy import (
     DEFAULT_POLICY,
     NAME_ALIASES,
     PolicyError,
@@ -23,7 +23,8 @@ from .verdict_policy import (
     canonical_verdict_name,
     load_policy,
 )
-from .verdict_types import SEVERITY_RANK, Diagnosis, Severity, Verdict
+from .step_time import pick_primary, step_time_verdicts
+from .step_windows import build_window
 
 __all__ = ["DEFAULT_POLICY", "NAME_ALIASES", "SEVERITY_RANK", "Diagnosis", "PolicyError", "Severity", "Verdict",
            "VerdictPolicy", "canonical_verdict_name", "diagnose", "load_policy"]
@@ -31,8 +32,7 @@ __all__ = ["DEFAULT_POLICY", "NAME_ALIASES", "SEVERITY_RANK", "Diagnosis", "Poli
 
 def diagnose(steps: Iterable[Mapping[str, Any]], memory: Iterable[Mapping[str, Any]] = (),
              system: Iterable[Mapping[str, Any]] = (), *, window: int | None = None,
-             policy: VerdictPolicy = DEFAULT_POLICY, expected_ranks: Sequence[int] = (),
-             columnar: bool | None = None) -> Diagnosis:
+             policy: VerdictPolicy = DEFAULT_POLICY, expected_ranks: Sequence[int] = ()) -> Diagnosis:
     """The verdicts on ``steps`` (rows of the history's ``steps`` table, every rank), ``memory``
     (telemetry ``sample`` rows: rank, timestamp_ns, collector, device_id, allocated, reserved,
     free, total, host) and ``system`` samples (rank, timestamp_ns, device_id, gpu_util_pct).
@@ -40,13 +40,13 @@ def diagnose(steps: Iterable[Mapping[str, Any]], memory: Iterable[Mapping[str, A
     ``window``: the last N steps completed on every rank (live), None: all of them.
     ``expected_ranks``: the ranks the run has, so a rank with no step at all is named in
     ``INCOMPLETE_DATA``. Memory and system samples are read over the window's time span.
-    ``columnar``: reduce the steps and samples on numpy arrays (None: for ``StepColumns`` and large inputs,
-    where numpy is importable; the result is the same either way).
+    ``steps`` may be ``StepColumns`` (what ``load_verdict_inputs`` gives) or row mappings; both are
+    reduced on numpy arrays.
     """
-    step_window = build_window(steps, window, expected_ranks=expected_ranks, columnar=columnar)
+    step_window = build_window(steps, window, expected_ranks=expected_ranks)
     step_time = step_time_verdicts(step_window, policy)
     primary = pick_primary(step_time, step_window)
-    facts = memory_facts(memory, step_window, columnar=columnar)
+    facts = memory_facts(memory, step_window)
     memory_found = [v for v in memory_verdicts(step_window, facts, policy) if policy.enabled(v.name)]
     system_found = [v for v in system_verdicts(step_window, facts, system, policy) if policy.enabled(v.name)]
     return Diagnosis(primary, tuple(step_time), tuple(memory_found), tuple(system_found))

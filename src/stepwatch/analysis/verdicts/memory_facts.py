@@ -1,43 +1,88 @@
-"""The memory facts of a window reduced on numpy arrays: a whole run's samples (64 ranks, one
-sample a second over hours) in a few array passes instead of a Python loop per sample. Gives the
-same ``MemoryFacts`` as ``memory_verdicts._facts_from_samples`` (a property test checks it).
-numpy is imported only when this runs.
+"""What the memory and system rules read, reduced once from a window's samples on numpy arrays: a
+whole run's samples (64 ranks, one a second over hours) in a few array passes.
+
+The memory a run is judged on is the device's where a GPU (or another accelerator) is used: the
+allocator's reserved bytes on each rank's own device (the one where it holds the most; the lowest
+on a tie) for pressure and imbalance, its allocated bytes for creep. A CPU-only run is judged on
+its process RSS (the cpu collector's ``allocated``) against the host's memory. A sample belongs to
+the step of its rank that started last at or before it (a sample taken as a step starts is that
+step's). What a value means is ``step_columns``' rule: counters are numbers (``total`` 0: no
+total), rank, time and device are whole numbers in int64's range, anything else is unknown.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from .memory_facts import CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
-from .step_columns import _array, numpy_or_none
+from .step_columns import clean_int, number_array
 from .step_windows import RankWindow, StepWindow
 
-__all__ = ["facts_from_arrays"]
+__all__ = ["CPU_COLLECTOR", "NVML_COLLECTOR", "MemoryFacts", "SeriesColumns", "memory_facts"]
 
+CPU_COLLECTOR = "stepwatch.cpu_tracker"
+NVML_COLLECTOR = "stepwatch.nvml_tracker"
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _CPU, _NVML, _OTHER = 0, 1, 2
 
 
+class SeriesColumns(dict):  # type: ignore[type-arg]
+    """rank -> its series, each built on first use from the points' rows."""
+
+    def __init__(self, order: list[int], rows: list[list[float]]) -> None:
+        super().__init__()
+        self._index = {rank: i for i, rank in enumerate(order)}
+        self._rows = rows
+
+    def __missing__(self, rank: int) -> list[float]:
+        i = self._index[rank]
+        series = self[rank] = [row[i] for row in self._rows]
+        return series
+
+    def ranks(self) -> list[int]:
+        return sorted(self._index)
+
+
+@dataclass
+class MemoryFacts:
+    """What the memory and system rules read, reduced once from the window's samples."""
+
+    kind: str = ""  # "device", "rss", or "" with no sample to judge
+    samples: int = 0  # samples of the judged memory
+    peaks: dict[int, float] = field(default_factory=dict)  # per rank
+    totals: dict[int, float] = field(default_factory=dict)
+    hosts: dict[int, str] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    worst: list[float] = field(default_factory=list)  # the creep series (allocated), per sampled step
+    median: list[float] = field(default_factory=list)
+    own: Any = None  # rank -> its own series (SeriesColumns)
+    host_used: dict[str, float] = field(default_factory=dict)  # system: a host's used fraction, peak
+    host_ranks: dict[str, set[int]] = field(default_factory=dict)
+    rss: dict[int, float] = field(default_factory=dict)  # system: a rank's RSS over its host's total, peak
+
+
 def _ints(np: Any, values: Sequence[Any]) -> tuple[Any, Any]:
-    """(int64 array, which values are whole numbers); others read as 0 and are not valid."""
-    try:
-        inferred = np.array(values)
-    except (TypeError, ValueError, OverflowError):
-        inferred = None
-    if inferred is not None and inferred.ndim == 1 and inferred.dtype.kind == "i":
-        return inferred.astype(np.int64), np.ones(len(values), dtype=bool)
-    clean = [v if type(v) is int and _I64_MIN <= v <= _I64_MAX
-             else (int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2.0**62 else None) for v in values]
+    """(int64 array, which values are whole numbers in int64's range); others read as 0."""
+    if set(map(type, values)) == {int}:  # the common case (no bool: a bool is no number here)
+        try:
+            inferred = np.array(values)
+        except (TypeError, ValueError, OverflowError):
+            inferred = None
+        if inferred is not None and inferred.ndim == 1 and inferred.dtype == np.int64:
+            return inferred, np.ones(len(values), dtype=bool)
+    clean = [clean_int(v) for v in values]
     valid = np.array([v is not None for v in clean], dtype=bool)
     return np.array([0 if v is None else v for v in clean], dtype=np.int64), valid
 
 
-def facts_from_arrays(rows: Iterable[Any], window: StepWindow) -> MemoryFacts | None:
-    """None when numpy is not importable."""
-    np = numpy_or_none()
-    if np is None:
-        return None
+def memory_facts(rows: Iterable[Any], window: StepWindow) -> MemoryFacts:
+    """The facts of the window's memory samples (telemetry ``sample`` rows of the window's ranks
+    taken during their window)."""
+    import numpy as np
+
+    if not window.ranks:
+        return MemoryFacts(own=SeriesColumns([], []))
     maps = [r for r in rows if type(r) is dict or isinstance(r, Mapping)]  # the ABC check only for others
     n = len(maps)
     is_sample = np.array([r.get("event_type", "sample") == "sample" for r in maps], dtype=bool)
@@ -51,8 +96,8 @@ def facts_from_arrays(rows: Iterable[Any], window: StepWindow) -> MemoryFacts | 
     host = np.array([host_names.setdefault(h if type(h) is str else "", len(host_names))
                      for h in (r.get("host") for r in maps)], dtype=np.int64)
     hosts_by_code = {code: name for name, code in host_names.items()}
-    allocated, reserved = _array(np, [r.get("allocated") for r in maps]), _array(np, [r.get("reserved") for r in maps])
-    free, total = _array(np, [r.get("free") for r in maps]), _array(np, [r.get("total") for r in maps])
+    allocated, reserved = number_array([r.get("allocated") for r in maps]), number_array([r.get("reserved") for r in maps])
+    free, total = number_array([r.get("free") for r in maps]), number_array([r.get("total") for r in maps])
     total[total == 0] = np.nan  # no total: nothing to hold a share of
 
     # the samples of the window's ranks taken during their window
@@ -122,8 +167,9 @@ def _own_devices(np: Any, at: Any, device: Any, reserved: Any, ranks: int) -> An
 
 def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts: Any, value: Any,
             mask: Any) -> tuple[list[float], list[float], SeriesColumns]:
-    """The creep series (see ``memory_verdicts._series``): per sampled step, each rank's largest
-    sample carried forward, then the worst and the median over ranks where every rank has one."""
+    """The creep series: per sampled step (a step during which some rank took a sample), each
+    rank's largest sample, carried forward to the steps where it took none; the worst and the
+    median over ranks, from the first step where every rank has a value."""
     step_of = np.zeros(len(ts), dtype=np.int64)
     has_step = np.zeros(len(ts), dtype=bool)
     # Each sample's step: the last step of its rank that started at or before it. One sort of
@@ -163,24 +209,14 @@ def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts:
 
 
 def _step_clocks(np: Any, ranks: list[RankWindow]) -> tuple[Any, Any, Any]:
-    """Every rank's known step starts, step numbers and rank slot, concatenated (int64). Ranks
-    reduced on arrays are joined in a few numpy calls for all of them, not a few per rank."""
-    if all(w.starts_known is not None for w in ranks):
-        if not ranks:
-            return (np.zeros(0, dtype=np.int64),) * 3
-        known = np.concatenate([w.starts_known for w in ranks])
-        slots = np.repeat(np.arange(len(ranks), dtype=np.int64), [len(w.starts_known) for w in ranks])
-        return (np.concatenate([w.step_starts for w in ranks])[known].astype(np.int64),
-                np.concatenate([w.step_numbers for w in ranks])[known].astype(np.int64), slots[known])
-    times: list[Any] = []
-    numbers: list[int] = []
-    slots: list[int] = []
-    for i, w in enumerate(ranks):
-        clock, steps = w.step_clock()
-        times += clock
-        numbers += steps
-        slots += [i] * len(clock)
-    return (np.array(times, dtype=np.int64), np.array(numbers, dtype=np.int64), np.array(slots, dtype=np.int64))
+    """Every rank's known step starts, step numbers and rank slot, concatenated (int64), in a few
+    numpy calls for all of them, not a few per rank."""
+    if not ranks:
+        return (np.zeros(0, dtype=np.int64),) * 3
+    known = np.concatenate([w.starts_known for w in ranks])
+    slots = np.repeat(np.arange(len(ranks), dtype=np.int64), [len(w.starts_known) for w in ranks])
+    return (np.concatenate([w.step_starts for w in ranks])[known].astype(np.int64),
+            np.concatenate([w.step_numbers for w in ranks])[known].astype(np.int64), slots[known])
 
 
 def _system(np: Any, facts: MemoryFacts, cpu: Any, slot: Any, window_ranks: list[int], host: Any,

@@ -6,29 +6,27 @@ allocator's reserved bytes against the device's total for pressure and imbalance
 bytes for creep (a leak shows there before the cache hides it). A CPU-only run is judged on its
 process RSS (the cpu collector's ``allocated``) against the host's memory, so a CPU run that leaks
 is caught too. Samples are bucketed by step: each step holds the largest sample taken during it,
-and a step without a sample carries the last one forward (docs/verdicts.md).
+and a step without a sample carries the last one forward (docs/verdicts.md). The rules read the
+facts ``memory_facts`` reduces once from the samples.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from statistics import median as _median
 from typing import Any
 
-from .memory_arrays import facts_from_arrays
-from .memory_facts import COLUMNAR_MIN_SAMPLES, CPU_COLLECTOR, NVML_COLLECTOR, MemoryFacts, SeriesColumns
-from .step_columns import clean_int, numpy_or_none
-from .step_windows import RankWindow, StepWindow, clean_number
-from .verdict_policy import VerdictPolicy
-from .verdict_types import Severity, Verdict
+from .memory_facts import MemoryFacts
+from .model import Severity, Verdict
+from .policy import VerdictPolicy
+from .step_columns import clean_int, clean_number
+from .step_windows import StepWindow
 
-__all__ = ["MemoryFacts", "Sample", "memory_facts", "memory_verdicts", "parse_samples", "system_verdicts"]
+__all__ = ["memory_verdicts", "system_verdicts"]
 
 MIN_SAMPLES = 3  # per rank in the window, for a creep trend
 _GIB = float(1 << 30)
-
 
 
 def _gib(value: float | None) -> float | None:
@@ -37,131 +35,6 @@ def _gib(value: float | None) -> float | None:
 
 def _r4(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 4)
-
-
-def _n(value: Any) -> Any:
-    return value if type(value) is int and value >= 0 else clean_number(value)
-
-
-class Sample:
-    """One memory sample of a window rank, its counters cleaned (None: unknown)."""
-
-    def __init__(self, row: Mapping[str, Any], rank: int, ts: int) -> None:
-        self.rank, self.ts = rank, ts
-        get = row.get
-        device = get("device_id")
-        self.device = device if type(device) is int else clean_int(device)
-        collector = get("collector")
-        self.collector = collector if type(collector) is str else ""
-        self.allocated = _n(get("allocated"))
-        self.reserved = _n(get("reserved"))
-        self.free = _n(get("free"))
-        self.total = _n(get("total")) or None
-        host = get("host")
-        self.host = host if type(host) is str else ""
-
-
-def parse_samples(rows: Iterable[Any], window: StepWindow) -> list[Sample]:
-    """The memory samples (telemetry ``sample`` rows) of the window's ranks taken during their
-    window: parsed once, for the memory and the system verdicts."""
-    spans = {rank: (w.start_ns, w.end_ns) for rank, w in window.ranks.items()}
-    out = []
-    for row in rows:
-        try:
-            if row.get("event_type", "sample") != "sample":
-                continue
-            rank, ts = row.get("rank"), row.get("timestamp_ns")
-        except AttributeError:  # not a mapping
-            continue
-        span = spans.get(rank if type(rank) is int else clean_int(rank))  # type: ignore[arg-type]
-        ts = ts if type(ts) is int else clean_int(ts)
-        if span is None or ts is None:
-            continue
-        start, end = span
-        if (start is not None and ts < start) or (end is not None and ts > end):
-            continue
-        out.append(Sample(row, rank if type(rank) is int else clean_int(rank), ts))  # type: ignore[arg-type]
-    return out
-
-
-def _source(samples: list[Sample]) -> tuple[str, list[Sample]]:
-    """("device", the accelerator samples) where a GPU is used; else ("rss", the cpu collector's)."""
-    device = [s for s in samples if s.collector not in (CPU_COLLECTOR, NVML_COLLECTOR) and s.device is not None
-              and s.device >= 0 and s.reserved is not None]
-    if device:
-        # each rank's own device: the one where it holds the most
-        peak: dict[tuple[int, int], float] = {}
-        for s in device:
-            key = (s.rank, s.device)  # type: ignore[assignment]
-            peak[key] = max(peak.get(key, 0.0), s.reserved)  # type: ignore[arg-type]
-        own: dict[int, int] = {}
-        for (rank, dev), value in sorted(peak.items()):
-            if rank not in own or value > peak[(rank, own[rank])]:
-                own[rank] = dev
-        return "device", [s for s in device if own.get(s.rank) == s.device]  # type: ignore[arg-type]
-    return "rss", [s for s in samples if s.collector == CPU_COLLECTOR and s.allocated is not None]
-
-
-def _series(window: StepWindow, samples: list[Sample], field: str) -> tuple[list[float], list[float], SeriesColumns]:
-    """Per sampled step (a step during which some rank took a sample): the worst rank's value, the
-    median over ranks, and each rank's own series; a rank without a sample in that step carries
-    its last one forward, and steps before every rank has a sample are left out."""
-    by_rank: dict[int, dict[int, float]] = {}
-    of_rank: dict[int, list[Sample]] = {}
-    for sample in samples:
-        if getattr(sample, field) is not None:
-            of_rank.setdefault(sample.rank, []).append(sample)  # type: ignore[arg-type]
-    for rank, w in window.ranks.items():
-        mine = of_rank.get(rank, [])
-        per_step: dict[int, float] = {}
-        for step, sample in zip(_steps_of(w, [s.ts for s in mine]), mine):
-            value = getattr(sample, field)
-            if step is not None and value > per_step.get(step, -1.0):
-                per_step[step] = value
-        by_rank[rank] = per_step
-    if not by_rank:
-        return [], [], SeriesColumns([], [])
-    worst: list[float] = []
-    median: list[float] = []
-    rows: list[list[float]] = []  # each point's values, in the order of ``last``'s ranks
-    last: dict[int, float] = {}
-    ranks = len(by_rank)
-    events = sorted((step, rank, value) for rank, per_step in by_rank.items() for step, value in per_step.items())
-    for i, (step, rank, value) in enumerate(events):
-        last[rank] = value
-        if len(last) < ranks or (i + 1 < len(events) and events[i + 1][0] == step):
-            continue  # every rank's value once the step's last sample is in
-        values = list(last.values())
-        worst.append(max(values))
-        median.append(_median(values))
-        rows.append(values)
-    # a rank's own series, asked for only once the worst and median series say memory rises
-    order = list(last)
-    own = SeriesColumns(order, rows) if rows else SeriesColumns([], [])
-    return worst, median, own
-
-
-def _steps_of(window: RankWindow, stamps: list[int]) -> list[int | None]:
-    """The step each timestamp falls in (the last step started at or before it; None: before
-    the first), with numpy where the window's clocks are arrays."""
-    if not stamps:
-        return []
-    if window.starts_known is not None:
-        np = numpy_or_none()
-        times = window.step_starts[window.starts_known]
-        numbers = window.step_numbers[window.starts_known]
-        if len(times) > 1 and not bool(np.all(times[1:] >= times[:-1])):
-            order = np.argsort(times, kind="stable")
-            times, numbers = times[order], numbers[order]
-        index = np.searchsorted(times, np.array(stamps, dtype=times.dtype), side="right") - 1
-        found = numbers[np.maximum(index, 0)].tolist()
-        return [None if i < 0 else n for i, n in zip(index.tolist(), found)]
-    times, numbers = window.step_clock()
-    out: list[int | None] = []
-    for stamp in stamps:
-        i = bisect_right(times, stamp) - 1
-        out.append(numbers[i] if i >= 0 else None)
-    return out
 
 
 def _band(series: list[float], band: tuple[float, float]) -> float:
@@ -175,44 +48,6 @@ def _band(series: list[float], band: tuple[float, float]) -> float:
 def _bands(series: list[float], policy: VerdictPolicy) -> tuple[float, float, float]:
     return (_band(series, policy.creep_baseline_band), _band(series, policy.creep_mid_band),
             _band(series, policy.creep_recent_band))
-
-
-
-
-def memory_facts(rows: Iterable[Any], window: StepWindow, *, columnar: bool | None = None) -> MemoryFacts:
-    """The facts of the window's memory samples."""
-    if not window.ranks:
-        return MemoryFacts(own=SeriesColumns([], []))
-    large = isinstance(rows, Sequence) and len(rows) >= COLUMNAR_MIN_SAMPLES
-    if columnar or (columnar is None and large):
-        facts = facts_from_arrays(rows, window)
-        if facts is not None:
-            return facts
-    return _facts_from_samples(parse_samples(rows, window), window)
-
-
-def _facts_from_samples(parsed: list[Sample], window: StepWindow) -> MemoryFacts:
-    kind, samples = _source(parsed)
-    facts = MemoryFacts(kind=kind if samples else "", samples=len(samples))
-    value_field = "reserved" if kind == "device" else "allocated"
-    for s in samples:
-        value = getattr(s, value_field)
-        facts.peaks[s.rank] = max(facts.peaks.get(s.rank, 0.0), value)  # type: ignore[index]
-        if s.total is not None:
-            facts.totals[s.rank] = max(facts.totals.get(s.rank, 0.0), s.total)  # type: ignore[index]
-        facts.hosts[s.rank] = s.host  # type: ignore[index]
-        facts.counts[s.rank] = facts.counts.get(s.rank, 0) + 1  # type: ignore[index]
-    facts.worst, facts.median, facts.own = _series(window, samples, "allocated")
-    for s in parsed:
-        if s.collector != CPU_COLLECTOR or not s.total:
-            continue
-        if s.free is not None:
-            used = max(0.0, min(1.0, (s.total - s.free) / s.total))
-            facts.host_used[s.host] = max(facts.host_used.get(s.host, 0.0), used)
-            facts.host_ranks.setdefault(s.host, set()).add(s.rank)  # type: ignore[arg-type]
-        if s.allocated is not None:
-            facts.rss[s.rank] = max(facts.rss.get(s.rank, 0.0), min(1.0, s.allocated / s.total))  # type: ignore[index]
-    return facts
 
 
 def memory_verdicts(window: StepWindow, facts: MemoryFacts, policy: VerdictPolicy) -> list[Verdict]:
