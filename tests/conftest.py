@@ -6,11 +6,15 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import settings
 
+import stepwatch
+from stepwatch import guard
+from stepwatch.capture import torch_patches, training
 from stepwatch.schema import new_session_id
 
 # Property tests have no per-example deadline: speed is measured by bench/, never by a timed
@@ -27,14 +31,39 @@ def session_id() -> str:
     return new_session_id()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """``make test-fast`` (STEPWATCH_TESTS_FAST=1) starts no process: a test that tries is told
-    to carry the ``real`` mark, so the fast loop stays fast as tests are added. Not in xdist's
-    controller, which starts the workers."""
-    controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
-    if os.environ.get("STEPWATCH_TESTS_FAST") == "1" and not controller:
-        subprocess.Popen._execute_child = _refuse  # type: ignore[method-assign]
-        multiprocessing.process.BaseProcess.start = _refuse  # type: ignore[method-assign]
+@pytest.fixture
+def training_test(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test that trains in this process (``pytest.mark.usefixtures("training_test")``): it starts
+    with no runtime and no stray marks, sees the torch patches as a GPU host gets them (h2d copies
+    intercepted, on this CPU-only torch; the tests of the CPU-only choice undo this), and ends with
+    torch unpatched and nothing swallowed that it did not expect (a test that expects it resets
+    the guard)."""
+    monkeypatch.setattr(torch_patches, "_accelerator_present", lambda torch: True)
+    guard.reset_swallowed()
+    training.pre_init_marks()  # marks another test left for "the next runtime"
+    yield
+    stepwatch.shutdown()  # never leave torch patched behind a failed test
+    assert guard.swallowed() == {}, guard.recent_swallowed()
+
+
+_FAST = os.environ.get("STEPWATCH_TESTS_FAST") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """``make test-fast`` (STEPWATCH_TESTS_FAST=1) starts no process: a test (or a fixture of
+    it) that tries is told to carry the ``real`` mark, so the fast loop stays fast as tests are
+    added. Only while a test runs: pytest and xdist start processes of their own."""
+    if not _FAST:
+        yield
+        return
+    saved = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
+    subprocess.Popen._execute_child = _refuse  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = _refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = saved  # type: ignore[method-assign]
 
 
 def _refuse(*args: Any, **kwargs: Any) -> None:

@@ -11,8 +11,7 @@ import pytest
 import stepwatch.analysis as analysis
 from stepwatch.analysis.bundle_risks import assess_risks
 from stepwatch.analysis.verdicts import DEFAULT_POLICY, Diagnosis, diagnose
-
-from .verdict_rows import CUDA, memory, steps
+from tests.support.verdict_rows import CUDA, memory, steps
 
 GIB = 1 << 30
 

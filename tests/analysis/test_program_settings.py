@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stepwatch.analysis.alerts import AlertRules
 from stepwatch.analysis.program_settings import with_settings
-from stepwatch.analysis.verdict_types import Diagnosis, Verdict
+from stepwatch.analysis.verdicts.model import Diagnosis, Verdict
 
 LOADER = {"class": "DataLoader", "batch_size": 16, "num_workers": 2, "pin_memory": False, "prefetch_factor": 2,
           "persistent_workers": False, "dataset": "Numbers", "dataset_len": 960, "host_cpus": 2, "usable_cpus": 2}

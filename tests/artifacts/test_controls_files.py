@@ -166,6 +166,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*STEPWATCH, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
+@pytest.mark.real
 def test_cli_bad_input_is_one_error_line_and_exit_code_2(tmp_path: Path) -> None:
     for args in (["halt", str(tmp_path)], ["dump-stacks", str(tmp_path / "nope")],
                  ["memory-snapshot", str(tmp_path), "--wait", "0"]):
@@ -174,6 +175,7 @@ def test_cli_bad_input_is_one_error_line_and_exit_code_2(tmp_path: Path) -> None
         assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.real
 def test_cli_halt_into_a_run_directory_it_cannot_write(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _live_run(run)
@@ -195,6 +197,7 @@ def test_cli_halt_into_a_read_only_run_directory(tmp_path: Path) -> None:
     assert result.returncode == 2 and result.stderr.startswith("error:") and "cannot write" in result.stderr
 
 
+@pytest.mark.real
 def test_cli_dump_stacks_with_no_rank_that_can_be_dumped_exits_3(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _live_run(run, host="another-node")

@@ -23,6 +23,8 @@ from stepwatch.errors import ArtifactError
 from stepwatch.telemetry import load_telemetry_sessions
 from tests.support.records import make_event
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 REPO = Path(__file__).resolve().parents[2]
 RUNS = 24
 KEEP_ALL = SinkConfig(retention_max_files=100_000)  # the writers keep every segment too

@@ -71,6 +71,7 @@ def test_sink_manifest(tmp_path: Path) -> None:
     refused(lambda: load_telemetry_sessions(path), path)
 
 
+@pytest.mark.real
 def test_validate_reports_the_file_and_exits_1(tmp_path: Path) -> None:
     from stepwatch.artifacts.record_check import check_artifact
 

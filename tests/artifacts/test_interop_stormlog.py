@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 stormlog = pytest.importorskip("stormlog", reason="the interoperability tests need stormlog==0.4.3")
 
 from stormlog.cpu_profiler import CPUMemoryTracker  # noqa: E402

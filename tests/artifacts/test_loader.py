@@ -292,6 +292,7 @@ def test_run_directory_ranks_of_one_session_are_merged(tmp_path: Path, session_i
     assert rank1.summary.ranks == (1,) and rank1.summary.event_count == 3
 
 
+@pytest.mark.real
 def test_run_directory_merged_status_is_the_least_proven(tmp_path: Path, session_id: str) -> None:
     run = tmp_path / "run"
     summary = SessionSummary(session_id=session_id, status="running", started_at_ns=1, rank=0, world_size=2)
@@ -635,6 +636,7 @@ def test_segment_not_in_manifest_is_incomplete(sink_two_sessions: tuple) -> None
     assert sessions[first].summary.status == sessions[second].summary.status == "completed"
 
 
+@pytest.mark.real
 def test_running_ledger_entry_status_depends_on_its_writer(tmp_path: Path) -> None:
     dead = kill_writer(tmp_path / "dead", 3)
     assert overview(load_telemetry_sessions(tmp_path / "dead")) == [(dead, "incomplete", 3)]
@@ -664,6 +666,7 @@ def test_ledger_session_without_records_is_listed(tmp_path: Path) -> None:
 # -- default and explicit selection ------------------------------------------------------------
 
 
+@pytest.mark.real
 def test_default_selection_order(tmp_path: Path) -> None:
     old_done, _ = write_session(tmp_path, 2)
     new_done, new_events = write_session(tmp_path, 2)
@@ -682,6 +685,7 @@ def test_default_selection_order(tmp_path: Path) -> None:
     assert load_telemetry_events(tmp_path) == new_events
 
 
+@pytest.mark.real
 def test_default_prefers_interrupted_over_newer_incomplete(tmp_path: Path) -> None:
     killed = kill_writer(tmp_path, 2)
     TelemetrySink(tmp_path)

@@ -281,6 +281,7 @@ print(failed, dropped)
 """
 
 
+@pytest.mark.real
 def test_a_write_cut_short_never_leaves_a_partial_line_in_the_segment(tmp_path: Path) -> None:
     line = encoded_size(make_event("00000000-0000-4000-8000-000000000001", 10))
     limit = 4 * line + line // 2  # the second flush of three records breaks off mid-record
@@ -599,6 +600,7 @@ def test_flush_every_seconds(tmp_path: Path) -> None:
     sink.close()
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("fsync", ["flush", "close", "never"])
 def test_flushed_records_survive_a_killed_writer(tmp_path: Path, fsync: str) -> None:
     script = _DYING_WRITER.replace(
@@ -651,6 +653,7 @@ def test_config_defaults_match_the_spec() -> None:
 # -- recovery ----------------------------------------------------------------------------------
 
 
+@pytest.mark.real
 def test_killed_session_is_closed_as_interrupted_and_new_writes_start_a_new_segment(tmp_path: Path) -> None:
     sid = kill_writer(tmp_path, total=8, flushed=5)
     before = read_manifest(tmp_path)
@@ -682,6 +685,7 @@ def test_killed_session_is_closed_as_interrupted_and_new_writes_start_a_new_segm
     assert len(load_telemetry_events(tmp_path, session_id=sid)) == 5
 
 
+@pytest.mark.real
 def test_recovery_cuts_a_torn_tail(tmp_path: Path) -> None:
     sid = kill_writer(tmp_path, total=4, flushed=4)
     segment = tmp_path / "segment-000001.jsonl"
@@ -709,6 +713,7 @@ def test_recovery_cuts_a_torn_tail(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.real
 def test_recovery_of_a_segment_that_is_all_torn(tmp_path: Path) -> None:
     sid = kill_writer(tmp_path, total=3, flushed=0)  # nothing flushed: an empty segment
     segment = tmp_path / "segment-000001.jsonl"
@@ -759,6 +764,7 @@ def start_live_writer(root: Path) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline().strip()
 
 
+@pytest.mark.real
 def test_a_second_writer_on_a_live_sink_is_refused_and_interrupts_nothing(tmp_path: Path) -> None:
     proc, sid = start_live_writer(tmp_path)
     try:
@@ -787,6 +793,7 @@ def test_a_second_writer_on_a_live_sink_is_refused_and_interrupts_nothing(tmp_pa
     ]
 
 
+@pytest.mark.real
 def test_a_killed_writer_leaves_the_lock_to_the_next_one(tmp_path: Path) -> None:
     proc, sid = start_live_writer(tmp_path)
     proc.kill()
@@ -796,6 +803,7 @@ def test_a_killed_writer_leaves_the_lock_to_the_next_one(tmp_path: Path) -> None
     assert sink.ledger[0].status == "interrupted"
 
 
+@pytest.mark.real
 def test_a_running_session_whose_process_is_alive_is_not_recovered(tmp_path: Path) -> None:
     sid, _ = write_session(tmp_path, 2)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -822,6 +830,7 @@ def test_a_running_session_whose_process_is_alive_is_not_recovered(tmp_path: Pat
         other.wait()
 
 
+@pytest.mark.real
 def test_repeated_recovery_is_a_no_op(tmp_path: Path) -> None:
     sid = kill_writer(tmp_path, total=3, flushed=3)
     TelemetrySink(tmp_path)
@@ -833,6 +842,7 @@ def test_repeated_recovery_is_a_no_op(tmp_path: Path) -> None:
     assert load_telemetry_sessions(tmp_path)[0].summary.session_id == sid
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("damage", ["half", "empty", "garbage", "wrong_type"])
 def test_corrupt_manifest_is_kept_aside_and_rebuilt_from_segments(tmp_path: Path, damage: str) -> None:
     config = SinkConfig(rollover_max_events=3)

@@ -18,6 +18,8 @@ from stepwatch.capture.children import ChildProcess, settle_identity
 from stepwatch.capture.identity import DistributedIdentity
 from tests.support import STEPWATCH, free_port
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"

@@ -164,6 +164,7 @@ print("READS", flaky.reads)
 """
 
 
+@pytest.mark.real
 def test_runtime_records_degraded_then_recovered(tmp_path: Path) -> None:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}

@@ -431,6 +431,7 @@ def test_discovery_does_not_import_frameworks(no_frameworks: pytest.MonkeyPatch)
 # -- end to end: a runtime discovers a fake CUDA device and writes its samples ------------------
 
 
+@pytest.mark.real
 def test_runtime_writes_samples_of_a_discovered_cuda_device(tmp_path: Path) -> None:
     run = tmp_path / "run"
     script = textwrap.dedent(

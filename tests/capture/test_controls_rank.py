@@ -25,6 +25,8 @@ from stepwatch.artifacts.memory_snapshots import read_memory_snapshot_answers, r
 from stepwatch.capture import api
 from stepwatch.guard import reset_swallowed, swallowed
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 torch = pytest.importorskip("torch")
 
 

@@ -20,6 +20,7 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "steps_after_import.py"
 STEPS = 40
 
 
+@pytest.mark.real
 def test_a_loop_right_after_import_torch_is_recorded_whole_under_stepwatch_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), str(PROGRAM), str(STEPS)], cwd=tmp_path,
@@ -30,6 +31,7 @@ def test_a_loop_right_after_import_torch_is_recorded_whole_under_stepwatch_run(t
     assert steps == list(range(STEPS))
 
 
+@pytest.mark.real
 def test_a_loop_right_after_import_torch_is_recorded_whole_under_init(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(PROGRAM), str(STEPS), str(out)], cwd=tmp_path, env=clean_env(),

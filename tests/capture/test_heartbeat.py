@@ -161,6 +161,7 @@ def test_missing_file_is_an_artifact_error(tmp_path: Path) -> None:
 # -- what the runtime writes ---------------------------------------------------------------------
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("interval", [0.05, 1.0], ids=["fast-sampling", "default-sampling"])
 def test_runtime_writes_boot_then_time_cadence_heartbeats_without_progress_calls(
     tmp_path: Path, interval: float
@@ -191,6 +192,7 @@ def test_runtime_writes_boot_then_time_cadence_heartbeats_without_progress_calls
     assert all(0.1 < b - a < 0.5 for a, b in zip(ts, ts[1:])), ts
 
 
+@pytest.mark.real
 def test_heartbeat_file_is_flushed_while_the_process_runs(tmp_path: Path) -> None:
     run = tmp_path / "run"
     code = """
@@ -219,6 +221,7 @@ def test_heartbeat_file_is_flushed_while_the_process_runs(tmp_path: Path) -> Non
             proc.communicate(timeout=15)
 
 
+@pytest.mark.real
 def test_progress_records_and_their_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = run_py(
@@ -244,6 +247,7 @@ def test_progress_records_and_their_step(tmp_path: Path) -> None:
     assert all("gpu_mem_alloc" not in b for b in beats)  # no CUDA here
 
 
+@pytest.mark.real
 def test_numpy_values_in_progress_records(tmp_path: Path) -> None:
     """``loss=np.float32(...)``, ``step=np.int64(...)``: written as numbers, nothing lost."""
     pytest.importorskip("numpy")
@@ -269,6 +273,7 @@ def test_numpy_values_in_progress_records(tmp_path: Path) -> None:
     assert beats[-1]["msg"] == "stop" and beats[-1]["step"] == 4
 
 
+@pytest.mark.real
 def test_gpu_memory_fields_appear_with_a_cuda_device(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = run_py(
@@ -336,6 +341,7 @@ import stepwatch
 """
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("order", ["set_device_then_init", "init_then_set_device_then_progress", "never_told"])
 def test_gpu_memory_fields_come_from_the_ranks_own_device(tmp_path: Path, order: str) -> None:
     """Rank 1 of a node works on device 1. Its heartbeat reports device 1's memory whether the

@@ -19,6 +19,8 @@ from stepwatch.capture.inferred_metrics import GRAD_NORM_SOURCE, LOSS_SOURCE
 from stepwatch.guard import reset_swallowed, swallowed
 from tests.support import STEPWATCH, clean_env
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 PROGRAM = Path(__file__).resolve().parent / "programs" / "loss_no_code.py"
 STEPS, NAN_FROM = 30, 17
 QUIET = {"interval": 60.0, "heartbeat_interval": 60.0}

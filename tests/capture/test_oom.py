@@ -22,6 +22,8 @@ from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_sessions
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 BUNDLE_FILES = {"metadata.json", "environment.json", "events.json", "allocator_summary.json"}
 
 

@@ -27,6 +27,8 @@ from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
 from tests.support import clean_env
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 
 def run_py(code: str, cwd: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

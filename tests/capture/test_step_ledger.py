@@ -35,6 +35,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
+@pytest.mark.real
 def test_a_rank_killed_by_sigkill_keeps_every_step_it_closed(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     script = tmp_path / "killed.py"

@@ -19,6 +19,8 @@ from stepwatch.schema import validate_telemetry_record
 from stepwatch.telemetry import load_telemetry_sessions
 from tests.support import clean_env
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 STEPWATCH = str(Path(sys.executable).with_name("stepwatch"))
 MB = 1 << 20
 

@@ -14,6 +14,8 @@ from tests.support import clean_env
 
 from .test_track import ALLOCATE, only_session, run_manifest, track, write_script
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 

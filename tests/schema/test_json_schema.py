@@ -324,6 +324,7 @@ stepwatch.shutdown()
 """
 
 
+@pytest.mark.real
 def test_every_record_a_real_runtime_writes_is_valid_v3(tmp_path: Path) -> None:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}

@@ -21,6 +21,8 @@ from stepwatch.transport.sender import FrameSender
 from tests.support.aggregator import Aggregator, query, raw_client, wait_for
 from tests.support.records import make_event
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 SID = "5e551017-0000-4000-8000-00000000000a"
 RANKS = 4
 FRAMES_PER_RANK = 5

@@ -18,6 +18,8 @@ from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.step_ledger import find_ledgers, read_ledger
 from tests.support import STEPWATCH, clean_env, free_port
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 DDP_TRAIN = '''

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from tests.support import STEPWATCH, clean_env
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 LOOP = """
 import time, torch
 import stepwatch

@@ -15,6 +15,8 @@ import pytest
 
 from tests.support import STEPWATCH, clean_env
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 LOOP = """

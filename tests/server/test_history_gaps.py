@@ -24,6 +24,8 @@ from tests.support.aggregator import Aggregator, query, raw_client, wait_for
 from tests.support.http import AUTH, TOKEN, batch, hexid, mark, post, request, span
 from tests.support.records import make_event
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 BASE_NS = 1_900_000_000_000_000_000
 
 

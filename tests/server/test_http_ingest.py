@@ -26,6 +26,8 @@ from stepwatch.store.sqlite import SqliteStore
 from tests.support.aggregator import Aggregator, query, wait_for
 from tests.support.http import AUTH, TOKEN, ThreadServer, batch, hexid, mark, post, request, snapshot, span
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 
 def full_batch() -> dict[str, Any]:
     step = span("step", index=7, attrs={"step_ns": 900, "forward_ns": 300, "backward_ns": 400,

@@ -18,7 +18,7 @@ import pytest
 from tests.support import STEPWATCH, clean_env, free_port
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+pytestmark = [pytest.mark.real, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")]
 
 FOREVER = """
 import os, time, torch

@@ -24,6 +24,8 @@ from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
 from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
 from tests.support.marks import own_marks
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,6 +18,8 @@ from stepwatch.errors import ConfigError
 from stepwatch.server.launcher import TORCHRUN_PORT, LaunchOptions, _training_command, master_port
 from tests.support import STEPWATCH, clean_env, free_port
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 
 def options(**given: Any) -> LaunchOptions:
     return LaunchOptions(script=["train.py"], **{"nproc_per_node": 2, **given})

@@ -12,6 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 RANK = """
 import sys, time, stepwatch
 stepwatch.init(out=sys.argv[1], aggregator=sys.argv[2], interval=0.2, spool_interval=60.0)

@@ -19,6 +19,8 @@ from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
 from tests.support import STEPWATCH, clean_env, free_port
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 

@@ -20,6 +20,8 @@ import pytest
 from stepwatch.schema import new_session_id
 from tests.support import STEPWATCH, clean_env
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 STALL_AFTER_S = 8.0

@@ -19,6 +19,8 @@ import pytest
 from stepwatch.server.launcher import STALL_KILL_EXIT
 from tests.support import STEPWATCH, clean_env, free_port
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 pytest.importorskip("torch")
 
 SLEEPER = '''

@@ -102,6 +102,7 @@ def test_server_and_store_log_instead_of_printing() -> None:
     assert printing == {}
 
 
+@pytest.mark.real
 def test_the_server_entry_sends_the_stepwatch_logger_to_stderr() -> None:
     """The aggregator's warnings keep their ``[stepwatch] ...`` line on a served process's stderr."""
     code = ("import logging, sys; from stepwatch.log import log_to_stderr; log_to_stderr(); log_to_stderr();"

@@ -7,6 +7,8 @@ import ast
 import subprocess
 import sys
 
+import pytest
+
 from ._graph import cycles, import_graph
 from ._source import SRC, modules
 
@@ -61,6 +63,7 @@ def _imports_heavy_library_at_top(tree: ast.Module) -> bool:
     return False
 
 
+@pytest.mark.real
 def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
     names = sorted(n for n, (_, tree) in modules().items()
                    if not n.endswith("__main__") and "_autostart" not in n and not _imports_heavy_library_at_top(tree))

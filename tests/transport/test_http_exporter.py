@@ -657,6 +657,7 @@ def test_parse_retry_after() -> None:
 # -- end to end through the runtime ------------------------------------------------------------
 
 
+@pytest.mark.real
 def test_a_real_run_uploads_its_session_span(server: TraceServer, tmp_path: Path) -> None:
     """The mistake of the SDK this replaces: the batch sealed at shutdown holds the session span."""
     script = textwrap.dedent(f"""

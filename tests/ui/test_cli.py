@@ -18,6 +18,8 @@ from stepwatch.schema import SessionSummary, telemetry_event_to_dict
 from stepwatch.ui.format import fmt_bytes
 from tests.support.records import make_event, make_record
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 GiB = 1024**3
 _script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
 COMMAND = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]

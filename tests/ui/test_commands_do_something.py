@@ -13,6 +13,8 @@ import pytest
 import stepwatch.ui
 from tests.support import run_stepwatch
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 UI = Path(stepwatch.ui.__file__).resolve().parent  # the package under test, wherever it is imported from
 TINY = "import sys\nprint('ran', sys.argv[1:])\n"
 

@@ -27,6 +27,8 @@ from stepwatch.artifacts.spool import SpoolWriter, read_spool
 from stepwatch.errors import ArtifactError
 from tests.support.marks import own_marks
 
+pytestmark = pytest.mark.usefixtures("training_test")
+
 NAME = re.compile(r"(\d{20})-([0-9a-f]{32})\.json")
 KEYS = {"schema_version", "sdk_version", "batch_id", "created_ns", "spans", "marks", "snapshots"}
 SESSION = "stepwatch.session"
@@ -246,6 +248,7 @@ print("finished")
 """
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("ending", ["exit", "sigterm"])
 def test_runtime_seals_on_sigterm_and_at_exit_without_shutdown(tmp_path: Path, ending: str) -> None:
     proc = subprocess.run([sys.executable, "-W", "error", "-c", _SUBPROCESS_TRAINING, str(tmp_path), ending],
@@ -392,6 +395,7 @@ ci.shutdown()
 """
 
 
+@pytest.mark.real
 @pytest.mark.slow
 def test_reads_the_real_cirron_spool(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CIRRON_")}
@@ -440,6 +444,7 @@ SPAN_FIELDS = ["id", "name", "parent_id", "index", "start_ns", "end_ns", "cpu_ns
 MARK_FIELDS = ["id", "span_id", "name", "value_type", "value", "attrs", "ts_ns", "kind"]
 
 
+@pytest.mark.real
 def test_runtime_records_have_the_spec_fields_in_order(tmp_path: Path) -> None:
     """Spans and marks are encoded from Structs built at the seal (not dicts): the same keys, in
     spool-format-v1.md's order, ``value_nonfinite`` only on a non-finite mark, and a step's

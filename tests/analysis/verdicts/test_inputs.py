@@ -10,9 +10,8 @@ import pytest
 
 from stepwatch.analysis.verdicts.inputs import diagnose_store, load_verdict_inputs
 from stepwatch.store.sqlite import SqliteStore
-
-from .verdict_rows import CPU, steps
-from .verdict_rows import memory as samples
+from tests.support.verdict_rows import CPU, steps
+from tests.support.verdict_rows import memory as samples
 
 SID = "00000000-0000-4000-8000-0000000000aa"
 OTHER = "00000000-0000-4000-8000-0000000000bb"

@@ -22,6 +22,8 @@ import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.snapshots import tensor_stats
 
+pytestmark = pytest.mark.usefixtures("training_test")
+
 
 def start(run_dir: Path, **options: Any) -> Any:
     return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
@@ -133,6 +135,7 @@ PARAMS = ["encoder.weight", "encoder.bias", "head.weight", "head.bias", "spare.w
 USED = PARAMS[:4]
 
 
+@pytest.mark.real
 def test_records_per_parameter_and_gradient(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TwoLayers()
@@ -199,6 +202,7 @@ def _blob_path(uri: str) -> Path:
     return Path(parsed.path)
 
 
+@pytest.mark.real
 def test_sampled_mode_keeps_blobs_only_when_the_roll_wins(tmp_path: Path) -> None:
     seed, rate, calls = 20240607, 0.5, 12
     rolls = random.Random(seed)
@@ -226,6 +230,7 @@ def test_sampled_mode_keeps_blobs_only_when_the_roll_wins(tmp_path: Path) -> Non
             assert not blob_dir.exists()
 
 
+@pytest.mark.real
 def test_full_mode_blobs_hold_the_tensors_at_snapshot_time(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TwoLayers()

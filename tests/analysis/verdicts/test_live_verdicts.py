@@ -15,7 +15,7 @@ from stepwatch.analysis.markers import derive_verdict_markers
 from stepwatch.analysis.verdicts.diagnosis import diagnosis_lines, evidence_text, verdict_line
 from stepwatch.server.live_verdicts import INTERVAL_ENV, LiveVerdicts, interval_from_env
 from stepwatch.store.sqlite import SqliteStore
-from tests.analysis.verdict_rows import steps
+from tests.support.verdict_rows import steps
 
 SESSION = "00000000-0000-4000-8000-00000000000a"
 

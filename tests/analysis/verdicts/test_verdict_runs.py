@@ -11,10 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from stepwatch.analysis.markers import derive_verdict_markers
 from tests.support import run_stepwatch as stepwatch
 
 from .conftest import PROGRAM, Run
+
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
 # 20 ms of sleep in each forward: a loaded machine's timing noise (~0.5 ms a step) stays well
 # inside compare's +/- 3 % band, so the same script twice is EQUIVALENT

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from stepwatch.analysis.verdicts import DEFAULT_POLICY, VerdictPolicy, diagnose, load_policy
 from stepwatch.analysis.verdicts.policy import PolicyError, canonical_verdict_name
-
-from .verdict_rows import steps
+from tests.support.verdict_rows import steps
 
 
 def test_a_toml_file_then_overrides(tmp_path: Path) -> None:

@@ -51,6 +51,8 @@ from stepwatch.artifacts.spool import LoadedSpool
 
 from .test_inferred import SESSION, finish, kids, named, start
 
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("training_test")]
+
 STEPS = ("step", "eval_step")
 BREAKDOWN = ("step_ns", "data_load_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_step_ns",
              "recompute_ns", "wait_ns")

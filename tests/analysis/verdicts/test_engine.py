@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from stepwatch.analysis.verdicts import DEFAULT_POLICY, Diagnosis, VerdictPolicy, diagnose
-
-from .verdict_rows import MS, steps
+from tests.support.verdict_rows import MS, steps
 
 
 def loud(diagnosis: Diagnosis) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -31,6 +31,8 @@ import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from tests.support.marks import own_marks
 
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("training_test")]
+
 HEX32 = re.compile(r"[0-9a-f]{32}")
 PHASES = ("data_load", "forward", "backward", "optimizer_step")
 SESSION = "stepwatch.session"

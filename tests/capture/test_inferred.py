@@ -20,6 +20,8 @@ from tests.support.marks import own_marks
 
 from .test_torch_patches import _FakeDeviceCopy
 
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("training_test")]
+
 SESSION = "stepwatch.session"
 
 

@@ -3,7 +3,7 @@ copies, snapshots of device tensors, a real CUDA OOM and ``stepwatch run`` on a 
 
 Everything here is skipped without a CUDA device (CI has none: the same paths run on CPU there
 with fake devices and fake events, test_gpu_timing.py and tests/capture/). Run it on a GPU
-machine with ``python -m pytest tests/training/test_cuda_device.py``.
+machine with ``python -m pytest tests/capture/test_cuda_device.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.snapshots import load_snapshot_tensor, tensor_stats
 from stepwatch.telemetry import load_telemetry_sessions
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.real, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.usefixtures("training_test")]
 
 MiB = 1 << 20
 PHASES = ("forward", "backward", "optimizer_step")

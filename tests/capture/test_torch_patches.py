@@ -25,6 +25,8 @@ from stepwatch.capture import torch_patches
 from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
 
+pytestmark = pytest.mark.usefixtures("training_test")
+
 STEPWATCH_DIR = str(Path(stepwatch.__file__).resolve().parent)
 TARGETS = [(nn.Module, "__call__"), (torch.autograd, "backward"),
            (DataLoader, "__iter__"), (torch.Tensor, "to"), (torch.Tensor, "cuda")]
@@ -75,6 +77,7 @@ def train(epochs: int = 2, seed: int = 0) -> list[float]:
 # -- install and uninstall -------------------------------------------------------------------
 
 
+@pytest.mark.real
 def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path) -> None:
     originals = {target: getattr(*target) for target in TARGETS}
     own = {target: target[1] in vars(target[0]) for target in TARGETS}
@@ -101,6 +104,7 @@ def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path
         assert all(sorted(kids(spool, s)) == ["backward", "data_load", "forward", "optimizer_step"] for s in steps)
 
 
+@pytest.mark.real
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="tests the path of a host with no accelerator")
 def test_without_an_accelerator_tensor_to_stays_torchs_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No device, no host-to-device copy: ``Tensor.to``/``.cuda`` are left alone (this torch is
@@ -220,6 +224,7 @@ def _user_frames(error: BaseException) -> list[tuple[str, str, int | None]]:
             if not f.filename.startswith(STEPWATCH_DIR)]
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("site", list(SITES))
 def test_user_exceptions_propagate_unchanged(tmp_path: Path, site: str) -> None:
     plain, plain_raised = _raise_at(site)  # no runtime: the reference traceback
@@ -240,6 +245,7 @@ def test_user_exceptions_propagate_unchanged(tmp_path: Path, site: str) -> None:
         assert site in kids(spool, step)
 
 
+@pytest.mark.real
 def test_training_goes_on_after_an_optimizer_error(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
@@ -274,6 +280,7 @@ class _SleepySGD(torch.optim.SGD):
         return result
 
 
+@pytest.mark.real
 def test_nested_optimizer_steps_are_one_phase(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
@@ -398,6 +405,7 @@ def _raise_internal(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("stepwatch bug (injected)")
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("method", ["phase_begin", "phase_end", "record_fetch", "open_step"])
 def test_internal_failure_is_swallowed_and_training_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               method: str) -> None:
@@ -429,6 +437,7 @@ class _FakeDeviceCopy(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+@pytest.mark.real
 def test_h2d_spans_only_for_accelerator_copies(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
@@ -477,6 +486,7 @@ def test_targets_accelerator(args: tuple[Any, ...], kwargs: dict[str, Any], expe
 # -- never synchronize -----------------------------------------------------------------------
 
 
+@pytest.mark.real
 def test_never_synchronizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 

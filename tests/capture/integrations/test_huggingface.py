@@ -25,6 +25,8 @@ import pytest
 
 from tests.support.marks import own_marks
 
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +49,7 @@ QUIET = {"handle_signals": False, "capture_oom": False}
 # -- fixtures and helpers ----------------------------------------------------------------------
 
 
-# run_dir: tests/integrations/conftest.py
+# run_dir: tests/capture/integrations/conftest.py
 
 
 class TinyRegressor(torch.nn.Module):

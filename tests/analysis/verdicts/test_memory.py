@@ -8,9 +8,8 @@ from typing import Any
 import pytest
 
 from stepwatch.analysis.verdicts import diagnose
-
-from .verdict_rows import CPU, CUDA, steps
-from .verdict_rows import memory as samples
+from tests.support.verdict_rows import CPU, CUDA, steps
+from tests.support.verdict_rows import memory as samples
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -21,6 +21,8 @@ from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.spans import cut_utf8, mark_value
 from tests.support.marks import own_marks
 
+pytestmark = pytest.mark.usefixtures("training_test")
+
 SESSION = "stepwatch.session"
 
 
@@ -210,6 +212,7 @@ def test_marks_follow_the_producing_thread(tmp_path: Path) -> None:
     assert mark_named(spool, "from_main")["span_id"] == span_named(spool, "main_only")["id"]
 
 
+@pytest.mark.real
 def test_mark_after_optimizer_step_lands_on_the_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)

@@ -32,7 +32,7 @@ from stepwatch.errors import ConfigError, IntegrationUnavailable  # noqa: E402
 from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
 # Lightning's own pytree helper trips a typing_extensions deprecation on this torch; not ours.
-pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")
+pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")]
 
 QUIET = {"handle_signals": False, "capture_oom": False}
 PHASES = ("forward", "backward", "optimizer_step")
@@ -41,7 +41,7 @@ PHASES = ("forward", "backward", "optimizer_step")
 # -- fixtures and helpers ----------------------------------------------------------------------
 
 
-# run_dir: tests/integrations/conftest.py
+# run_dir: tests/capture/integrations/conftest.py
 
 
 class Boom(Exception):

@@ -7,7 +7,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import pytest
+
 from .conftest import Run
+
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
 # a Dataset that sleeps 3 ms an item, 16 items a batch, read by 2 worker processes
 SLOW_DATASET = ("slow-dataset", "--steps", "60", "--forward-ms", "5", "--slow-item-ms", "3", "--workers", "2")

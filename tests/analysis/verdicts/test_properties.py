@@ -21,9 +21,8 @@ from stepwatch.analysis.verdicts.memory_facts import memory_facts
 from stepwatch.analysis.verdicts.step_columns import StepColumns
 from stepwatch.analysis.verdicts.step_windows import build_window
 from stepwatch.phases import STEP_COLUMNS
-
-from . import verdict_oracle as oracle
-from .verdict_rows import T0, steps
+from tests.support import verdict_oracle as oracle
+from tests.support.verdict_rows import T0, steps
 
 COLUMNS = ("start_ns", "end_ns", "step_ns", *STEP_COLUMNS)
 junk = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True, allow_infinity=True),
@@ -333,6 +332,7 @@ def test_step_columns_read_back_as_the_rows_they_hold() -> None:
     assert columns.span() == (rows[0]["start_ns"], rows[2]["end_ns"])
 
 
+@pytest.mark.real
 def test_the_engine_imports_numpy_only_when_it_runs() -> None:
     """numpy is a dependency of the reductions, never of ``import``: the surfaces that import the
     engine (the CLI, the aggregator) stay light until they judge a run."""

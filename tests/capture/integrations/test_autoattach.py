@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support import STEPWATCH, clean_env
+from tests.support import ROOT, STEPWATCH, clean_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -41,14 +41,13 @@ from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 needs_trainer = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                    reason="transformers.Trainer needs accelerate>=1.1")
 # Lightning's own pytree helper trips a typing_extensions deprecation on this torch; not ours.
-pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")
+pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")]
 
 QUIET = {"handle_signals": False, "capture_oom": False}
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN_PHASES = ("forward", "backward", "optimizer_step")
 
 
-# run_dir: tests/integrations/conftest.py
+# run_dir: tests/capture/integrations/conftest.py
 
 
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:

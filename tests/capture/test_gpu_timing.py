@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -20,6 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import stepwatch
 from stepwatch.artifacts.spool import read_spool
 from stepwatch.capture.gpu_timing import GpuTimer, cuda_event_source
+
+pytestmark = pytest.mark.usefixtures("training_test")
 
 
 class FakeGpu:
@@ -264,6 +267,7 @@ def _train(runs: int = 2) -> nn.Module:
     return model
 
 
+@pytest.mark.real
 def test_gpu_ns_lands_on_phase_spans_in_the_spool(tmp_path: Path) -> None:
     gpu = FakeGpu(ms_per_tick=2.5)
     runtime = stepwatch.init(out=tmp_path, handle_signals=False, capture_oom=False)
@@ -280,6 +284,7 @@ def test_gpu_ns_lands_on_phase_spans_in_the_spool(tmp_path: Path) -> None:
     assert "synchronize" not in gpu.calls
 
 
+@pytest.mark.real
 def test_spans_wait_for_their_gpu_time_across_seals(tmp_path: Path) -> None:
     """A span whose events are not complete at a seal is held for a later batch, then written
     with its GPU time; nothing is lost or written twice."""
@@ -311,6 +316,7 @@ def test_spans_wait_for_their_gpu_time_across_seals(tmp_path: Path) -> None:
     assert all(s["gpu_ns"] == 1_500_000 for s in timed_spans)
 
 
+@pytest.mark.real
 def test_shutdown_waits_briefly_for_the_last_gpu_times(tmp_path: Path) -> None:
     """The device runs behind the host: at shutdown the last steps' events are polled (never
     synchronized) for a moment, so the end of a run keeps its GPU time."""
@@ -328,6 +334,7 @@ def test_shutdown_waits_briefly_for_the_last_gpu_times(tmp_path: Path) -> None:
     assert timer.unresolved_dropped == 0 and "synchronize" not in gpu.calls
 
 
+@pytest.mark.real
 def test_gpu_times_still_pending_at_shutdown_are_counted(tmp_path: Path) -> None:
     gpu = FakeGpu()
     gpu.done_until = 0  # a device that never catches up: shutdown gives up after its wait
