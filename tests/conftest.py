@@ -23,6 +23,8 @@ from stepwatch.schema import new_session_id
 # each test), so the gate CI keeps passes or fails on the code alone.
 settings.register_profile("stepwatch", deadline=None)
 settings.register_profile("ci", parent=settings.get_profile("stepwatch"), derandomize=True)
+# the inner loop (make test-fast): a fifth of the examples, still new ones each run
+settings.register_profile("fast", parent=settings.get_profile("stepwatch"), max_examples=20)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "stepwatch"))
 
 
