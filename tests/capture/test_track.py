@@ -182,14 +182,15 @@ def test_a_non_python_command_is_sampled_from_outside(tmp_path: Path) -> None:
 
 def test_track_pid_samples_a_running_process(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    with subprocess.Popen(["sleep", "1.5"]) as target:
+    # 4 s: long enough for a loaded machine to start `track` and take samples before it ends
+    with subprocess.Popen(["sleep", "4"]) as target:
         started = time.monotonic()
         proc = subprocess.run([STEPWATCH, "track", "--interval", "50", "--out", str(run), "--pid", str(target.pid)],
                               cwd=tmp_path, env=track_env(), capture_output=True, text=True, timeout=30)
         elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     assert "session completed" in proc.stderr
-    assert elapsed < 10  # stopped when the process ended (a zombie counts as ended)
+    assert elapsed < 15  # stopped when the process ended (a zombie counts as ended)
     session = only_session(run)
     assert session.summary.source == "stepwatch.track_pid"
     assert session.summary.status == "completed"
@@ -316,7 +317,7 @@ def test_diagnose_fails_on_a_recorded_oom_when_asked(tmp_path: Path) -> None:
 
 def test_track_pid_writes_the_run_manifest_and_a_heartbeat(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    with subprocess.Popen(["sleep", "1.5"]) as target:
+    with subprocess.Popen(["sleep", "4"]) as target:
         started_ns = time.time_ns()
         proc = subprocess.run([STEPWATCH, "track", "--interval", "50", "--out", str(run), "--pid", str(target.pid)],
                               cwd=tmp_path, env=track_env(), capture_output=True, text=True, timeout=30)
@@ -326,7 +327,7 @@ def test_track_pid_writes_the_run_manifest_and_a_heartbeat(tmp_path: Path) -> No
     assert manifest["session_id"] == session.summary.session_id
     assert manifest["launcher"] == "track"
     assert manifest["pid"] == target.pid
-    assert manifest["command_line"] == ["sleep", "1.5"]
+    assert manifest["command_line"] == ["sleep", "4"]
     assert manifest["status"] == "completed" == session.summary.status
     assert started_ns <= manifest["started_at_ns"] <= manifest["ended_at_ns"] <= time.time_ns()
     from stepwatch.artifacts.heartbeat import read_heartbeat
