@@ -488,3 +488,21 @@ def test_environment_inventory_lists_nvml_gpus_without_torch_cuda(monkeypatch: p
     devices = environment_info()["devices"]
     assert [(d["kind"], d["index"]) for d in devices] == [("cpu", -1), ("cuda", 0), ("cuda", 1)]
     assert devices[1]["name"] == "NVIDIA H100" and devices[1]["total_bytes"] == 80 * GB
+
+
+def test_cpu_collector_reads_its_own_statm_as_psutil_does() -> None:
+    """Linux, this process: RSS and virtual size come from /proc/<pid>/statm directly (psutil's
+    source for memory_info), and agree with psutil's; a statm that cannot be read hands over to
+    psutil for good."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("statm is Linux's")
+    collector = CpuCollector()
+    assert collector._statm is not None
+    (reading,) = collector.read()
+    info = psutil.Process().memory_info()
+    assert abs(reading.allocated - info.rss) < 64 * MB
+    assert reading.extra is not None and abs(reading.extra["vms_bytes"] - info.vms) < 256 * MB
+    collector._statm = b"/proc/no-such-process/statm"
+    (fallback,) = collector.read()
+    assert collector._statm is None and fallback.allocated > 0
+    assert CpuCollector(os.getppid())._statm is None  # another process: psutil's
