@@ -407,6 +407,18 @@ def test_discovery_picks_an_initialised_cuda_or_rocm_device_once(
     assert discover_accelerators({name}) == []  # already known: not added twice
 
 
+def test_discovery_does_not_ask_a_build_without_cuda_or_rocm(no_frameworks: pytest.MonkeyPatch) -> None:
+    """A CPU-only torch (``torch.version.cuda`` and ``.hip`` both None) never has a CUDA device:
+    its ``cuda.is_available`` is not called at each discovery (it raises inside torch)."""
+    cuda = FakeCuda([stats(1, 1)])
+    asked: list[str] = []
+    cuda.is_available = lambda: asked.append("is_available") or True  # type: ignore[method-assign]
+    torch = fake_torch(cuda)
+    torch.version = types.SimpleNamespace(hip=None, cuda=None)  # type: ignore[attr-defined]
+    no_frameworks.setitem(sys.modules, "torch", torch)
+    assert discover_accelerators(set()) == [] and asked == []
+
+
 def test_discovery_picks_mps(no_frameworks: pytest.MonkeyPatch) -> None:
     no_frameworks.setitem(sys.modules, "torch", fake_torch(mps=FakeMps(1, 1, None)))
     (found,) = discover_accelerators(set())
