@@ -58,6 +58,7 @@ cProfile on stepwatch's threads only (``threading.Thread.run`` wrapped), trainin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -206,6 +207,10 @@ def _one_run(mode: str, train_ticks: int, idle_ticks: int, out: Path, requests: 
         # heartbeats and discovery every 5 s, counted from init), between two ticks
         _train(work, lambda: watch.poll() >= LEAD)
         watch.wait(LEAD)
+        # every object so far out of the cyclic GC's reach: a full collection (~millions of
+        # instructions over torch's objects) would otherwise land, by chance, on whichever
+        # thread's allocation set it off, and move one run's count by more than a tick's work
+        gc.freeze()
         if requests is not None:
             requests.start_instrumentation()
         started = time.monotonic()
