@@ -927,3 +927,51 @@ def test_sink_without_manifest_is_rebuilt(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("manifest.json.corrupt-*"))
     assert read_manifest(tmp_path)["segments"][0]["event_count"] == 4
     assert load_telemetry_events(tmp_path) == events
+
+
+# -- manifest cadence (manifest_every_seconds) ---------------------------------------------------
+
+
+def test_a_flush_that_only_grows_the_segment_leaves_the_manifest_until_its_cadence(tmp_path: Path) -> None:
+    """The runtime's sink flushes every second; its manifest's counts are rewritten only every
+    ``manifest_every_seconds``, while a new segment and the close rewrite it at once, and every
+    record written is loaded whatever the manifest says."""
+    config = SinkConfig(flush_every_events=1, fsync="close", rollover_max_events=6, manifest_every_seconds=3600.0)
+    sink = TelemetrySink(tmp_path, config)
+    session = sink.start_session()
+    events = [make_event(session.session_id, i) for i in range(8)]
+    for event in events[:4]:
+        sink.append(event)  # a write each, no new segment
+    segment = tmp_path / "segment-000001.jsonl"
+    assert len(lines_of(segment)) == 4
+    assert read_manifest(tmp_path)["segments"][0]["event_count"] == 0  # counts not rewritten yet
+    assert load_telemetry_events(tmp_path) == events[:4]  # the segment is read whole
+    for event in events[4:7]:
+        sink.append(event)  # the 6th fills the segment: it rolls over, and the manifest says so
+    manifest = read_manifest(tmp_path)
+    assert [(s["filename"], s["event_count"], s["closed"]) for s in manifest["segments"]] == [
+        ("segment-000001.jsonl", 6, True), ("segment-000002.jsonl", 0, False)]
+    sink.append(events[7])
+    sink.close()
+    manifest = read_manifest(tmp_path)
+    assert [(s["event_count"], s["closed"]) for s in manifest["segments"]] == [(6, True), (2, True)]
+    assert manifest["sessions"][0]["status"] == "completed"
+    assert load_telemetry_events(tmp_path) == events
+
+
+def test_manifest_cadence_zero_or_fsync_flush_rewrites_it_at_every_flush(tmp_path: Path) -> None:
+    for name, config in (("zero", SinkConfig(flush_every_events=1, fsync="close")),
+                         ("sync", SinkConfig(flush_every_events=1, fsync="flush", manifest_every_seconds=3600.0))):
+        root = tmp_path / name
+        sink = TelemetrySink(root, config)
+        session = sink.start_session()
+        for i in range(3):
+            sink.append(make_event(session.session_id, i))
+            assert read_manifest(root)["segments"][0]["event_count"] == i + 1
+        sink.close()
+
+
+@pytest.mark.parametrize("value", [-1.0, "10", True])
+def test_manifest_cadence_must_be_a_number_at_least_zero(value: object) -> None:
+    with pytest.raises(ConfigError, match="manifest_every_seconds"):
+        SinkConfig(manifest_every_seconds=value)  # type: ignore[arg-type]

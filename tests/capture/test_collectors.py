@@ -407,6 +407,18 @@ def test_discovery_picks_an_initialised_cuda_or_rocm_device_once(
     assert discover_accelerators({name}) == []  # already known: not added twice
 
 
+def test_discovery_does_not_ask_a_build_without_cuda_or_rocm(no_frameworks: pytest.MonkeyPatch) -> None:
+    """A CPU-only torch (``torch.version.cuda`` and ``.hip`` both None) never has a CUDA device:
+    its ``cuda.is_available`` is not called at each discovery (it raises inside torch)."""
+    cuda = FakeCuda([stats(1, 1)])
+    asked: list[str] = []
+    cuda.is_available = lambda: asked.append("is_available") or True  # type: ignore[method-assign]
+    torch = fake_torch(cuda)
+    torch.version = types.SimpleNamespace(hip=None, cuda=None)  # type: ignore[attr-defined]
+    no_frameworks.setitem(sys.modules, "torch", torch)
+    assert discover_accelerators(set()) == [] and asked == []
+
+
 def test_discovery_picks_mps(no_frameworks: pytest.MonkeyPatch) -> None:
     no_frameworks.setitem(sys.modules, "torch", fake_torch(mps=FakeMps(1, 1, None)))
     (found,) = discover_accelerators(set())
@@ -489,3 +501,21 @@ def test_environment_inventory_lists_nvml_gpus_without_torch_cuda(monkeypatch: p
     devices = environment_info()["devices"]
     assert [(d["kind"], d["index"]) for d in devices] == [("cpu", -1), ("cuda", 0), ("cuda", 1)]
     assert devices[1]["name"] == "NVIDIA H100" and devices[1]["total_bytes"] == 80 * GB
+
+
+def test_cpu_collector_reads_its_own_statm_as_psutil_does() -> None:
+    """Linux, this process: RSS and virtual size come from /proc/<pid>/statm directly (psutil's
+    source for memory_info), and agree with psutil's; a statm that cannot be read hands over to
+    psutil for good."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("statm is Linux's")
+    collector = CpuCollector()
+    assert collector._statm is not None
+    (reading,) = collector.read()
+    info = psutil.Process().memory_info()
+    assert abs(reading.allocated - info.rss) < 64 * MB
+    assert reading.extra is not None and abs(reading.extra["vms_bytes"] - info.vms) < 256 * MB
+    collector._statm = b"/proc/no-such-process/statm"
+    (fallback,) = collector.read()
+    assert collector._statm is None and fallback.allocated > 0
+    assert CpuCollector(os.getppid())._statm is None  # another process: psutil's

@@ -96,6 +96,11 @@ class SinkConfig(msgspec.Struct, kw_only=True, frozen=True):
         rollover_max_bytes / rollover_max_events: start a new segment past either.
         retention_max_files / retention_max_total_bytes: prune the oldest closed segments
             past either; the segment being written is never pruned.
+        manifest_every_seconds: with ``fsync`` other than ``"flush"``, a flush that only
+            grew the open segment rewrites ``manifest.json`` (its counts and sizes) at most this
+            often; a new segment, a pruned one, a session begun or closed rewrite it at once.
+            Readers never depend on those counts (a loader reads the segments whole, recovery
+            recounts them); 0 rewrites it at every flush.
     """
 
     flush_every_events: int = 50
@@ -105,19 +110,22 @@ class SinkConfig(msgspec.Struct, kw_only=True, frozen=True):
     rollover_max_events: int = 10_000
     retention_max_files: int = 8
     retention_max_total_bytes: int = 512 * 1024 * 1024
+    manifest_every_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         # Types first, so a string from an environment variable fails with the option's name
         # rather than as a TypeError from a comparison below.
         for name in ("flush_every_events", "rollover_max_bytes", "rollover_max_events",
-                     "retention_max_files", "retention_max_total_bytes", "flush_every_seconds"):
+                     "retention_max_files", "retention_max_total_bytes", "flush_every_seconds",
+                     "manifest_every_seconds"):
             value = getattr(self, name)
-            allowed = (int, float) if name == "flush_every_seconds" else (int,)
+            allowed = (int, float) if name.endswith("_seconds") else (int,)
             if isinstance(value, bool) or not isinstance(value, allowed):
                 raise ConfigError(f"SinkConfig.{name} must be a number, got {value!r}")
         checks = (
             ("flush_every_events", self.flush_every_events >= 1, ">= 1"),
             ("flush_every_seconds", self.flush_every_seconds > 0, "> 0"),
+            ("manifest_every_seconds", self.manifest_every_seconds >= 0, ">= 0"),
             ("rollover_max_bytes", self.rollover_max_bytes >= 1, ">= 1"),
             ("rollover_max_events", self.rollover_max_events >= 1, ">= 1"),
             ("retention_max_files", self.retention_max_files >= 1, ">= 1"),
@@ -176,6 +184,7 @@ class TelemetrySink:
         # records dropped because they could not be encoded (each also raised, see append)
         self.unencodable_dropped = 0
         self._doomed: list[Path] = []  # pruned segments, unlinked once the manifest forgets them
+        self._manifest_written = 0.0  # monotonic time of the last manifest write (manifest_every_seconds)
         self._lock_key: str | None = None
         self._take_writer_lock()
         self._release_on_gc = weakref.finalize(self, release_writer_lock, self._lock_key)
@@ -490,10 +499,18 @@ class TelemetrySink:
             or segment.event_count >= self.config.rollover_max_events
         ):
             self._rollover()
+            self._write_manifest()
         else:
             self._prune()  # the growing segment counts against the total-size bound too
-        self._write_manifest()
+            if self._doomed or self._manifest_due():
+                self._write_manifest()
         self._update_rooms()
+
+    def _manifest_due(self) -> bool:
+        """Whether a flush that only grew the open segment rewrites the manifest now."""
+        every = self.config.manifest_every_seconds
+        return (every <= 0 or self.config.fsync == "flush"
+                or time.monotonic() - self._manifest_written >= every)
 
     def _cut_partial_write(self, segment: SegmentEntry) -> None:
         """A write failed after part of the buffer reached the segment (disk full, say): cut the
@@ -519,6 +536,7 @@ class TelemetrySink:
     def _write_manifest(self, force_sync: bool = False) -> None:
         sync = force_sync and self.config.fsync != "never" or self.config.fsync == "flush"
         write_manifest(self._manifest_path, self._manifest, fsync=sync)
+        self._manifest_written = time.monotonic()
         # Pruned segments go only now: a crash in between leaves a file the manifest no longer
         # lists (adopted by recovery), never a listed segment that is missing.
         while self._doomed:

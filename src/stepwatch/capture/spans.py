@@ -34,6 +34,10 @@ ROOT_SENTINEL = "root"  # legacy span id of marks made before init / after shutd
 SESSION_SPAN = "stepwatch.session"
 PHASES = SPAN_NAMES  # the phase names (stepwatch.phases), as spans and as keys of a step's phase times
 _NO_TIMES = dict.fromkeys(PHASES, 0)
+# The attrs of every record of a span opened with none: one dict, shared (records are encoded,
+# never changed), so that such a record allocates nothing the cyclic GC counts: the sampler's
+# allocations set off collections of the whole process, and it pays for them.
+_NO_ATTRS: dict[str, Any] = {}
 
 
 def _breakdown_function() -> Any:
@@ -42,8 +46,11 @@ def _breakdown_function() -> Any:
     out by hand did (a loop over the table took about twice as long per step)."""
     phases = ", ".join(f"{p.attr!r}: times[{p.span!r}]" for p in PHASES_TABLE)
     spent = " - ".join(f"times[{p.span!r}]" for p in PHASES_TABLE if p.in_residual)
+    # the residual's floor at 0 as a conditional, not max(): max allocates an iterator, which
+    # counts towards the cyclic GC's next collection
     source = (f"def breakdown(times, step_ns):\n"
-              f"    return {{'step_ns': step_ns, {phases}, {RESIDUAL.attr!r}: max(0, step_ns - {spent})}}\n")
+              f"    return {{'step_ns': step_ns, {phases}, "
+              f"{RESIDUAL.attr!r}: wait if (wait := step_ns - {spent}) > 0 else 0}}\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, "<stepwatch.phases breakdown>", "exec"), namespace)
     return namespace["breakdown"]
@@ -386,7 +393,7 @@ class SpanRecorder:
             elif span.attrs:
                 attrs = clean_attrs(span.attrs)
             else:
-                attrs = {}
+                attrs = _NO_ATTRS
             own = parents.get(span.id) or (base | span.id).to_bytes(16, "big").hex()
             parent = span.parent_id
             if type(parent) is int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from itertools import repeat
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import Any
 
 import msgspec
@@ -55,12 +55,17 @@ def columnar_table(name: str, rows: list[Any]) -> dict[str, Any] | None:
     fields = COLUMNAR.get(name)
     if fields is None or not rows or not all(isinstance(r, msgspec.Struct) for r in rows):
         return None
+    # Column by column in C (attrgetter, map, zip): no Python frame per row. A row is the
+    # tuple of its plain fields plus the 1-tuple of its JSON text (``operator.add``).
     try:
-        values = list(map(attrgetter(*fields), rows))
-        texts = _json_encoder.encode_lines([v[-1] or {} for v in values]).decode().split("\n")
+        values = list(map(attrgetter(*fields[:-1]), rows))
+        objects = list(map(attrgetter(fields[-1]), rows))
+        if not all(objects):
+            objects = [o or {} for o in objects]
+        texts = _json_encoder.encode_lines(objects).decode().split("\n")
     except (AttributeError, TypeError, ValueError, OverflowError):
         return None
-    return {"columns": fields, "rows": [(*v[:-1], t) for v, t in zip(values, texts)]}
+    return {"columns": fields, "rows": list(map(add, values, zip(texts)))}
 
 
 def json_objects(texts: list[str]) -> bool:

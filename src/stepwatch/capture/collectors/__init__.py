@@ -29,7 +29,11 @@ def discover_accelerators(
     if torch is not None and hasattr(torch, "cuda"):
         from .torch_devices import CudaCollector, MpsCollector
 
-        if CudaCollector.usable(torch):
+        # a build without CUDA or ROCm never has a device: not asked (is_available costs an
+        # exception inside torch, every discovery, on every CPU-only rank)
+        version = getattr(torch, "version", None)
+        built = getattr(version, "cuda", True) is not None or getattr(version, "hip", None) is not None
+        if built and CudaCollector.usable(torch):
             collector = CudaCollector(torch, program_cuda_device)
             if collector.name not in known:
                 found.append(collector)

@@ -39,7 +39,8 @@ class CudaCollector:
     @staticmethod
     def usable(torch_module: Any) -> bool:
         cuda = getattr(torch_module, "cuda", None)
-        return bool(cuda is not None and cuda.is_available() and cuda.is_initialized())
+        # initialised first: the cheap question, and false on most ranks' discoveries
+        return bool(cuda is not None and cuda.is_initialized() and cuda.is_available())
 
     def read(self) -> list[Reading]:
         readings = []
