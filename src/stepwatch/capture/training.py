@@ -43,8 +43,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ..guard import Site, report_internal
-from . import step_inference as machine
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
+from .step_inference import StepHost, StepMachine
 
 __all__ = [
     "FRAMEWORK_PRIORITY", "TrainingState", "activate", "batches", "epochs", "inference", "mark",
@@ -66,14 +66,14 @@ _pre_init_marks: deque[MarkRow] = deque(maxlen=_PRE_INIT_MARKS_MAX)
 
 class _ThreadState:
     """This thread's training bookkeeping, and its span stack and ident, so that a phase reads
-    one object (the stack is the very list the recorder uses for the thread)."""
+    one object (the stack is the very list the recorder uses for the thread). Step inference's
+    own state is the thread's ``machine`` (step_inference.py)."""
 
     __slots__ = ("stack", "ident", "step", "model", "pending_fetch", "in_forward", "in_backward",
-                 "optimizer_token", "optimizer_depth", "implicit", "live", "done_ns", "holding", "held",
-                 "last_opt_end", "source", "mode", "watch", "cuts", "first_times", "eval_ids", "it_fwd",
-                 "it_bwd", "step_opts", "opt_label", "opt_nested")
+                 "optimizer_token", "optimizer_depth", "implicit", "live", "source", "step_opts", "opt_label",
+                 "opt_nested", "machine")
 
-    def __init__(self, recorder: SpanRecorder) -> None:
+    def __init__(self, recorder: SpanRecorder, host: StepHost) -> None:
         self.stack: list[OpenSpan] = recorder.thread_stack()
         self.ident = threading.get_ident()
         self.step: OpenSpan | None = None
@@ -85,26 +85,14 @@ class _ThreadState:
         self.optimizer_depth = 0  # optimizer steps nested in the open one (super().step(), wrappers)
         self.implicit = False  # the open step was opened by the patches, not by trace_step
         # The step phases accrue to: ``step`` while it runs, None once an inferred step's optimizer
-        # step returned (``done_ns`` its end; it stays open for marks) and when no step is open.
-        # The one attribute begin_phase tests before taking its slow path.
+        # step returned (it stays open for marks) and when no step is open. The one attribute
+        # begin_phase tests before taking its slow path; the machine sets it for inferred steps.
         self.live: OpenSpan | None = None
-        self.done_ns = 0
-        # The step machine (step_inference.py): closed phases held back until it is known whose
-        # they are, the mode learned from the loop, the iterations of a step that may be split.
-        self.holding = False
-        self.held: list[OpenSpan] = []
-        self.last_opt_end = 0  # end of the last inferred step, where a DataLoader-less step starts
         self.source: tuple[Any, int] | None = None  # (loader, pass start ns) of the last fetch
-        self.mode = machine.UNKNOWN
-        self.watch = False  # begin_phase takes the slow path even in a running step
-        self.cuts: list[int] = []  # starts of the held iterations of the open step (UNKNOWN mode)
-        self.first_times: dict[str, int] | None = None  # the open step's times before its held iterations
-        self.eval_ids: set[int] = set()  # held forwards that ran with gradients off
-        self.it_fwd = 0  # the current iteration's forwards: 0 none, 1 gradients off only, 2 with gradients
-        self.it_bwd = False
         self.step_opts: dict[str, int] = {}  # optimizer label -> its own ns in the open step
         self.opt_label = ""
         self.opt_nested = 0  # ns of phases nested in the open optimizer step (its closure)
+        self.machine = StepMachine(host, self)
 
 
 class _PerThread(threading.local):
@@ -112,8 +100,8 @@ class _PerThread(threading.local):
     call and then plain slots: a thread-local attribute costs ~38 ns to read and ~49 to write
     against ~9 for a slot (timeit), and a step reads and writes the bookkeeping ~80 times."""
 
-    def __init__(self, recorder: SpanRecorder, states: dict[int, _ThreadState]) -> None:
-        self.me = _ThreadState(recorder)
+    def __init__(self, recorder: SpanRecorder, states: dict[int, _ThreadState], host: StepHost) -> None:
+        self.me = _ThreadState(recorder, host)
         states[self.me.ident] = self.me  # for the sampler's view of the current phase (controls.py)
 
 
@@ -129,7 +117,7 @@ class TrainingState:
         self.blob_uri = blob_uri
         self.on_step = on_step
         self.thread_states: dict[int, _ThreadState] = {}  # each thread's, by ident: read by the sampler
-        self.threads = _PerThread(recorder, self.thread_states)
+        self.threads = _PerThread(recorder, self.thread_states, self)
         # What the hot paths below take from the recorder, held here: one attribute read each.
         self._new_id = recorder.new_id
         self._push = recorder.closed.push  # with _tally: SpanTable.append, inline
@@ -193,9 +181,10 @@ class TrainingState:
         closes, splits or takes the phase (``step_inference``).
         """
         now = _time_ns()
-        slow = local.live is None or local.watch
+        machine = local.machine
+        slow = local.live is None or machine.watch
         if slow:
-            machine.before_phase(self, local, name, now)
+            machine.phase(name, now)
         stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
@@ -203,8 +192,8 @@ class TrainingState:
         span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, now, None,
                         local.ident)
         stack.append(span)
-        if slow and name == "forward" and local.step is not None and not self.grad_enabled():
-            local.eval_ids.add(span.id)  # evaluation work, if it comes between training steps
+        if slow and name == "forward":
+            machine.forward_opened(span)  # evaluation work, if it comes between training steps
         if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
         return span
@@ -228,10 +217,7 @@ class TrainingState:
                 label = self.optimizer_labels[id(optimizer)] = f"{type(optimizer).__name__}#{len(self.optimizer_labels)}"
             local.opt_label = label
             local.opt_nested = 0
-            if local.step is not None and local.implicit and self.auto_steps and not self.owners:
-                machine.before_optimizer(self, local, label)
-            elif local.step is None:
-                local.mode = machine.OPTIMIZER
+            local.machine.optimizer(label)
             local.optimizer_token = self.phase_begin(local, "optimizer_step")
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.PATCH_OPTIMIZER)
@@ -252,11 +238,7 @@ class TrainingState:
     def settle(self) -> None:
         """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
         closes (a scope must not nest in it) and held phases are resolved."""
-        local = self.threads.me
-        if local.step is not None and local.live is None and local.implicit:
-            machine.resolve_done(self, local, reopen=False)
-        elif local.held and local.step is None:
-            machine.flush_held(self, local)
+        self.threads.me.machine.settle()
 
     def end_phase(self, span: OpenSpan | None) -> None:
         """Closes a phase ``begin_phase`` opened (None: it opened none)."""
@@ -274,8 +256,9 @@ class TrainingState:
             stack.pop()
             span.closed = True
             span.end_ns = end_ns
-            if local.holding and span.name in _NO_PHASE_TIME:
-                local.held.append(span)  # spooled once the machine knows its step
+            machine = local.machine
+            if machine.holding and span.name in _NO_PHASE_TIME:
+                machine.held.append(span)  # spooled once the machine knows its step
             else:
                 self._push(span)
                 self._tally()
@@ -296,31 +279,22 @@ class TrainingState:
                     opts = local.step_opts
                     opts[local.opt_label] = opts.get(local.opt_label, 0) + duration - local.opt_nested
                     local.opt_nested = 0
-                    if local.implicit:
-                        # The inferred step ends here but stays open for the marks made after
-                        # optimizer.step(); the next event decides what follows (step_inference).
-                        # It is done: numbered and reported now (heartbeat, step ledger), not when
-                        # it closes, which a killed rank may never reach.
-                        local.live = None
-                        local.done_ns = step.end_ns = end_ns
-                        if step.index is None:
-                            step.index = next(self.steps)
-                        if self.on_step is not None:
-                            self.on_step(step.index + 1, step)
+                    if local.implicit:  # RUNNING -> DONE (step_inference)
+                        local.machine.optimizer_done(step, end_ns)
 
     def record_fetch(self, start_ns: int, end_ns: int, source: Any = None) -> None:
         """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
         held for the next step to adopt."""
         local = self.threads.me
         local.source = source
-        local.last_opt_end = 0
         step = local.step
+        machine = local.machine
         if step is not None:
-            if not local.implicit or machine.on_fetch(self, local, start_ns, end_ns):
+            if not local.implicit or machine.fetch(start_ns):
                 self._data_load_span(start_ns, end_ns)
                 return
-        elif local.held:
-            machine.flush_held(self, local)
+        elif machine.held:
+            machine.flush()
         if local.pending_fetch is not None:  # never adopted (no phase after it): keep it where it ran
             self._data_load_span(*local.pending_fetch[:2])
         local.pending_fetch = (start_ns, end_ns, source)
@@ -328,7 +302,7 @@ class TrainingState:
     def end_inferred_step(self, end_ns: int | None = None) -> None:
         """Closes an inferred step open on this thread: when its loader is exhausted (not at the
         next epoch's fetch) and at epoch boundaries (it must not enclose, then close, an epoch)."""
-        machine.close_inferred(self, self.threads.me, end_ns)
+        self.threads.me.machine.close(end_ns)
 
     # -- automatic epochs (passes over the training DataLoader) ------------------------------
 
@@ -346,7 +320,6 @@ class TrainingState:
         if train is None or not self.auto_epochs or self.owners or train() is not source[0]:
             return
         self.end_inferred_step()
-        local.last_opt_end = 0
         self._close_auto_epoch(source[1])
 
     def end_pass(self, source: tuple[Any, int], end_ns: int) -> None:
@@ -401,8 +374,9 @@ class TrainingState:
         else:
             span = OpenSpan(self._new_id(), "data_load", stack[-1].id if stack else self._session_id, None,
                             start_ns, None, local.ident, closed=True, end_ns=end_ns)
-            if local.holding:
-                local.held.append(span)
+            machine = local.machine
+            if machine.holding:
+                machine.held.append(span)
             else:
                 self._push(span)
                 self._tally()
@@ -420,11 +394,7 @@ class TrainingState:
             local = self.threads.me
         if not implicit:
             self.auto_steps = False  # the program marks its own steps from now on
-            if local.step is not None and local.implicit:
-                machine.close_inferred(self, local)
-            if local.held:
-                machine.flush_held(self, local)
-            local.watch = False
+            local.machine.take_over()
             if local.step_opts:
                 local.step_opts = {}
         fetch = local.pending_fetch
@@ -441,6 +411,8 @@ class TrainingState:
         local.step = local.live = span
         local.model = model
         local.implicit = implicit
+        if implicit:
+            local.machine.opened()
         if fetch is not None:  # the adopted fetch: the step's data_load child (what _data_load_span does)
             start_ns, end_ns = fetch[0], fetch[1]
             if len(stack) >= self._max_depth:
@@ -460,9 +432,10 @@ class TrainingState:
             return
         implicit = local.implicit
         reported = False
-        if local.done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
-            end_ns = local.last_opt_end = local.done_ns
-            local.done_ns = 0
+        if implicit:
+            done_ns = local.machine.closed()
+            if done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
+                end_ns = done_ns
         end_ns = end_ns or _time_ns()
         local.step = local.model = local.live = None
         if implicit:
@@ -507,7 +480,7 @@ class TrainingState:
         if step is not None and not local.implicit:
             step.attrs = {**(step.attrs or {}), "unclosed": True}
             self.close_step(step, None)
-        machine.close_inferred(self, local)
+        local.machine.interrupt()  # a step cut short closes as what it was (step_inference)
         fetch = local.pending_fetch
         if fetch is not None:
             local.pending_fetch = None
@@ -521,7 +494,6 @@ class TrainingState:
     def open_epoch(self, index: int) -> OpenSpan | None:
         """An epoch of ``stepwatch.epochs()`` or a framework: automatic epochs stop here."""
         self.end_inferred_step()
-        self.threads.me.last_opt_end = 0
         self.auto_epochs = False
         self._close_auto_epoch()
         if self.epoch is not None and not self.epoch.closed:
