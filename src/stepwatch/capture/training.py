@@ -71,7 +71,7 @@ class _ThreadState:
 
     __slots__ = ("stack", "ident", "step", "model", "pending_fetch", "in_forward", "in_backward",
                  "optimizer_token", "optimizer_depth", "implicit", "live", "source", "step_opts", "opt_label",
-                 "opt_nested", "machine")
+                 "opt_nested", "ended_pass", "machine")
 
     def __init__(self, recorder: SpanRecorder, host: StepHost) -> None:
         self.stack: list[OpenSpan] = recorder.thread_stack()
@@ -92,6 +92,9 @@ class _ThreadState:
         self.step_opts: dict[str, int] = {}  # optimizer label -> its own ns in the open step
         self.opt_label = ""
         self.opt_nested = 0  # ns of phases nested in the open optimizer step (its closure)
+        # A loader pass exhausted whose end is not yet applied: (its source, end ns, the open
+        # step's phase time then). See TrainingState.end_pass.
+        self.ended_pass: tuple[tuple[Any, int], int, int] | None = None
         self.machine = StepMachine(host, self)
 
 
@@ -238,7 +241,10 @@ class TrainingState:
     def settle(self) -> None:
         """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
         closes (a scope must not nest in it) and held phases are resolved."""
-        self.threads.me.machine.settle()
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
+        local.machine.settle()
 
     def end_phase(self, span: OpenSpan | None) -> None:
         """Closes a phase ``begin_phase`` opened (None: it opened none)."""
@@ -286,6 +292,8 @@ class TrainingState:
         """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
         held for the next step to adopt."""
         local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         local.source = source
         step = local.step
         machine = local.machine
@@ -312,6 +320,8 @@ class TrainingState:
         A pass over the training loader ends the epoch open; the next opens at this pass's first
         training step, so a pass abandoned after a fetch or two is no epoch."""
         local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         fetch = local.pending_fetch
         if fetch is not None and fetch[2] is not source:
             local.pending_fetch = None
@@ -323,10 +333,32 @@ class TrainingState:
         self._close_auto_epoch(source[1])
 
     def end_pass(self, source: tuple[Any, int], end_ns: int) -> None:
-        """A DataLoader pass is exhausted: the inferred step closes, and the epoch if this pass is one."""
-        self.end_inferred_step(end_ns)
+        """A DataLoader pass is exhausted. The inferred step in it closes, and the epoch if this
+        pass is one, at the next event (a pass, a fetch, a scope, an epoch, shutdown): a loader
+        that reads one batch ahead (Accelerate's ``DataLoaderShard`` iterating a ``DataLoader``
+        inside its own) exhausts it before its last batch is trained on, and that batch still
+        belongs to the step and the epoch (one step per update, one epoch per pass)."""
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
+        times = local.step.phase_ns if local.step is not None else None
+        local.ended_pass = (source, end_ns, sum(times.values()) if times else 0)
+
+    def _settle_pass(self, local: _ThreadState) -> None:
+        """Applies the end of the pass ``end_pass`` saw: its inferred step closes (at the pass's end
+        unless phases ran since) and its epoch, once that step is over."""
+        ended = local.ended_pass
+        assert ended is not None
+        local.ended_pass = None
+        source, end_ns, work = ended
+        step = local.step
+        times = step.phase_ns if step is not None else None
+        moved = bool(times) and sum(times.values()) != work  # type: ignore[union-attr]
+        local.machine.close(None if moved else end_ns)
         train = self.train_loader
         if train is not None and self.epoch_is_auto and train() is source[0]:
+            if step is not None and step.closed and step.end_ns > end_ns:
+                end_ns = step.end_ns
             self._close_auto_epoch(end_ns)
 
     def _close_auto_epoch(self, end_ns: int | None = None) -> None:
@@ -476,6 +508,8 @@ class TrainingState:
         breakdown; one that ``trace_step`` opened (cut by SIGTERM or exit) is flagged unclosed.
         An automatic epoch ends here (a loop that stopped before its loader was exhausted)."""
         local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         step = local.step
         if step is not None and not local.implicit:
             step.attrs = {**(step.attrs or {}), "unclosed": True}
@@ -488,11 +522,17 @@ class TrainingState:
         self._close_auto_epoch()
 
     def close_epoch(self, span: OpenSpan) -> None:
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         self.end_inferred_step()  # closed as a step with its breakdown, not as an "unclosed" child
         self.recorder.close(span)
 
     def open_epoch(self, index: int) -> OpenSpan | None:
         """An epoch of ``stepwatch.epochs()`` or a framework: automatic epochs stop here."""
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         self.end_inferred_step()
         self.auto_epochs = False
         self._close_auto_epoch()
