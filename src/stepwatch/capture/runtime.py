@@ -1,6 +1,13 @@
 """The per-process runtime: one background thread samples collectors and drains the bounded
 tables into the run directory (telemetry sink, heartbeat file, bundles).
 
+``Runtime`` holds the rank's identity and wires parts with one job each: the ``TrainingState``
+(steps and phases, capture/training.py), the ``Sampler`` (the background thread and how it gives
+way to ``stop``, capture/sampler.py), the ``SpoolSealer`` (spans, marks and snapshots to the
+spool, capture/spool_seal.py) and the ``HaltController`` (the coherent halt,
+capture/halt_control.py). What is left here: opening the rank's artifacts, the tick that drives
+the parts, the rows drained into the sink and heartbeat, and stop.
+
 Threads: the training thread only appends to ``BoundedTable``s (phases, progress, errors).
 The sampler thread owns the sink and the heartbeat writer; ``stop`` joins it first and only
 then writes the last records itself. Every failure inside is logged once and swallowed.
@@ -19,7 +26,6 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections import deque
@@ -39,24 +45,22 @@ from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_sessio
 from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
 from .controls import (
-    HALT_FILENAME,
     MEMORY_SNAPSHOT_FILENAME,
-    Halt,
     RequestFile,
     answer_memory_snapshot,
     current_phase,
-    halt_exit_code,
     memory_history_from_env,
-    read_halt_request,
     read_snapshot_request,
     record_memory_history,
     register_stack_signal,
-    training_thread,
 )
 from .events import EventFactory
+from .halt_control import HaltController
 from .identity import DistributedIdentity, resolve_distributed_identity
 from .phases import PhaseScopes
+from .sampler import Sampler
 from .spans import OpenSpan, SpanRecorder
+from .spool_seal import SpoolSealer
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
 
@@ -220,27 +224,17 @@ class Runtime:
         self.exporter: Any = None
         self.patches: Any = None
         self.sender: Any = None
+        self.sealer: SpoolSealer | None = None  # with the artifacts (_open)
         self._wire: dict[str, list[Any]] = {"telemetry": [], "spans": [], "marks": [], "snapshots": [], "heartbeat": []}
-        self._shipped_spans: list[Any] = []  # sent to the aggregator ahead of the next spool seal
-        self._shipped_marks: list[Any] = []
-        self.spool_write_lost = 0
         self._next_seal = time.monotonic() + config.spool_interval
         self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
         self.step = 0
         self.sink_dropped = 0
-        self._stop = threading.Event()
-        # Held for each tick and for the final drain: the last records are never written by two
-        # threads at once, and the sink is never closed under a tick still appending.
-        self._tick_lock = threading.RLock()
         self._stopped = False
-        # A stop that could not get the tick lock before its deadline is handed to the sampler,
-        # which runs it when its tick returns (``_handoff_lock`` orders the two sides).
-        self._handoff_lock = threading.Lock()
-        self._handoff: tuple[SessionStatus, float, int | None] | None = None  # status, timeout, exit code
-        self._loop_done = False
+        self.sampler = Sampler(period=min(config.interval, config.heartbeat_interval, 1.0),
+                               backlog_wait=_BACKLOG_WAIT_S, tick=self.tick, finish=self._finish_handed_off)
         self.dropped_at_stop: dict[str, int] = {"phases": 0, "progress": 0}
         self.rows_unwritable = 0  # rows whose record could not be built or encoded (counted, never raised)
-        self._backlog = False
         self._next_sample = 0.0
         self._next_heartbeat = 0.0
         # The first tick looks right away: a device the program set up before init() (or early
@@ -255,14 +249,11 @@ class Runtime:
         self.failures: list[dict[str, Any]] = []
         self._ended_with_launcher = False  # set at stop (_launcher_ending)
         # Requests from outside (capture/controls.py, docs/halt.md, docs/stacks.md): read by the
-        # sampler; the training thread sees a halt only through ``training.on_step`` once one is asked.
-        self.halt: Any = None  # the HaltRequest this rank follows
-        self.halt_step: int | None = None  # set (on the training thread) once the target step completed
-        self._halt_said = False
-        self._halt_late = False
-        self._halt_thread: int | None = None
-        self._halt_left = False  # the caller stops the loop its own way: no trap (leave_halt_to_caller)
-        self._halt_file: RequestFile | None = None
+        # sampler; the training thread sees a halt only at a step once one is asked for.
+        self.halts = HaltController(
+            self.training, session_id=self.session_id, rank=lambda: self.identity.rank,
+            say=lambda msg, **fields: self._heartbeat_write(self._heartbeat(msg, **fields)),
+            ended=self._write_rank_end, current_step=lambda: self.step)
         self._snapshot_file: RequestFile | None = None
         self._snapshot_answered: str | None = None
         self._stack_signal: tuple[int, str] | None = None
@@ -287,8 +278,7 @@ class Runtime:
             # under ``stepwatch run``: die with whoever started this rank (the launcher, or
             # torchrun, whose own parent-death signal comes from the launcher)
             die_with_parent(signal.SIGTERM)
-        self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
-        self._thread.start()
+        self.sampler.start()
 
     def _open(self, identity: DistributedIdentity, *, suffix: str = "", process: dict[str, Any] | None = None) -> None:
         """Opens this process's artifacts under ``identity``'s rank (``suffix`` keeps the files of a
@@ -338,7 +328,10 @@ class Runtime:
         name = f"rank{rank}{suffix}"
         with guarded:
             self._stack_signal = register_stack_signal(self.run_dir, name)
-        self._halt_file = RequestFile(self.run_dir / HALT_FILENAME)
+        self.halts.watch(self.run_dir)
+        self.sealer = SpoolSealer(self.spans, self.snapshot_rows, self.spool, self.run_dir,
+                                  gpu_timer=lambda: self.training.gpu_timer,
+                                  wire=self._wire_rows if self.sender is not None else None, exporter=self.exporter)
         self._snapshot_file = RequestFile(self.run_dir / MEMORY_SNAPSHOT_FILENAME)
         self._name = name
         # First sample now, so every later record carries real counters.
@@ -365,7 +358,7 @@ class Runtime:
         child = self.child
         if child is None or self.opened or self._stopped:
             return
-        with self._tick_lock:
+        with self.sampler.lock:
             if self.opened or self._stopped:
                 return
             from .children import settle_identity
@@ -447,7 +440,7 @@ class Runtime:
         if self._ended_with_launcher:  # stopped because ``stepwatch run`` died: every record says killed
             return "killed"
         outcome = rank_outcome(self.failures)
-        return "halted" if outcome == "exited" and self.halt_step is not None else outcome
+        return "halted" if outcome == "exited" and self.halts.step is not None else outcome
 
     def _write_rank_end(self) -> None:
         with guarded:
@@ -455,29 +448,10 @@ class Runtime:
                 "schema_version": 1, "session_id": self.session_id, "rank": self.identity.rank,
                 "local_rank": self.identity.local_rank, "world_size": self.identity.world_size, "pid": self.pid,
                 "host": self.host, "outcome": self.outcome(), "errors": list(self.failures),
-                "ended_at_ns": time.time_ns(), **({"halt": self.halt_record()} if self.halt_step is not None else {}),
+                "ended_at_ns": time.time_ns(), **({"halt": self.halts.record()} if self.halts.step is not None else {}),
             })
 
     # -- background thread ---------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        # wake for whichever comes first: a sample, a heartbeat, or the once-a-second flush;
-        # sooner while the tables hold a backlog
-        period = min(self.config.interval, self.config.heartbeat_interval, 1.0)
-        backlog_wait = min(period, _BACKLOG_WAIT_S)
-        while not self._stop.wait(backlog_wait if self._backlog else period):
-            with self._tick_lock:
-                if self._stop.is_set():
-                    break
-                with guarded:
-                    self.tick()
-        with self._handoff_lock:
-            self._loop_done = True
-            handoff = self._handoff
-        if handoff is not None:  # stop gave up waiting for this thread: finish its work here
-            status, timeout, exit_code = handoff
-            with self._tick_lock, guarded:
-                self._stop_locked(status, timeout, exit_code, time.monotonic() + timeout)
 
     def tick(self) -> None:
         if not self.opened:  # a child whose identity is pending: nothing to write yet
@@ -490,7 +464,7 @@ class Runtime:
             ledger.alive(int(now * 1e9))
         mono = time.monotonic()
         quarter = self.phase_rows.maxlen // 4
-        self._backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
+        self.sampler.backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
         if mono >= self._next_discovery:
             self._next_discovery = mono + _DISCOVER_EVERY_S
             known = {h.collector.name for h in self.collectors}
@@ -505,11 +479,12 @@ class Runtime:
             self._sample(now)
         if not self._drain():
             return  # stop is waiting: it writes the rest and closes the files
-        if mono >= self._next_seal:
+        sealer = self.sealer
+        if sealer is not None and mono >= self._next_seal:
             self._next_seal = mono + self.config.spool_interval
-            self._seal_spool()
-        elif self.sender is not None:
-            self._ship_spans_early()
+            sealer.seal()
+        elif sealer is not None:
+            sealer.ship_early()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
             record = self._heartbeat("heartbeat", **self._phase_fields())
@@ -597,6 +572,9 @@ class Runtime:
         if self.sender is not None:
             self._wire["heartbeat"].append(record)
 
+    def _wire_rows(self, kind: str, rows: list[Any]) -> None:
+        self._wire[kind].extend(rows)
+
     def _ship(self) -> None:
         """Sends the rows new since the last tick to the aggregator (when there is one)."""
         if self.sender is None:
@@ -673,6 +651,9 @@ class Runtime:
 
     def _on_step(self, step: int, span: OpenSpan | None = None) -> None:
         self.step = step
+        halts = self.halts
+        if halts.target is not None:  # a halt waits for its step (one attribute read until then)
+            halts.step_done(step)
         write = self._ledger_write
         if write is not None and span is not None:
             try:
@@ -683,100 +664,29 @@ class Runtime:
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
             self._note_program_device()
 
-    # -- coherent halt (docs/halt.md) --------------------------------------------------------------
+    # -- coherent halt (docs/halt.md): the HaltController's, as integrations and api.py ask ------
 
-    def _on_step_halting(self, step: int, span: OpenSpan | None = None) -> None:
-        """``_on_step`` while a halt is pending: installed by the sampler when it reads ``.HALT``,
-        so no step pays for the check before one is asked for."""
-        self._on_step(step, span)
-        halt = self.halt
-        if halt is not None and step >= halt.target_step:
-            self._reach_halt(step, threading.get_ident())
+    @property
+    def halt(self) -> Any:
+        """The ``HaltRequest`` this rank follows (None: none)."""
+        return self.halts.request
 
-    def _reach_halt(self, step: int, thread: int | None) -> None:
-        """The target step is done: ``halt_requested()`` is true from now on, and the training
-        thread's next phase or step raises ``Halt`` (the loop's own check after
-        ``optimizer.step()`` comes first). Both traps shadow ``TrainingState`` methods on this
-        instance: nothing is checked on any step before."""
-        if self.halt_step is not None:
-            return
-        self.halt_step = step
-        self._halt_thread = thread
-        if self.training.on_step == self._on_step_halting:
-            self.training.on_step = self._on_step
-        # every phase opens through phase_begin (TrainingState.begin_phase calls it too)
-        self.training.phase_begin = self._halt_at_phase_begin  # type: ignore[method-assign]
-        self.training.open_step = self._halt_at_step  # type: ignore[method-assign]
-        if self._halt_left:  # the training thread left it to its framework while the sampler got here
-            self.leave_halt_to_caller()
-        self._write_rank_end()
-
-    def _halt_at_phase_begin(self, local: Any, name: str, timed: bool = True) -> OpenSpan | None:
-        if self._halt_thread not in (None, threading.get_ident()):
-            return TrainingState.phase_begin(self.training, local, name, timed)
-        self.raise_halt()
-        return None  # pragma: no cover
-
-    def _halt_at_step(self, *args: Any, **kwargs: Any) -> OpenSpan | None:
-        if self._halt_thread not in (None, threading.get_ident()):
-            return TrainingState.open_step(self.training, *args, **kwargs)
-        self.raise_halt()
-        return None  # pragma: no cover
-
-    def halt_reached_here(self) -> bool:
-        """The halt's step is done, and this is the thread it stops (any thread for a late halt)."""
-        return self.halt_step is not None and self._halt_thread in (None, threading.get_ident())
-
-    def leave_halt_to_caller(self) -> None:
-        """The halt's step is done and the caller stops the loop its own way (a framework's stop
-        flag): no ``Halt`` is raised at the next phase. The rank's outcome stays ``halted``."""
-        self._halt_left = True
-        self._disarm_halt()
-
-    def _disarm_halt(self) -> None:
-        self.training.__dict__.pop("phase_begin", None)
-        self.training.__dict__.pop("open_step", None)
-
-    def raise_halt(self) -> None:
-        """Raises ``Halt`` for the step reached (once: a program that catches it goes on)."""
-        self._disarm_halt()
-        halt = self.halt
-        raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
+    @property
+    def halt_step(self) -> int | None:
+        """The step this rank halted at, once the target step completed (None: not halted)."""
+        return self.halts.step
 
     def halt_record(self) -> dict[str, Any] | None:
-        """The rank's halt, for its end file and run.json (None: not halted)."""
-        halt = self.halt
-        if self.halt_step is None or halt is None:
-            return None
-        return {"kind": "halt", "rank": self.identity.rank, "type": "Halt", "step": self.halt_step,
-                "target_step": halt.target_step, "late": self._halt_late, "reason": halt.reason,
-                "requested_at": halt.requested_at, "by": halt.by, "fatal": False,
-                "message": f"halted at step {self.halt_step} on request: {halt.reason}",
-                "traceback": None, "at_ns": time.time_ns()}
+        return self.halts.record()
 
-    def _poll_halt(self) -> None:
-        """Sampler: a new or changed ``.HALT`` for this session arms the halt."""
-        if self._halt_file is None or self.halt_step is not None:
-            return
-        data = self._halt_file.poll()
-        if data is None:
-            if not self._halt_file.present and self.halt is not None:  # .HALT removed in time: cancelled
-                self.halt = None
-                if self.training.on_step == self._on_step_halting:
-                    self.training.on_step = self._on_step
-                self._heartbeat_write(self._heartbeat("halt_cancelled"))
-            return
-        request = read_halt_request(data, self.run_dir / HALT_FILENAME, self.session_id)
-        if request is None:
-            return
-        self.halt = request
-        if self.step >= request.target_step:  # seen too late: stop at the next boundary, and say so
-            self._halt_late = True
-            self._reach_halt(self.step, training_thread(self.training))
-        elif self.training.on_step == self._on_step:
-            self.training.on_step = self._on_step_halting
-        self._heartbeat_write(self._heartbeat("halt_requested", target_step=request.target_step,
-                                              reason=request.reason, late=self._halt_late or None))
+    def halt_reached_here(self) -> bool:
+        return self.halts.reached_here()
+
+    def leave_halt_to_caller(self) -> None:
+        self.halts.leave_to_caller()
+
+    def raise_halt(self) -> None:
+        self.halts.raise_halt()
 
     def _poll_memory_snapshot(self) -> None:
         """Sampler: answers a new ``.MEMORY_SNAPSHOT`` request once."""
@@ -796,12 +706,7 @@ class Runtime:
 
     def _poll_controls(self, mono: float) -> None:
         with guarded:
-            self._poll_halt()
-        if self.halt_step is not None and not self._halt_said:
-            self._halt_said = True
-            with guarded:
-                self._heartbeat_write(self._heartbeat("halt", step=self.halt_step, target_step=self.halt.target_step,
-                                                      reason=self.halt.reason))
+            self.halts.poll()
         with guarded:
             self._poll_memory_snapshot()
         if self._want_memory_history and not self._memory_history and mono >= self._next_history_try:
@@ -838,53 +743,6 @@ class Runtime:
     def _snapshot_sink(self, records: list[dict[str, Any]], job: Any) -> None:
         self.snapshot_rows.append((records, job))
 
-    def _ship_spans_early(self) -> None:
-        """Between spool seals the aggregator still gets closed spans and marks at every tick, so
-        they are in the history within about a second; the next spool batch holds them too."""
-        spans = self.spans.span_records(self.training.gpu_timer, final=False)
-        marks = self.spans.mark_records()
-        self._shipped_spans.extend(spans)
-        self._shipped_marks.extend(marks)
-        self._wire["spans"].extend(spans)
-        self._wire["marks"].extend(marks)
-
-    def _seal_spool(self, final: bool = False) -> None:
-        """Writes closed spans (those whose GPU time is resolved), marks and snapshots as a batch."""
-        # Records (msgspec Structs) are built here, on this thread, by the recorder (spans.py).
-        fresh_spans: list[Any] = self.spans.span_records(self.training.gpu_timer, final=final)
-        fresh_marks: list[Any] = self.spans.mark_records()
-        spans = self._shipped_spans + fresh_spans
-        marks = self._shipped_marks + fresh_marks
-        self._shipped_spans, self._shipped_marks = [], []
-        snapshots: list[dict[str, Any]] = []
-        for records, job in self.snapshot_rows.drain():
-            snapshots.extend(records)
-            if job is not None:
-                from .snapshots import write_blobs
-
-                with guarded:
-                    write_blobs(job, self.run_dir / "snapshots" / job.span_id)
-        if self.sender is not None:
-            self._wire["spans"].extend(fresh_spans)
-            self._wire["marks"].extend(fresh_marks)
-            self._wire["snapshots"].extend(snapshots)
-        roots: list[Any] = []
-        if final:
-            # The session span gets a batch of its own, written last: a final batch over the byte
-            # cap is split and its older pieces evicted, and that must not take the span that
-            # everything else hangs under.
-            roots = [span for span in spans if span.parent_id is None]
-            spans = [span for span in spans if span.parent_id is not None]
-        try:
-            paths = self.spool.write(spans, marks, snapshots)
-            paths += self.spool.write(roots, [], [])
-        except OSError as exc:  # full or vanished disk: the batch is lost, and counted as such
-            self.spool_write_lost += len(spans) + len(roots) + len(marks) + len(snapshots)
-            report_internal(exc, Site.SPOOL_WRITE)
-            return
-        for path in paths:
-            if self.exporter is not None:
-                self.exporter.submit(path)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -899,12 +757,8 @@ class Runtime:
             "sink_records_dropped": self.sink_dropped,
             "span_rows_evicted": self.spans.closed.evicted,
             "mark_rows_evicted": self.spans.marks.evicted,
-            "snapshot_rows_evicted": self.snapshot_rows.evicted,
             "spans_over_depth_cap": self.spans.depth_dropped,
-            "spool_batches_evicted": self.spool.evicted_batches,
-            "spool_records_evicted": self.spool.evicted_records,
-            "spool_records_dropped": self.spool.dropped_records,
-            "spool_records_lost_to_write_errors": self.spool_write_lost,
+            **(self.sealer.drops() if self.sealer is not None else {}),
             "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
             "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
             "gpu_timing_record_failed": getattr(self.training.gpu_timer, "record_failed", 0),
@@ -924,22 +778,19 @@ class Runtime:
             return
         self._stopped = True
         deadline = time.monotonic() + max(0.0, float(timeout))
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        # The sampler gives way between chunks, so this wait is short unless a write blocks.
-        if not self._tick_lock.acquire(timeout=max(0.01, deadline - time.monotonic())):
-            with self._handoff_lock:
-                if not self._loop_done:
-                    self._handoff = (status, max(0.0, float(timeout)), exit_code)
-                    report_internal(TimeoutError(f"sampler busy past the {timeout} s stop deadline; "
-                                                 "it closes the session when its write returns"), Site.STOP_HANDOFF)
-                    return
-            self._tick_lock.acquire()  # the sampler has left its loop: the lock is free now
+        if not self.sampler.stop(deadline, (status, max(0.0, float(timeout)), exit_code), now=time.monotonic):
+            report_internal(TimeoutError(f"sampler busy past the {timeout} s stop deadline; "
+                                         "it closes the session when its write returns"), Site.STOP_HANDOFF)
+            return
         try:
             self._stop_locked(status, timeout, exit_code, deadline)
         finally:
-            self._tick_lock.release()
+            self.sampler.lock.release()
+
+    def _finish_handed_off(self, handoff: tuple[SessionStatus, float, int | None]) -> None:
+        """A stop the sampler runs, when ``stop`` could not wait for its tick."""
+        status, timeout, exit_code = handoff
+        self._stop_locked(status, timeout, exit_code, time.monotonic() + timeout)
 
     def _launcher_ending(self, status: SessionStatus) -> tuple[SessionStatus, dict[str, Any]]:
         """A stop because ``stepwatch run`` died (``kill -9``, its terminal closed): the kernel's
@@ -970,7 +821,8 @@ class Runtime:
             self.spans.close_all()
             if self.training.gpu_timer is not None:  # the last steps' GPU time, not dropped
                 self.training.gpu_timer.settle(min(1.0, max(0.0, deadline - time.monotonic())))
-            self._seal_spool(final=True)
+            if self.sealer is not None:
+                self.sealer.seal(final=True)
         if self.exporter is not None:
             with guarded:
                 self.exporter.close(timeout)
@@ -999,7 +851,7 @@ class Runtime:
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
                 manifest.outcome = self.outcome()
-                manifest.error = next((e for e in self.failures if e.get("fatal")), None) or self.halt_record()
+                manifest.error = next((e for e in self.failures if e.get("fatal")), None) or self.halts.record()
                 manifest.errors = list(self.failures)
                 if ending:
                     manifest.extra.update(ending)

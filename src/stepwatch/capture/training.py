@@ -147,6 +147,11 @@ class TrainingState:
         self.train_loader: Callable[[], Any] | None = None  # a weakref to it, once known
         self.grad_enabled: Callable[[], bool] = lambda: True  # torch.is_grad_enabled, from the patches
         self.optimizer_labels: dict[int, str] = {}  # id(optimizer) -> "<class>#<order first stepped>"
+        # The one way to stop the training code from outside (docs/halt.md): when set, it is called
+        # on the calling thread before every phase and every step opens, and may raise into the
+        # training code (``Halt``, the only thing stepwatch raises there, and only on request).
+        # None costs the hot path one attribute read. Set and cleared by its owner (halt_control.py).
+        self.trap: Callable[[], None] | None = None
 
     @property
     def local(self) -> _ThreadState:
@@ -183,6 +188,9 @@ class TrainingState:
         while its iterations are watched) the step machine decides first whether a step opens,
         closes, splits or takes the phase (``step_inference``).
         """
+        trap = self.trap
+        if trap is not None:
+            trap()
         now = _time_ns()
         machine = local.machine
         slow = local.live is None or machine.watch
@@ -422,6 +430,9 @@ class TrainingState:
                   start_ns: int | None = None, local: _ThreadState | None = None) -> OpenSpan | None:
         """Opens a step on the calling thread (``local``: its bookkeeping, when the caller has
         read it already)."""
+        trap = self.trap
+        if trap is not None:
+            trap()
         if local is None:
             local = self.threads.me
         if not implicit:
