@@ -255,7 +255,7 @@ def test_memory_history_on_a_cpu_only_process_is_a_no_op(tmp_path: Path) -> None
     reset_swallowed()
     runtime = stepwatch.init(out=tmp_path / "run", memory_history=True, handle_signals=False, capture_oom=False)
     try:
-        assert runtime._want_memory_history and not runtime._memory_history  # type: ignore[union-attr]
+        assert runtime.memory.wanted and not runtime.memory.history  # type: ignore[union-attr]
     finally:
         stepwatch.shutdown()
     assert swallowed() == {}

@@ -1,12 +1,21 @@
 """The per-process runtime: one background thread samples collectors and drains the bounded
 tables into the run directory (telemetry sink, heartbeat file, bundles).
 
-``Runtime`` holds the rank's identity and wires parts with one job each: the ``TrainingState``
-(steps and phases, capture/training.py), the ``Sampler`` (the background thread and how it gives
-way to ``stop``, capture/sampler.py), the ``SpoolSealer`` (spans, marks and snapshots to the
-spool, capture/spool_seal.py) and the ``HaltController`` (the coherent halt,
-capture/halt_control.py). What is left here: opening the rank's artifacts, the tick that drives
-the parts, the rows drained into the sink and heartbeat, and stop.
+``Runtime`` holds the rank's identity (session, run directory, rank) and wires parts that have
+one job each:
+
+* ``TrainingState`` (training.py): steps, phases and epochs of the training thread;
+* ``open_rank_artifacts`` (rank_artifacts.py): the files and connections the rank opens;
+* ``RankOutputs`` (rank_outputs.py): where records go (sink, heartbeat file, aggregator);
+* ``TableDrain`` (table_drain.py): the training thread's tables into those outputs;
+* ``DeviceSampling`` (device_sampling.py): the collectors, sampled each interval;
+* ``SpoolSealer`` (spool_seal.py): spans, marks and snapshots into spool batches;
+* ``HaltController`` (halt_control.py) and ``MemoryRequests`` (memory_requests.py): what the
+  rank is asked from outside;
+* ``Sampler`` (sampler.py): the background thread, and how it gives way to ``stop``.
+
+What is left here: the tick that drives the parts, the step callback, how the rank ended (failures,
+OOM bundles, its end file) and stop.
 
 Threads: the training thread only appends to ``BoundedTable``s (phases, progress, errors).
 The sampler thread owns the sink and the heartbeat writer; ``stop`` joins it first and only
@@ -28,39 +37,30 @@ import socket
 import sys
 import time
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifacts.bundles import new_oom_bundle_dir, write_oom_bundle
-from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
-from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
+from ..artifacts.heartbeat import heartbeat_record
+from ..artifacts.run_manifest import read_run_manifest, write_run_manifest
 from ..artifacts.run_outcome import error_from_exception, error_from_signal, rank_outcome, write_rank_end
-from ..artifacts.sink import RecordNotEncodable, TelemetrySink
-from ..artifacts.spool import SpoolWriter
 from ..artifacts.step_ledger import StepLedger
 from ..guard import Site, guarded, report_internal, swallowed
 from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
-from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
-from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
+from ..schema import SessionStatus, TelemetryEventV3, new_session_id
 from .config import RuntimeConfig
-from .controls import (
-    MEMORY_SNAPSHOT_FILENAME,
-    RequestFile,
-    answer_memory_snapshot,
-    current_phase,
-    memory_history_from_env,
-    read_snapshot_request,
-    record_memory_history,
-    register_stack_signal,
-)
-from .events import EventFactory
+from .controls import current_phase, register_stack_signal
+from .device_sampling import DeviceSampling, fully_imported_torch
 from .halt_control import HaltController
 from .identity import DistributedIdentity, resolve_distributed_identity
+from .memory_requests import MemoryRequests
 from .phases import PhaseScopes
+from .rank_artifacts import open_rank_artifacts
+from .rank_outputs import RankOutputs
 from .sampler import Sampler
 from .spans import OpenSpan, SpanRecorder
 from .spool_seal import SpoolSealer
+from .table_drain import TableDrain
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
 
@@ -69,10 +69,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NullRuntime", "Runtime", "is_oom"]
 
-_DISCOVER_EVERY_S = 5.0
-# Rows taken out of a table per step of a drain: the extra memory while the table refills, and
-# how long ``stop`` waits for the sampler to give way (about 2048 records at ~5-20 us each).
-_DRAIN_CHUNK = 2048
 # A tick that found a table a quarter full (or more) looks again this soon, not a whole period
 # later: a burst is written before the bound evicts it.
 _BACKLOG_WAIT_S = 0.05
@@ -131,30 +127,6 @@ def _shared_origin(identity: DistributedIdentity) -> tuple[str, int | None] | No
         return None
 
 
-def _fully_imported_torch() -> Any:
-    """torch once its import has finished, else None.
-
-    The sampler thread can run while the training thread is still inside ``import torch``; the
-    half-built module then lacks ``cuda``/``optim`` and touching them raises.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "optim") or not hasattr(getattr(torch, "utils", None), "data"):
-        return None
-    return torch if hasattr(torch, "cuda") else None
-
-
-def _program_cuda_device() -> int | None:
-    """The CUDA device current on the calling thread, once the program has initialised CUDA
-    (never initialises it). Called on the program's threads: the current device is per thread."""
-    try:
-        torch = _fully_imported_torch()
-        if torch is None or not torch.cuda.is_initialized():
-            return None
-        return int(torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - a broken CUDA setup is not the program's problem here
-        return None
-
-
 def _oom_backend(exc: BaseException, sampled: set[str]) -> str:
     """The memory an OOM is about: ``MemoryError`` is host memory; a torch OOM names its device
     in the message (CUDA, HIP, MPS, CPU), else it is the accelerator this process samples."""
@@ -208,11 +180,7 @@ class Runtime:
         self.progress_rows: BoundedTable[tuple[float, int, dict[str, Any]]] = BoundedTable("progress", rows)
         self.error_events: BoundedTable[TelemetryEventV3] = BoundedTable("errors", 1024)
         self.scopes = PhaseScopes(self.session_id, self.phase_rows.append)
-        self.collectors = [CollectorHealth(CpuCollector())]
-        with guarded:
-            nvml = discover_nvml()
-            if nvml is not None:
-                self.collectors.append(CollectorHealth(nvml))
+        self.devices = DeviceSampling()
         self.spans = SpanRecorder(rank=self.identity.rank, rows=rows)
         for row in pre_init_marks():
             self.spans.marks.append(row)
@@ -224,27 +192,14 @@ class Runtime:
         self.exporter: Any = None
         self.patches: Any = None
         self.sender: Any = None
-        self.sealer: SpoolSealer | None = None  # with the artifacts (_open)
-        self._wire: dict[str, list[Any]] = {"telemetry": [], "spans": [], "marks": [], "snapshots": [], "heartbeat": []}
         self._next_seal = time.monotonic() + config.spool_interval
-        self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
         self.step = 0
-        self.sink_dropped = 0
         self._stopped = False
         self.sampler = Sampler(period=min(config.interval, config.heartbeat_interval, 1.0),
                                backlog_wait=_BACKLOG_WAIT_S, tick=self.tick, finish=self._finish_handed_off)
-        self.dropped_at_stop: dict[str, int] = {"phases": 0, "progress": 0}
-        self.rows_unwritable = 0  # rows whose record could not be built or encoded (counted, never raised)
         self._next_sample = 0.0
         self._next_heartbeat = 0.0
-        # The first tick looks right away: a device the program set up before init() (or early
-        # in a short run) must not wait _DISCOVER_EVERY_S for its first sample.
-        self._next_discovery = 0.0
-        self._last_cuda_mb: tuple[int, int] | None = None
-        # The CUDA device the program works on, read on its own thread (at init, then at the
-        # first and every 64th progress call and step): the sampler thread's is always 0.
-        self._cuda_device: int | None = _program_cuda_device()
-        self._progress_calls = 0
+        self._progress_calls = 0  # the program's CUDA device is read at the first and every 64th
         # What ended this rank (uncaught exceptions, a caught signal): see record_failure.
         self.failures: list[dict[str, Any]] = []
         self._ended_with_launcher = False  # set at stop (_launcher_ending)
@@ -252,18 +207,11 @@ class Runtime:
         # sampler; the training thread sees a halt only at a step once one is asked for.
         self.halts = HaltController(
             self.training, session_id=self.session_id, rank=lambda: self.identity.rank,
-            say=lambda msg, **fields: self._heartbeat_write(self._heartbeat(msg, **fields)),
+            say=lambda msg, **fields: self.outputs.heartbeat_write(self._heartbeat(msg, **fields)),
             ended=self._write_rank_end, current_step=lambda: self.step)
-        self._snapshot_file: RequestFile | None = None
-        self._snapshot_answered: str | None = None
         self._stack_signal: tuple[int, str] | None = None
         self._poll_s = min(config.interval, config.heartbeat_interval, 1.0)
-        self._want_memory_history = config.memory_history or memory_history_from_env()
-        self._memory_history = False
-        self._next_history_try = 0.0
-        if self._want_memory_history:
-            with guarded:
-                self._memory_history = record_memory_history()
+        self.memory = MemoryRequests(wanted=config.memory_history)
         # False while a child's identity is pending: nothing is written, ticks only install patches.
         self.opened = False
         if child is not None and child.identity is None:
@@ -287,60 +235,31 @@ class Runtime:
         self.identity = identity
         rank = identity.rank
         self.spans.rank = rank  # span records are built at seal time, on the sampler: all carry it
-        self.sink = TelemetrySink(self.run_dir / "telemetry" / f"rank{rank}{suffix}", config.sink)
-        self._ledger = self._open_ledger()
+        opened = open_rank_artifacts(config, identity, self.run_dir, session_id=self.session_id,
+                                     started_ns=self.started_ns, host=self.host, pid=self.pid, suffix=suffix,
+                                     launched=self.launched, child=self.child is not None)
+        self.sink, self.session, self.factory = opened.sink, opened.session, opened.factory
+        self.heartbeat, self.spool, self.exporter, self.sender = opened.heartbeat, opened.spool, opened.exporter, opened.sender
+        self._ledger = opened.ledger
         self._ledger_write = self._ledger.write_step if self._ledger is not None else None
-        self.session = self.sink.start_session(
-            SessionSummary(
-                session_id=self.session_id, status="running", started_at_ns=self.started_ns, host=self.host,
-                pid=self.pid, job_id=identity.job_id, rank=rank, local_rank=identity.local_rank,
-                world_size=identity.world_size, source="stepwatch.runtime",
-            )
-        )
-        self.factory = EventFactory(
-            session_id=self.session_id, identity=identity, host=self.host, pid=self.pid,
-            interval_ms=int(round(config.interval * 1000)),
-        )
-        self.heartbeat = HeartbeatWriter(self.run_dir, rank, name=f"rank{rank}{suffix}" if suffix else None)
-        from .. import __version__
-
-        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes,
-                                 adopt_existing=(config.world_size or 1) <= 1 and self.child is None)  # ranks share <run>/spool
-        if config.endpoint and config.api_key:
-            from ..transport.http_exporter import HttpExporter
-
-            self.exporter = HttpExporter(config.endpoint, config.api_key, sdk_version=__version__,
-                                         spool_root=self.run_dir)
-        if config.aggregator:
-            from ..transport.sender import FrameSender, parse_address
-
-            self.sender = FrameSender(parse_address(config.aggregator), {
-                "session_id": self.session_id, "rank": rank, "local_rank": identity.local_rank,
-                "world_size": identity.world_size, "job_id": identity.job_id, "host": self.host,
-                "pid": self.pid, "started_ns": self.started_ns,
-            })
-        if rank == 0 and not self.launched:
-            write_run_manifest(
-                self.run_dir,
-                RunManifest(session_id=self.session_id, started_at_ns=self.started_ns, command_line=list(sys.argv),
-                            world_size=identity.world_size, pid=self.pid, versions=current_versions()),
-            )
         name = f"rank{rank}{suffix}"
         with guarded:
             self._stack_signal = register_stack_signal(self.run_dir, name)
         self.halts.watch(self.run_dir)
+        outputs = self.outputs = RankOutputs(self.sink, self.heartbeat, sender=self.sender, recent=config.oom_ring)
+        self.drain = TableDrain(self.phase_rows, self.error_events, self.progress_rows, outputs, factory=self.factory,
+                                prefix=self.scopes.prefix, heartbeat=self._heartbeat, stopping=lambda: self._stopped)
         self.sealer = SpoolSealer(self.spans, self.snapshot_rows, self.spool, self.run_dir,
                                   gpu_timer=lambda: self.training.gpu_timer,
-                                  wire=self._wire_rows if self.sender is not None else None, exporter=self.exporter)
-        self._snapshot_file = RequestFile(self.run_dir / MEMORY_SNAPSHOT_FILENAME)
-        self._name = name
+                                  wire=outputs.wire if self.sender is not None else None, exporter=self.exporter)
+        self.memory.watch(self.run_dir, name, rank, self.session_id, self.started_ns)
         # First sample now, so every later record carries real counters.
-        self._sample(time.time())
+        self.devices.sample(time.time(), self.factory, self.outputs.write)
         metadata: dict[str, Any] = {"run_dir": str(self.run_dir)}
         if process is not None:
             metadata["process"] = process
-        self._write(self.factory.point("start", context="stepwatch capture started", metadata=metadata))
-        self._heartbeat_write(self._heartbeat(
+        self.outputs.write(self.factory.point("start", context="stepwatch capture started", metadata=metadata))
+        self.outputs.heartbeat_write(self._heartbeat(
             "boot", phase="start", host=self.host, session_id=self.session_id, poll_s=self._poll_s,
             stack_signal=self._stack_signal[0] if self._stack_signal else None,
             stack_file=self._stack_signal[1] if self._stack_signal else None))
@@ -376,7 +295,7 @@ class Runtime:
         self.progress_rows.append((time.time(), step, metrics))
         calls = self._progress_calls = self._progress_calls + 1
         if calls & 63 == 1:  # the first call, then every 64th: ~0.4-1 us, on the caller's thread
-            self._note_program_device()
+            self.devices.note_program_device()
 
     def record_oom(self, exc: BaseException) -> Path | None:
         """Records an OOM as an ``error`` event and writes a flight-recorder bundle; the event
@@ -385,7 +304,7 @@ class Runtime:
             self.open_child(None)  # an OOM in a child before its first step: recorded as a worker's
             if not self.opened:
                 return None
-        backend = _oom_backend(exc, {h.collector.backend for h in self.collectors})
+        backend = _oom_backend(exc, self.devices.backends())
         reason = f"{type(exc).__name__}: {exc}"[:4000]
         directory = new_oom_bundle_dir(self.run_dir / "bundles", backend)
         event = self.factory.point(
@@ -394,7 +313,7 @@ class Runtime:
                       "exception_type": f"{type(exc).__module__}.{type(exc).__name__}",
                       "step": self.step, "phase_path": list(self.scopes.current_path())},
         )
-        recent = list(self.recent)  # one C-level copy: atomic under the GIL (see _write)
+        recent = list(self.outputs.recent)  # one C-level copy: atomic under the GIL (see RankOutputs.write)
         try:
             return write_oom_bundle(
                 self.run_dir / "bundles", reason=reason, backend=backend, session=self.session,
@@ -463,159 +382,36 @@ class Runtime:
         if ledger is not None:
             ledger.alive(int(now * 1e9))
         mono = time.monotonic()
-        quarter = self.phase_rows.maxlen // 4
-        self.sampler.backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
-        if mono >= self._next_discovery:
-            self._next_discovery = mono + _DISCOVER_EVERY_S
-            known = {h.collector.name for h in self.collectors}
-            for collector in discover_accelerators(known, self._program_device):
-                self.collectors.append(CollectorHealth(collector))
+        self.sampler.backlog = self.drain.backlog()
+        if self.devices.discover(mono):
             self._enable_gpu_timing()
         if self.patches is None and self.config.auto_instrument:
             self.install_patches()
         self._poll_controls(mono)
         if mono >= self._next_sample:
             self._next_sample = mono + self.config.interval
-            self._sample(now)
-        if not self._drain():
+            self.devices.sample(now, self.factory, self.outputs.write)
+        if not self.drain.run():
             return  # stop is waiting: it writes the rest and closes the files
-        sealer = self.sealer
-        if sealer is not None and mono >= self._next_seal:
+        if mono >= self._next_seal:
             self._next_seal = mono + self.config.spool_interval
-            sealer.seal()
-        elif sealer is not None:
-            sealer.ship_early()
+            self.sealer.seal()
+        else:
+            self.sealer.ship_early()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
             record = self._heartbeat("heartbeat", **self._phase_fields())
             record.setdefault("phase", None)  # null between steps (heartbeat_record drops None)
-            self._heartbeat_write(record)
+            self.outputs.heartbeat_write(record)
         self.heartbeat.flush()
-        self._flush_sink()
-        self._ship()
-
-    def _sample(self, now: float) -> None:
-        timestamp_ns = int(now * 1e9)
-        accelerators = any(h.collector.backend not in ("cpu",) for h in self.collectors)
-        for health in self.collectors:
-            readings, transition = health.poll(now)
-            meta = health.metadata()
-            if transition is not None:
-                context = health.last_error if transition == "collector_degraded" else "collector works again"
-                self._write(self.factory.point(transition, context=context, metadata=meta,
-                                               timestamp_ns=timestamp_ns, collector=health.collector.name))
-            primary = health.collector.backend != "cpu" or not accelerators
-            for reading in readings:
-                self._write(self.factory.sample(health.collector.name, reading, meta, timestamp_ns, primary=primary))
-            if readings and health.collector.backend in ("cuda", "rocm"):
-                self._note_gpu_memory(readings, getattr(health.collector, "current_device", None))
-
-    def _note_gpu_memory(self, readings: list[Reading], current: int | None) -> None:
-        """The heartbeat's ``gpu_mem_*``: the program's own device (seen on its thread, else the
-        collector's ``current``), else the one it holds most memory on."""
-        device = self._cuda_device if self._cuda_device is not None else current
-        chosen = next((r for r in readings if r.device_id == device), None)
-        if chosen is None:
-            chosen = max(readings, key=lambda r: (r.reserved, -r.device_id))
-        self._last_cuda_mb = (chosen.allocated >> 20, chosen.reserved >> 20)
-
-    def _drain(self, deadline: float | None = None) -> bool:
-        """Writes the queued rows, oldest first, ``_DRAIN_CHUNK`` at a time.
-
-        On the sampler (``deadline`` None): at most the rows queued when it starts (later ones
-        wait for the next tick, so a fast producer cannot starve sampling), and it returns
-        False as soon as ``stop`` is waiting, leaving the rest queued for it. In ``stop``: all
-        rows, until ``deadline`` (monotonic); phase and progress rows still queued then are
-        counted in ``dropped_at_stop`` (error events are few and always written).
-        """
-        for table, write in ((self.phase_rows, self._write_phases), (self.error_events, self._write_errors),
-                             (self.progress_rows, self._write_progress)):
-            budget = len(table)
-            while budget > 0:
-                if deadline is not None and table is not self.error_events and time.monotonic() >= deadline:
-                    self.dropped_at_stop[table.name] += len(table.drain())
-                    break
-                rows = table.drain(min(budget, _DRAIN_CHUNK))
-                if not rows:
-                    break
-                budget -= len(rows)
-                write(rows)
-                if deadline is None and self._stopped:  # set by stop() before it waits for the lock
-                    return False
-        return True
-
-    def _write_phases(self, rows: list[tuple[Any, ...]]) -> None:
-        phase, prefix, write = self.factory.phase, self.scopes.prefix, self._write
-        for row in rows:
-            try:
-                event = phase(row, prefix)
-            except Exception as exc:  # noqa: BLE001 - one bad row must not lose the chunk
-                self.rows_unwritable += 1
-                report_internal(exc, Site.DRAIN_PHASE)
-                continue
-            write(event)
-
-    def _write_errors(self, rows: list[TelemetryEventV3]) -> None:
-        for event in rows:
-            self._write(event)
-
-    def _write_progress(self, rows: list[tuple[float, int, dict[str, Any]]]) -> None:
-        for ts, step, metrics in rows:
-            try:
-                self._heartbeat_write(self._heartbeat("progress", ts=ts, step=step, **metrics))
-            except Exception as exc:  # noqa: BLE001 - e.g. a metric named like a required field
-                self.rows_unwritable += 1
-                report_internal(exc, Site.DRAIN_PROGRESS)
-
-    def _heartbeat_write(self, record: dict[str, Any]) -> None:
-        self.heartbeat.write(record)
-        if self.sender is not None:
-            self._wire["heartbeat"].append(record)
-
-    def _wire_rows(self, kind: str, rows: list[Any]) -> None:
-        self._wire[kind].extend(rows)
-
-    def _ship(self) -> None:
-        """Sends the rows new since the last tick to the aggregator (when there is one)."""
-        if self.sender is None:
-            return
-        wire, self._wire = self._wire, {name: [] for name in self._wire}
-        with guarded:
-            self.sender.ship(wire)
-
-    def _write(self, event: TelemetryEventV3) -> None:
-        if self.sender is not None:
-            self._wire["telemetry"].append(event)
-        # No lock: deque.append is atomic under the GIL, and record_oom's list(self.recent) runs
-        # in C without running Python code, so it cannot see the deque change mid-copy.
-        self.recent.append(event)
-        try:
-            self.sink.append(event)
-        except OSError as exc:  # disk full or gone: keep memory bounded, count what is lost
-            self.sink_dropped += self.sink.discard_buffer()
-            report_internal(exc, Site.SINK_APPEND)
-        except RecordNotEncodable as exc:  # this record, or one batched before it: dropped
-            self.rows_unwritable += exc.dropped
-            report_internal(exc, Site.SINK_ENCODE)
-        except Exception as exc:  # noqa: BLE001 - a record the sink could not encode (it drops
-            # that one and raises, maybe from a later append): the rest of the chunk goes on
-            self.rows_unwritable += 1
-            report_internal(exc, Site.SINK_ENCODE)
-
-    def _flush_sink(self) -> None:
-        try:
-            self.sink.maybe_flush()
-        except OSError as exc:
-            self.sink_dropped += self.sink.discard_buffer()
-            report_internal(exc, Site.SINK_FLUSH)
-        except RecordNotEncodable as exc:  # a batched record dropped as the flush encoded it
-            self.rows_unwritable += exc.dropped
-            report_internal(exc, Site.SINK_ENCODE)
+        self.outputs.flush_sink()
+        self.outputs.ship()
 
     def _heartbeat(self, msg: str, *, ts: float | None = None, step: int | None = None, **fields: Any) -> dict[str, Any]:
-        if self._last_cuda_mb is not None:
-            fields.setdefault("gpu_mem_alloc", self._last_cuda_mb[0])
-            fields.setdefault("gpu_mem_reserved", self._last_cuda_mb[1])
+        gpu_mb = self.devices.gpu_mb
+        if gpu_mb is not None:
+            fields.setdefault("gpu_mem_alloc", gpu_mb[0])
+            fields.setdefault("gpu_mem_reserved", gpu_mb[1])
         return heartbeat_record(ts=ts or time.time(), pid=self.pid, rank=self.identity.rank,
                                 step=self.step if step is None else step, msg=msg, **fields)
 
@@ -623,7 +419,7 @@ class Runtime:
 
     def install_patches(self) -> bool:
         """Torch auto-instrumentation, once torch is fully imported (also when it comes later)."""
-        if _fully_imported_torch() is None:
+        if fully_imported_torch() is None:
             return False
         from .torch_patches import TorchPatches
 
@@ -633,7 +429,7 @@ class Runtime:
         return True
 
     def _enable_gpu_timing(self) -> None:
-        torch = _fully_imported_torch()
+        torch = fully_imported_torch()
         if self.training.gpu_timer is None and torch is not None and torch.cuda.is_initialized():
             from .gpu_timing import GpuTimer, cuda_event_source
 
@@ -662,7 +458,7 @@ class Runtime:
                 self._ledger_write = None
                 report_internal(exc, Site.STEP_LEDGER_WRITE)
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
-            self._note_program_device()
+            self.devices.note_program_device()
 
     # -- coherent halt (docs/halt.md): the HaltController's, as integrations and api.py ask ------
 
@@ -688,54 +484,14 @@ class Runtime:
     def raise_halt(self) -> None:
         self.halts.raise_halt()
 
-    def _poll_memory_snapshot(self) -> None:
-        """Sampler: answers a new ``.MEMORY_SNAPSHOT`` request once."""
-        data = self._snapshot_file.poll() if self._snapshot_file is not None else None
-        if data is None:
-            return
-        request = read_snapshot_request(data, self.run_dir / MEMORY_SNAPSHOT_FILENAME, self.session_id,
-                                        self.started_ns)
-        if request is None or request.request_id == self._snapshot_answered:
-            return
-        self._snapshot_answered = request.request_id
-        answer = answer_memory_snapshot(self.run_dir, self._name, self.identity.rank, request,
-                                        history=self._memory_history)
-        self._heartbeat_write(self._heartbeat("memory_snapshot", request_id=request.request_id,
-                                              status=answer["status"], path=answer.get("path"),
-                                              note=answer.get("note")))
-
     def _poll_controls(self, mono: float) -> None:
         with guarded:
             self.halts.poll()
-        with guarded:
-            self._poll_memory_snapshot()
-        if self._want_memory_history and not self._memory_history and mono >= self._next_history_try:
-            self._next_history_try = mono + _DISCOVER_EVERY_S  # torch imported, or CUDA set up, later
-            with guarded:
-                self._memory_history = record_memory_history()
+        self.memory.poll(mono, lambda msg, **fields: self.outputs.heartbeat_write(self._heartbeat(msg, **fields)))
 
     def _phase_fields(self) -> dict[str, Any]:
         phase, seconds = current_phase(self.training, time.time_ns())
         return {"phase": phase, "phase_s": seconds} if phase is not None else {"phase": None}
-
-    def _open_ledger(self) -> StepLedger | None:
-        """This rank's step ledger (artifacts/step_ledger.py): the steps a SIGKILL would take
-        with it survive in its pages. None (and said once) when the disk has no room for it."""
-        try:
-            return StepLedger.create(self.run_dir, self.session_id, rank=self.identity.rank,
-                                     started_ns=self.started_ns)
-        except (OSError, ValueError) as exc:
-            report_internal(exc, Site.STEP_LEDGER_CREATE)
-            return None
-
-    def _note_program_device(self) -> None:
-        """Remembers the CUDA device current on the calling (the program's) thread."""
-        device = _program_cuda_device()
-        if device is not None:
-            self._cuda_device = device
-
-    def _program_device(self) -> int | None:
-        return self._cuda_device
 
     def _blob_uri(self, span_id: str, kind: str) -> str:
         return (self.run_dir / "snapshots" / span_id / f"{kind}.safetensors").resolve().as_uri()
@@ -750,15 +506,15 @@ class Runtime:
         return {
             "phase_rows_evicted": self.phase_rows.evicted,
             "progress_rows_evicted": self.progress_rows.evicted,
-            "phase_rows_dropped_at_stop": self.dropped_at_stop["phases"],
-            "progress_rows_dropped_at_stop": self.dropped_at_stop["progress"],
-            "rows_unwritable": self.rows_unwritable,
+            "phase_rows_dropped_at_stop": self.drain.dropped_at_stop["phases"],
+            "progress_rows_dropped_at_stop": self.drain.dropped_at_stop["progress"],
+            "rows_unwritable": self.outputs.rows_unwritable,
             "error_events_evicted": self.error_events.evicted,
-            "sink_records_dropped": self.sink_dropped,
+            "sink_records_dropped": self.outputs.sink_dropped,
             "span_rows_evicted": self.spans.closed.evicted,
             "mark_rows_evicted": self.spans.marks.evicted,
             "spans_over_depth_cap": self.spans.depth_dropped,
-            **(self.sealer.drops() if self.sealer is not None else {}),
+            **self.sealer.drops(),
             "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
             "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
             "gpu_timing_record_failed": getattr(self.training.gpu_timer, "record_failed", 0),
@@ -811,7 +567,7 @@ class Runtime:
         status, ending = self._launcher_ending(status)
         self._ended_with_launcher = bool(ending)
         with guarded:  # first: the deadline bounds this, not the exporter's wait below
-            self._drain(deadline)
+            self.drain.run(deadline)
         if self.patches is not None:
             with guarded:
                 self.patches.uninstall()
@@ -821,25 +577,24 @@ class Runtime:
             self.spans.close_all()
             if self.training.gpu_timer is not None:  # the last steps' GPU time, not dropped
                 self.training.gpu_timer.settle(min(1.0, max(0.0, deadline - time.monotonic())))
-            if self.sealer is not None:
-                self.sealer.seal(final=True)
+            self.sealer.seal(final=True)
         if self.exporter is not None:
             with guarded:
                 self.exporter.close(timeout)
         with guarded:
-            self._sample(time.time())
-            self._drain(deadline)  # an error event recorded meanwhile (phases and progress are off now)
+            self.devices.sample(time.time(), self.factory, self.outputs.write)
+            self.drain.run(deadline)  # an error event recorded meanwhile (phases and progress are off now)
         with guarded:
-            self._write(self.factory.point(
+            self.outputs.write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
                           "outcome": self.outcome(),
-                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors},
+                          "collector_failures": self.devices.failures(),
                           **ending},
             ))
         first_error = next((e for e in self.failures if e.get("fatal")), None)
         with guarded:
-            self._heartbeat_write(self._heartbeat("stop", status=status, error=first_error, **ending,
+            self.outputs.heartbeat_write(self._heartbeat("stop", status=status, error=first_error, **ending,
                                                   outcome=self.outcome()))
             self.heartbeat.close()
         self._write_rank_end()
@@ -858,7 +613,7 @@ class Runtime:
                 write_run_manifest(self.run_dir, manifest)
         if self.sender is not None:
             with guarded:
-                self._ship()
+                self.outputs.ship()
                 self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session
