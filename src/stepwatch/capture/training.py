@@ -195,6 +195,8 @@ class TrainingState:
         machine = local.machine
         slow = local.live is None or machine.watch
         if slow:
+            if local.ended_pass is not None:  # the pass's last step is over: what comes now is not the pass's
+                self._settle_pass(local)
             machine.phase(name, now)
         stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
@@ -342,10 +344,11 @@ class TrainingState:
 
     def end_pass(self, source: tuple[Any, int], end_ns: int) -> None:
         """A DataLoader pass is exhausted. The inferred step in it closes, and the epoch if this
-        pass is one, at the next event (a pass, a fetch, a scope, an epoch, shutdown): a loader
-        that reads one batch ahead (Accelerate's ``DataLoaderShard`` iterating a ``DataLoader``
-        inside its own) exhausts it before its last batch is trained on, and that batch still
-        belongs to the step and the epoch (one step per update, one epoch per pass)."""
+        pass is one, at the next event (a pass, a fetch, a scope, an epoch, shutdown, or a phase
+        outside a running step): a loader that reads one batch ahead (Accelerate's
+        ``DataLoaderShard`` iterating a ``DataLoader`` inside its own) exhausts it before its last
+        batch is trained on, and that batch still belongs to the step and the epoch (one step per
+        update, one epoch per pass)."""
         local = self.threads.me
         if local.ended_pass is not None:
             self._settle_pass(local)
