@@ -11,6 +11,7 @@ with the phase it was cut in.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hypothesis import example, given, settings
@@ -174,3 +175,15 @@ def test_the_machine_holds_its_state_explicitly() -> None:
     assert (machine.state, machine.mode) == (StepState.DONE, Mode.OPTIMIZER)
     loop.event("fetch")
     assert machine.state is StepState.IDLE
+
+
+def test_the_machine_imports_nothing_of_the_training_state() -> None:
+    """No import cycle, not even for type checking: the machine knows the training state through
+    its ``StepHost`` and ``ThreadBook`` protocols only."""
+    import ast
+
+    from stepwatch.capture import step_inference
+
+    tree = ast.parse(Path(step_inference.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "training" not in imported and not any((m or "").endswith(".training") for m in imported)

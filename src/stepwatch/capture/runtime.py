@@ -473,15 +473,19 @@ class Runtime:
         return self.halts.step
 
     def halt_record(self) -> dict[str, Any] | None:
+        """The rank's halt, for its end file and run.json (None: not halted)."""
         return self.halts.record()
 
     def halt_reached_here(self) -> bool:
+        """The halt's step is done, and this is the thread it stops (integrations ask)."""
         return self.halts.reached_here()
 
     def leave_halt_to_caller(self) -> None:
+        """A framework stops its loop its own way: no ``Halt`` at the next phase."""
         self.halts.leave_to_caller()
 
     def raise_halt(self) -> None:
+        """Raises ``Halt`` for the step reached (a framework that trained on after its stop)."""
         self.halts.raise_halt()
 
     def _poll_controls(self, mono: float) -> None:
@@ -498,7 +502,6 @@ class Runtime:
 
     def _snapshot_sink(self, records: list[dict[str, Any]], job: Any) -> None:
         self.snapshot_rows.append((records, job))
-
 
     # -- stop ----------------------------------------------------------------------------------
 
