@@ -111,7 +111,7 @@ class StepHost(Protocol):
     grad_enabled: Callable[[], bool]
 
     def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False,
-                  start_ns: int | None = None, local: Any = None) -> OpenSpan | None: ...
+                  start_ns: int | None = None, local: Any = None, by_machine: bool = False) -> OpenSpan | None: ...
 
     def close_step(self, span: OpenSpan | None, error: BaseException | None, *,
                    end_ns: int | None = None) -> None: ...
@@ -224,10 +224,9 @@ class StepMachine:
             self._iteration_phase(name)
 
     def forward_opened(self, span: OpenSpan) -> None:
-        """A forward opened on the slow path: evaluation work when gradients are off (if it
-        comes between training steps)."""
-        if self.local.step is not None and not self.host.grad_enabled():
-            self.eval_ids.add(span.id)
+        """A forward opened on the slow path with gradients off, a step open: evaluation work
+        (if it comes between training steps)."""
+        self.eval_ids.add(span.id)
 
     def optimizer(self, label: str) -> None:
         """An optimizer's step begins (before its phase opens); ``label`` names the optimizer."""
@@ -372,7 +371,10 @@ class StepMachine:
 
     def _open(self, start_ns: int | None = None) -> OpenSpan | None:
         """IDLE -> RUNNING: a step opens at the pending fetch, else at ``start_ns``, else now."""
-        step = self.host.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns, local=self.local)
+        step = self.host.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns, local=self.local,
+                                   by_machine=True)
+        if step is not None:
+            self.state = _RUNNING
         self.watch = self.mode is not _OPTIMIZER
         self.it_fwd, self.it_bwd = _FWD_NONE, False
         if self.local.step_opts:

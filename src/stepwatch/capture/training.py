@@ -205,7 +205,7 @@ class TrainingState:
         span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, now, None,
                         local.ident)
         stack.append(span)
-        if slow and name == "forward":
+        if slow and name == "forward" and local.step is not None and not self.grad_enabled():
             machine.forward_opened(span)  # evaluation work, if it comes between training steps
         if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
@@ -430,9 +430,12 @@ class TrainingState:
     # -- steps and epochs -------------------------------------------------------------------
 
     def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False,
-                  start_ns: int | None = None, local: _ThreadState | None = None) -> OpenSpan | None:
+                  start_ns: int | None = None, local: _ThreadState | None = None,
+                  by_machine: bool = False) -> OpenSpan | None:
         """Opens a step on the calling thread (``local``: its bookkeeping, when the caller has
-        read it already)."""
+        read it already). An implicit step opened by anyone but the step machine itself (an
+        integration's ``eval_step``) is told to the machine (``by_machine``: the machine opens it,
+        and makes its own transition)."""
         trap = self.trap
         if trap is not None:
             trap()
@@ -457,7 +460,7 @@ class TrainingState:
         local.step = local.live = span
         local.model = model
         local.implicit = implicit
-        if implicit:
+        if implicit and not by_machine:
             local.machine.opened()
         if fetch is not None:  # the adopted fetch: the step's data_load child (what _data_load_span does)
             start_ns, end_ns = fetch[0], fetch[1]
