@@ -155,7 +155,7 @@ class Flaky:
 
 rt = stepwatch.init(out=sys.argv[1], interval=0.05)
 flaky = Flaky()
-rt.collectors.append(CollectorHealth(flaky, base_backoff_s=0.05))
+rt.devices.collectors.append(CollectorHealth(flaky, base_backoff_s=0.05))
 deadline = time.monotonic() + 10
 while flaky.reads < 5 and time.monotonic() < deadline:
     time.sleep(0.05)

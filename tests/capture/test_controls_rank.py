@@ -110,8 +110,13 @@ def test_halt_requested_turns_true_when_the_target_step_completes_and_the_next_s
     with stepwatch.trace_step(model):
         _step(model, opt)
     assert stepwatch.halt_requested()  # step 5 done: the loop may save and stop here
+    training = runtime.training  # type: ignore[union-attr]
+    # the one way a halt stops the loop: the training state's trap; none of its methods replaced
+    assert training.trap is not None and not {"phase_begin", "open_step"} & set(vars(training))
+    assert training.on_step == runtime._on_step  # type: ignore[union-attr]  # the step callback stays the same
     with pytest.raises(stepwatch.Halt) as raised, stepwatch.trace_step(model):
         _step(model, opt)
+    assert training.trap is None  # raised once, then gone
     assert raised.value.code == 0 and raised.value.step == 5 and "unit" in str(raised.value)
     assert isinstance(raised.value, SystemExit)
     assert runtime.step == 5 and runtime.outcome() == "halted"  # type: ignore[union-attr]
@@ -252,7 +257,7 @@ def test_memory_history_on_a_cpu_only_process_is_a_no_op(tmp_path: Path) -> None
     reset_swallowed()
     runtime = stepwatch.init(out=tmp_path / "run", memory_history=True, handle_signals=False, capture_oom=False)
     try:
-        assert runtime._want_memory_history and not runtime._memory_history  # type: ignore[union-attr]
+        assert runtime.memory.wanted and not runtime.memory.history  # type: ignore[union-attr]
     finally:
         stepwatch.shutdown()
     assert swallowed() == {}

@@ -292,7 +292,7 @@ def test_gpu_memory_fields_appear_with_a_cuda_device(tmp_path: Path) -> None:
             def mem_get_info(self, d): return (10_000 * MB, 16_000 * MB)
         torch = types.SimpleNamespace(cuda=Cuda(), version=types.SimpleNamespace(hip=None))
         rt = stepwatch.init(out=sys.argv[1], interval=0.05, heartbeat_interval=0.1)
-        rt.collectors.append(CollectorHealth(CudaCollector(torch)))
+        rt.devices.collectors.append(CollectorHealth(CudaCollector(torch)))
         time.sleep(0.2)
         stepwatch.progress(1, loss=1.0)
         time.sleep(0.3)

@@ -448,8 +448,8 @@ def test_a_sampler_stuck_past_the_deadline_finishes_the_stop_and_counts_what_it_
 stepwatch.shutdown(timeout=0)
 print("RETURNED_BEFORE_THE_WRITE", not gate.is_set())
 gate.set()
-rt._thread.join(30)
-print("SAMPLER_DONE", not rt._thread.is_alive())
+rt.sampler.thread.join(30)
+print("SAMPLER_DONE", not rt.sampler.thread.is_alive())
 """,
         tmp_path, str(run), timeout=60,
     )
@@ -619,7 +619,7 @@ def test_a_record_the_sink_cannot_encode_is_counted_and_the_rest_of_its_chunk_is
                 event.metadata["poison"] = object()  # cannot be encoded, whatever json_safe did
             return event
         rt.factory.phase = phase
-        with rt._tick_lock:  # the sampler waits: all of this is drained as one chunk
+        with rt.sampler.lock:  # the sampler waits: all of this is drained as one chunk
             with stepwatch.phase("poison"):
                 pass
             for i in range(600):

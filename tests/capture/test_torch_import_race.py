@@ -25,10 +25,10 @@ def test_tick_leaves_half_imported_torch_alone(tmp_path: Path, monkeypatch: pyte
     stepwatch.init(out=tmp_path / "run", interval=60.0)
     runtime = current_runtime()
     try:
-        runtime._stop.set()
-        runtime._thread.join()
+        runtime.sampler.stopping.set()
+        runtime.sampler.thread.join()
         reset_swallowed()
-        runtime._next_discovery = 0.0
+        runtime.devices.next_discovery = 0.0
         runtime.tick()
         assert swallowed() == {}
         assert runtime.patches is None and runtime.training.gpu_timer is None

@@ -311,7 +311,7 @@ class Flaky:
 
 rt = stepwatch.init(out=sys.argv[1], interval=0.05)
 flaky = Flaky()
-rt.collectors.append(CollectorHealth(flaky, base_backoff_s=0.05))
+rt.devices.collectors.append(CollectorHealth(flaky, base_backoff_s=0.05))
 with stepwatch.phase("train", epoch=0):
     for step in range(3):
         with stepwatch.phase("forward"):

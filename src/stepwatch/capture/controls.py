@@ -5,8 +5,8 @@ Everything here runs at init or on the sampler thread, never on a training step:
 signal is ``faulthandler``'s C handler; the ``.HALT`` and ``.MEMORY_SNAPSHOT`` request files are
 read at the sampler's tick; the current phase is read from the training thread's span stack
 (plain attribute reads of objects that thread owns). The one thing the training thread does is
-the halt itself, at a step boundary (``Runtime._on_step_halting``), and only once a halt has
-been requested (``docs/halt.md``, ``docs/stacks.md``).
+the halt itself, at a step boundary (``HaltController``'s trap, halt_control.py), and only once a
+halt has been requested (``docs/halt.md``, ``docs/stacks.md``).
 """
 
 from __future__ import annotations

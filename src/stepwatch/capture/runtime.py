@@ -1,6 +1,22 @@
 """The per-process runtime: one background thread samples collectors and drains the bounded
 tables into the run directory (telemetry sink, heartbeat file, bundles).
 
+``Runtime`` holds the rank's identity (session, run directory, rank) and wires parts that have
+one job each:
+
+* ``TrainingState`` (training.py): steps, phases and epochs of the training thread;
+* ``open_rank_artifacts`` (rank_artifacts.py): the files and connections the rank opens;
+* ``RankOutputs`` (rank_outputs.py): where records go (sink, heartbeat file, aggregator);
+* ``TableDrain`` (table_drain.py): the training thread's tables into those outputs;
+* ``DeviceSampling`` (device_sampling.py): the collectors, sampled each interval;
+* ``SpoolSealer`` (spool_seal.py): spans, marks and snapshots into spool batches;
+* ``HaltController`` (halt_control.py) and ``MemoryRequests`` (memory_requests.py): what the
+  rank is asked from outside;
+* ``Sampler`` (sampler.py): the background thread, and how it gives way to ``stop``.
+
+What is left here: the tick that drives the parts, the step callback, how the rank ended (failures,
+OOM bundles, its end file) and stop.
+
 Threads: the training thread only appends to ``BoundedTable``s (phases, progress, errors).
 The sampler thread owns the sink and the heartbeat writer; ``stop`` joins it first and only
 then writes the last records itself. Every failure inside is logged once and swallowed.
@@ -19,45 +35,33 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifacts.bundles import new_oom_bundle_dir, write_oom_bundle
-from ..artifacts.heartbeat import HeartbeatWriter, heartbeat_record
-from ..artifacts.run_manifest import RunManifest, current_versions, read_run_manifest, write_run_manifest
+from ..artifacts.heartbeat import heartbeat_record
+from ..artifacts.run_manifest import read_run_manifest, write_run_manifest
 from ..artifacts.run_outcome import error_from_exception, error_from_signal, rank_outcome, write_rank_end
-from ..artifacts.sink import RecordNotEncodable, TelemetrySink
-from ..artifacts.spool import SpoolWriter
 from ..artifacts.step_ledger import StepLedger
 from ..guard import Site, guarded, report_internal, swallowed
 from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, launcher_gone
-from ..schema import SessionStatus, SessionSummary, TelemetryEventV3, new_session_id
+from ..schema import SessionStatus, TelemetryEventV3, new_session_id
 from . import torch_attach
-from .collectors import CollectorHealth, CpuCollector, Reading, discover_accelerators, discover_nvml
 from .config import RuntimeConfig
-from .controls import (
-    HALT_FILENAME,
-    MEMORY_SNAPSHOT_FILENAME,
-    Halt,
-    RequestFile,
-    answer_memory_snapshot,
-    current_phase,
-    halt_exit_code,
-    memory_history_from_env,
-    read_halt_request,
-    read_snapshot_request,
-    record_memory_history,
-    register_stack_signal,
-    training_thread,
-)
-from .events import EventFactory
+from .controls import current_phase, register_stack_signal
+from .device_sampling import DeviceSampling, fully_imported_torch
+from .halt_control import HaltController
 from .identity import DistributedIdentity, resolve_distributed_identity
+from .memory_requests import MemoryRequests
 from .phases import PhaseScopes
+from .rank_artifacts import open_rank_artifacts
+from .rank_outputs import RankOutputs
+from .sampler import Sampler
 from .spans import OpenSpan, SpanRecorder
+from .spool_seal import SpoolSealer
+from .table_drain import TableDrain
 from .tables import BoundedTable
 from .training import TrainingState, pre_init_marks
 
@@ -66,10 +70,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NullRuntime", "Runtime", "is_oom"]
 
-_DISCOVER_EVERY_S = 5.0
-# Rows taken out of a table per step of a drain: the extra memory while the table refills, and
-# how long ``stop`` waits for the sampler to give way (about 2048 records at ~5-20 us each).
-_DRAIN_CHUNK = 2048
 # A tick that found a table a quarter full (or more) looks again this soon, not a whole period
 # later: a burst is written before the bound evicts it.
 _BACKLOG_WAIT_S = 0.05
@@ -128,30 +128,6 @@ def _shared_origin(identity: DistributedIdentity) -> tuple[str, int | None] | No
         return None
 
 
-def _fully_imported_torch() -> Any:
-    """torch once its import has finished, else None.
-
-    The sampler thread can run while the training thread is still inside ``import torch``; the
-    half-built module then lacks ``cuda``/``optim`` and touching them raises.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "optim") or not hasattr(getattr(torch, "utils", None), "data"):
-        return None
-    return torch if hasattr(torch, "cuda") else None
-
-
-def _program_cuda_device() -> int | None:
-    """The CUDA device current on the calling thread, once the program has initialised CUDA
-    (never initialises it). Called on the program's threads: the current device is per thread."""
-    try:
-        torch = _fully_imported_torch()
-        if torch is None or not torch.cuda.is_initialized():
-            return None
-        return int(torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - a broken CUDA setup is not the program's problem here
-        return None
-
-
 def _oom_backend(exc: BaseException, sampled: set[str]) -> str:
     """The memory an OOM is about: ``MemoryError`` is host memory; a torch OOM names its device
     in the message (CUDA, HIP, MPS, CPU), else it is the accelerator this process samples."""
@@ -205,11 +181,7 @@ class Runtime:
         self.progress_rows: BoundedTable[tuple[float, int, dict[str, Any]]] = BoundedTable("progress", rows)
         self.error_events: BoundedTable[TelemetryEventV3] = BoundedTable("errors", 1024)
         self.scopes = PhaseScopes(self.session_id, self.phase_rows.append)
-        self.collectors = [CollectorHealth(CpuCollector())]
-        with guarded:
-            nvml = discover_nvml()
-            if nvml is not None:
-                self.collectors.append(CollectorHealth(nvml))
+        self.devices = DeviceSampling()
         self.spans = SpanRecorder(rank=self.identity.rank, rows=rows)
         for row in pre_init_marks():
             self.spans.marks.append(row)
@@ -221,59 +193,26 @@ class Runtime:
         self.exporter: Any = None
         self.patches: Any = None
         self.sender: Any = None
-        self._wire: dict[str, list[Any]] = {"telemetry": [], "spans": [], "marks": [], "snapshots": [], "heartbeat": []}
-        self._shipped_spans: list[Any] = []  # sent to the aggregator ahead of the next spool seal
-        self._shipped_marks: list[Any] = []
-        self.spool_write_lost = 0
         self._next_seal = time.monotonic() + config.spool_interval
-        self.recent: deque[TelemetryEventV3] = deque(maxlen=config.oom_ring)
         self.step = 0
-        self.sink_dropped = 0
-        self._stop = threading.Event()
-        # Held for each tick and for the final drain: the last records are never written by two
-        # threads at once, and the sink is never closed under a tick still appending.
-        self._tick_lock = threading.RLock()
         self._stopped = False
-        # A stop that could not get the tick lock before its deadline is handed to the sampler,
-        # which runs it when its tick returns (``_handoff_lock`` orders the two sides).
-        self._handoff_lock = threading.Lock()
-        self._handoff: tuple[SessionStatus, float, int | None] | None = None  # status, timeout, exit code
-        self._loop_done = False
-        self.dropped_at_stop: dict[str, int] = {"phases": 0, "progress": 0}
-        self.rows_unwritable = 0  # rows whose record could not be built or encoded (counted, never raised)
-        self._backlog = False
+        self.sampler = Sampler(period=min(config.interval, config.heartbeat_interval, 1.0),
+                               backlog_wait=_BACKLOG_WAIT_S, tick=self.tick, finish=self._finish_handed_off)
         self._next_sample = 0.0
         self._next_heartbeat = 0.0
-        # The first tick looks right away: a device the program set up before init() (or early
-        # in a short run) must not wait _DISCOVER_EVERY_S for its first sample.
-        self._next_discovery = 0.0
-        self._last_cuda_mb: tuple[int, int] | None = None
-        # The CUDA device the program works on, read on its own thread (at init, then at the
-        # first and every 64th progress call and step): the sampler thread's is always 0.
-        self._cuda_device: int | None = _program_cuda_device()
-        self._progress_calls = 0
+        self._progress_calls = 0  # the program's CUDA device is read at the first and every 64th
         # What ended this rank (uncaught exceptions, a caught signal): see record_failure.
         self.failures: list[dict[str, Any]] = []
         self._ended_with_launcher = False  # set at stop (_launcher_ending)
         # Requests from outside (capture/controls.py, docs/halt.md, docs/stacks.md): read by the
-        # sampler; the training thread sees a halt only through ``training.on_step`` once one is asked.
-        self.halt: Any = None  # the HaltRequest this rank follows
-        self.halt_step: int | None = None  # set (on the training thread) once the target step completed
-        self._halt_said = False
-        self._halt_late = False
-        self._halt_thread: int | None = None
-        self._halt_left = False  # the caller stops the loop its own way: no trap (leave_halt_to_caller)
-        self._halt_file: RequestFile | None = None
-        self._snapshot_file: RequestFile | None = None
-        self._snapshot_answered: str | None = None
+        # sampler; the training thread sees a halt only at a step once one is asked for.
+        self.halts = HaltController(
+            self.training, session_id=self.session_id, rank=lambda: self.identity.rank,
+            say=lambda msg, **fields: self.outputs.heartbeat_write(self._heartbeat(msg, **fields)),
+            ended=self._write_rank_end, current_step=lambda: self.step)
         self._stack_signal: tuple[int, str] | None = None
         self._poll_s = min(config.interval, config.heartbeat_interval, 1.0)
-        self._want_memory_history = config.memory_history or memory_history_from_env()
-        self._memory_history = False
-        self._next_history_try = 0.0
-        if self._want_memory_history:
-            with guarded:
-                self._memory_history = record_memory_history()
+        self.memory = MemoryRequests(wanted=config.memory_history)
         # False while a child's identity is pending: nothing is written, ticks only install patches.
         self.opened = False
         if child is not None and child.identity is None:
@@ -288,8 +227,7 @@ class Runtime:
             # under ``stepwatch run``: die with whoever started this rank (the launcher, or
             # torchrun, whose own parent-death signal comes from the launcher)
             die_with_parent(signal.SIGTERM)
-        self._thread = threading.Thread(target=self._loop, name="stepwatch-sampler", daemon=True)
-        self._thread.start()
+        self.sampler.start()
 
     def _open(self, identity: DistributedIdentity, *, suffix: str = "", process: dict[str, Any] | None = None) -> None:
         """Opens this process's artifacts under ``identity``'s rank (``suffix`` keeps the files of a
@@ -298,57 +236,31 @@ class Runtime:
         self.identity = identity
         rank = identity.rank
         self.spans.rank = rank  # span records are built at seal time, on the sampler: all carry it
-        self.sink = TelemetrySink(self.run_dir / "telemetry" / f"rank{rank}{suffix}", config.sink)
-        self._ledger = self._open_ledger()
+        opened = open_rank_artifacts(config, identity, self.run_dir, session_id=self.session_id,
+                                     started_ns=self.started_ns, host=self.host, pid=self.pid, suffix=suffix,
+                                     launched=self.launched, child=self.child is not None)
+        self.sink, self.session, self.factory = opened.sink, opened.session, opened.factory
+        self.heartbeat, self.spool, self.exporter, self.sender = opened.heartbeat, opened.spool, opened.exporter, opened.sender
+        self._ledger = opened.ledger
         self._ledger_write = self._ledger.write_step if self._ledger is not None else None
-        self.session = self.sink.start_session(
-            SessionSummary(
-                session_id=self.session_id, status="running", started_at_ns=self.started_ns, host=self.host,
-                pid=self.pid, job_id=identity.job_id, rank=rank, local_rank=identity.local_rank,
-                world_size=identity.world_size, source="stepwatch.runtime",
-            )
-        )
-        self.factory = EventFactory(
-            session_id=self.session_id, identity=identity, host=self.host, pid=self.pid,
-            interval_ms=int(round(config.interval * 1000)),
-        )
-        self.heartbeat = HeartbeatWriter(self.run_dir, rank, name=f"rank{rank}{suffix}" if suffix else None)
-        from .. import __version__
-
-        self.spool = SpoolWriter(self.run_dir / "spool", sdk_version=__version__, max_bytes=config.spool_max_bytes,
-                                 adopt_existing=(config.world_size or 1) <= 1 and self.child is None)  # ranks share <run>/spool
-        if config.endpoint and config.api_key:
-            from ..transport.http_exporter import HttpExporter
-
-            self.exporter = HttpExporter(config.endpoint, config.api_key, sdk_version=__version__,
-                                         spool_root=self.run_dir)
-        if config.aggregator:
-            from ..transport.sender import FrameSender, parse_address
-
-            self.sender = FrameSender(parse_address(config.aggregator), {
-                "session_id": self.session_id, "rank": rank, "local_rank": identity.local_rank,
-                "world_size": identity.world_size, "job_id": identity.job_id, "host": self.host,
-                "pid": self.pid, "started_ns": self.started_ns,
-            })
-        if rank == 0 and not self.launched:
-            write_run_manifest(
-                self.run_dir,
-                RunManifest(session_id=self.session_id, started_at_ns=self.started_ns, command_line=list(sys.argv),
-                            world_size=identity.world_size, pid=self.pid, versions=current_versions()),
-            )
         name = f"rank{rank}{suffix}"
         with guarded:
             self._stack_signal = register_stack_signal(self.run_dir, name)
-        self._halt_file = RequestFile(self.run_dir / HALT_FILENAME)
-        self._snapshot_file = RequestFile(self.run_dir / MEMORY_SNAPSHOT_FILENAME)
-        self._name = name
+        self.halts.watch(self.run_dir)
+        outputs = self.outputs = RankOutputs(self.sink, self.heartbeat, sender=self.sender, recent=config.oom_ring)
+        self.drain = TableDrain(self.phase_rows, self.error_events, self.progress_rows, outputs, factory=self.factory,
+                                prefix=self.scopes.prefix, heartbeat=self._heartbeat, stopping=lambda: self._stopped)
+        self.sealer = SpoolSealer(self.spans, self.snapshot_rows, self.spool, self.run_dir,
+                                  gpu_timer=lambda: self.training.gpu_timer,
+                                  wire=outputs.wire if self.sender is not None else None, exporter=self.exporter)
+        self.memory.watch(self.run_dir, name, rank, self.session_id, self.started_ns)
         # First sample now, so every later record carries real counters.
-        self._sample(time.time())
+        self.devices.sample(time.time(), self.factory, self.outputs.write)
         metadata: dict[str, Any] = {"run_dir": str(self.run_dir)}
         if process is not None:
             metadata["process"] = process
-        self._write(self.factory.point("start", context="stepwatch capture started", metadata=metadata))
-        self._heartbeat_write(self._heartbeat(
+        self.outputs.write(self.factory.point("start", context="stepwatch capture started", metadata=metadata))
+        self.outputs.heartbeat_write(self._heartbeat(
             "boot", phase="start", host=self.host, session_id=self.session_id, poll_s=self._poll_s,
             stack_signal=self._stack_signal[0] if self._stack_signal else None,
             stack_file=self._stack_signal[1] if self._stack_signal else None))
@@ -366,7 +278,7 @@ class Runtime:
         child = self.child
         if child is None or self.opened or self._stopped:
             return
-        with self._tick_lock:
+        with self.sampler.lock:
             if self.opened or self._stopped:
                 return
             from .children import settle_identity
@@ -384,7 +296,7 @@ class Runtime:
         self.progress_rows.append((time.time(), step, metrics))
         calls = self._progress_calls = self._progress_calls + 1
         if calls & 63 == 1:  # the first call, then every 64th: ~0.4-1 us, on the caller's thread
-            self._note_program_device()
+            self.devices.note_program_device()
 
     def record_oom(self, exc: BaseException) -> Path | None:
         """Records an OOM as an ``error`` event and writes a flight-recorder bundle; the event
@@ -393,7 +305,7 @@ class Runtime:
             self.open_child(None)  # an OOM in a child before its first step: recorded as a worker's
             if not self.opened:
                 return None
-        backend = _oom_backend(exc, {h.collector.backend for h in self.collectors})
+        backend = _oom_backend(exc, self.devices.backends())
         reason = f"{type(exc).__name__}: {exc}"[:4000]
         directory = new_oom_bundle_dir(self.run_dir / "bundles", backend)
         event = self.factory.point(
@@ -402,7 +314,7 @@ class Runtime:
                       "exception_type": f"{type(exc).__module__}.{type(exc).__name__}",
                       "step": self.step, "phase_path": list(self.scopes.current_path())},
         )
-        recent = list(self.recent)  # one C-level copy: atomic under the GIL (see _write)
+        recent = list(self.outputs.recent)  # one C-level copy: atomic under the GIL (see RankOutputs.write)
         try:
             return write_oom_bundle(
                 self.run_dir / "bundles", reason=reason, backend=backend, session=self.session,
@@ -448,7 +360,7 @@ class Runtime:
         if self._ended_with_launcher:  # stopped because ``stepwatch run`` died: every record says killed
             return "killed"
         outcome = rank_outcome(self.failures)
-        return "halted" if outcome == "exited" and self.halt_step is not None else outcome
+        return "halted" if outcome == "exited" and self.halts.step is not None else outcome
 
     def _write_rank_end(self) -> None:
         with guarded:
@@ -456,29 +368,10 @@ class Runtime:
                 "schema_version": 1, "session_id": self.session_id, "rank": self.identity.rank,
                 "local_rank": self.identity.local_rank, "world_size": self.identity.world_size, "pid": self.pid,
                 "host": self.host, "outcome": self.outcome(), "errors": list(self.failures),
-                "ended_at_ns": time.time_ns(), **({"halt": self.halt_record()} if self.halt_step is not None else {}),
+                "ended_at_ns": time.time_ns(), **({"halt": self.halts.record()} if self.halts.step is not None else {}),
             })
 
     # -- background thread ---------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        # wake for whichever comes first: a sample, a heartbeat, or the once-a-second flush;
-        # sooner while the tables hold a backlog
-        period = min(self.config.interval, self.config.heartbeat_interval, 1.0)
-        backlog_wait = min(period, _BACKLOG_WAIT_S)
-        while not self._stop.wait(backlog_wait if self._backlog else period):
-            with self._tick_lock:
-                if self._stop.is_set():
-                    break
-                with guarded:
-                    self.tick()
-        with self._handoff_lock:
-            self._loop_done = True
-            handoff = self._handoff
-        if handoff is not None:  # stop gave up waiting for this thread: finish its work here
-            status, timeout, exit_code = handoff
-            with self._tick_lock, guarded:
-                self._stop_locked(status, timeout, exit_code, time.monotonic() + timeout)
 
     def tick(self) -> None:
         if not self.opened:  # a child whose identity is pending: nothing to write yet
@@ -490,155 +383,36 @@ class Runtime:
         if ledger is not None:
             ledger.alive(int(now * 1e9))
         mono = time.monotonic()
-        quarter = self.phase_rows.maxlen // 4
-        self._backlog = len(self.phase_rows) >= quarter or len(self.progress_rows) >= quarter
-        if mono >= self._next_discovery:
-            self._next_discovery = mono + _DISCOVER_EVERY_S
-            known = {h.collector.name for h in self.collectors}
-            for collector in discover_accelerators(known, self._program_device):
-                self.collectors.append(CollectorHealth(collector))
+        self.sampler.backlog = self.drain.backlog()
+        if self.devices.discover(mono):
             self._enable_gpu_timing()
         if self.patches is None and self.config.auto_instrument:
             self.install_patches()
         self._poll_controls(mono)
         if mono >= self._next_sample:
             self._next_sample = mono + self.config.interval
-            self._sample(now)
-        if not self._drain():
+            self.devices.sample(now, self.factory, self.outputs.write)
+        if not self.drain.run():
             return  # stop is waiting: it writes the rest and closes the files
         if mono >= self._next_seal:
             self._next_seal = mono + self.config.spool_interval
-            self._seal_spool()
-        elif self.sender is not None:
-            self._ship_spans_early()
+            self.sealer.seal()
+        else:
+            self.sealer.ship_early()
         if mono >= self._next_heartbeat:
             self._next_heartbeat = mono + self.config.heartbeat_interval
             record = self._heartbeat("heartbeat", **self._phase_fields())
             record.setdefault("phase", None)  # null between steps (heartbeat_record drops None)
-            self._heartbeat_write(record)
+            self.outputs.heartbeat_write(record)
         self.heartbeat.flush()
-        self._flush_sink()
-        self._ship()
-
-    def _sample(self, now: float) -> None:
-        timestamp_ns = int(now * 1e9)
-        accelerators = any(h.collector.backend not in ("cpu",) for h in self.collectors)
-        for health in self.collectors:
-            readings, transition = health.poll(now)
-            meta = health.metadata()
-            if transition is not None:
-                context = health.last_error if transition == "collector_degraded" else "collector works again"
-                self._write(self.factory.point(transition, context=context, metadata=meta,
-                                               timestamp_ns=timestamp_ns, collector=health.collector.name))
-            primary = health.collector.backend != "cpu" or not accelerators
-            for reading in readings:
-                self._write(self.factory.sample(health.collector.name, reading, meta, timestamp_ns, primary=primary))
-            if readings and health.collector.backend in ("cuda", "rocm"):
-                self._note_gpu_memory(readings, getattr(health.collector, "current_device", None))
-
-    def _note_gpu_memory(self, readings: list[Reading], current: int | None) -> None:
-        """The heartbeat's ``gpu_mem_*``: the program's own device (seen on its thread, else the
-        collector's ``current``), else the one it holds most memory on."""
-        device = self._cuda_device if self._cuda_device is not None else current
-        chosen = next((r for r in readings if r.device_id == device), None)
-        if chosen is None:
-            chosen = max(readings, key=lambda r: (r.reserved, -r.device_id))
-        self._last_cuda_mb = (chosen.allocated >> 20, chosen.reserved >> 20)
-
-    def _drain(self, deadline: float | None = None) -> bool:
-        """Writes the queued rows, oldest first, ``_DRAIN_CHUNK`` at a time.
-
-        On the sampler (``deadline`` None): at most the rows queued when it starts (later ones
-        wait for the next tick, so a fast producer cannot starve sampling), and it returns
-        False as soon as ``stop`` is waiting, leaving the rest queued for it. In ``stop``: all
-        rows, until ``deadline`` (monotonic); phase and progress rows still queued then are
-        counted in ``dropped_at_stop`` (error events are few and always written).
-        """
-        for table, write in ((self.phase_rows, self._write_phases), (self.error_events, self._write_errors),
-                             (self.progress_rows, self._write_progress)):
-            budget = len(table)
-            while budget > 0:
-                if deadline is not None and table is not self.error_events and time.monotonic() >= deadline:
-                    self.dropped_at_stop[table.name] += len(table.drain())
-                    break
-                rows = table.drain(min(budget, _DRAIN_CHUNK))
-                if not rows:
-                    break
-                budget -= len(rows)
-                write(rows)
-                if deadline is None and self._stopped:  # set by stop() before it waits for the lock
-                    return False
-        return True
-
-    def _write_phases(self, rows: list[tuple[Any, ...]]) -> None:
-        phase, prefix, write = self.factory.phase, self.scopes.prefix, self._write
-        for row in rows:
-            try:
-                event = phase(row, prefix)
-            except Exception as exc:  # noqa: BLE001 - one bad row must not lose the chunk
-                self.rows_unwritable += 1
-                report_internal(exc, Site.DRAIN_PHASE)
-                continue
-            write(event)
-
-    def _write_errors(self, rows: list[TelemetryEventV3]) -> None:
-        for event in rows:
-            self._write(event)
-
-    def _write_progress(self, rows: list[tuple[float, int, dict[str, Any]]]) -> None:
-        for ts, step, metrics in rows:
-            try:
-                self._heartbeat_write(self._heartbeat("progress", ts=ts, step=step, **metrics))
-            except Exception as exc:  # noqa: BLE001 - e.g. a metric named like a required field
-                self.rows_unwritable += 1
-                report_internal(exc, Site.DRAIN_PROGRESS)
-
-    def _heartbeat_write(self, record: dict[str, Any]) -> None:
-        self.heartbeat.write(record)
-        if self.sender is not None:
-            self._wire["heartbeat"].append(record)
-
-    def _ship(self) -> None:
-        """Sends the rows new since the last tick to the aggregator (when there is one)."""
-        if self.sender is None:
-            return
-        wire, self._wire = self._wire, {name: [] for name in self._wire}
-        with guarded:
-            self.sender.ship(wire)
-
-    def _write(self, event: TelemetryEventV3) -> None:
-        if self.sender is not None:
-            self._wire["telemetry"].append(event)
-        # No lock: deque.append is atomic under the GIL, and record_oom's list(self.recent) runs
-        # in C without running Python code, so it cannot see the deque change mid-copy.
-        self.recent.append(event)
-        try:
-            self.sink.append(event)
-        except OSError as exc:  # disk full or gone: keep memory bounded, count what is lost
-            self.sink_dropped += self.sink.discard_buffer()
-            report_internal(exc, Site.SINK_APPEND)
-        except RecordNotEncodable as exc:  # this record, or one batched before it: dropped
-            self.rows_unwritable += exc.dropped
-            report_internal(exc, Site.SINK_ENCODE)
-        except Exception as exc:  # noqa: BLE001 - a record the sink could not encode (it drops
-            # that one and raises, maybe from a later append): the rest of the chunk goes on
-            self.rows_unwritable += 1
-            report_internal(exc, Site.SINK_ENCODE)
-
-    def _flush_sink(self) -> None:
-        try:
-            self.sink.maybe_flush()
-        except OSError as exc:
-            self.sink_dropped += self.sink.discard_buffer()
-            report_internal(exc, Site.SINK_FLUSH)
-        except RecordNotEncodable as exc:  # a batched record dropped as the flush encoded it
-            self.rows_unwritable += exc.dropped
-            report_internal(exc, Site.SINK_ENCODE)
+        self.outputs.flush_sink()
+        self.outputs.ship()
 
     def _heartbeat(self, msg: str, *, ts: float | None = None, step: int | None = None, **fields: Any) -> dict[str, Any]:
-        if self._last_cuda_mb is not None:
-            fields.setdefault("gpu_mem_alloc", self._last_cuda_mb[0])
-            fields.setdefault("gpu_mem_reserved", self._last_cuda_mb[1])
+        gpu_mb = self.devices.gpu_mb
+        if gpu_mb is not None:
+            fields.setdefault("gpu_mem_alloc", gpu_mb[0])
+            fields.setdefault("gpu_mem_reserved", gpu_mb[1])
         return heartbeat_record(ts=ts or time.time(), pid=self.pid, rank=self.identity.rank,
                                 step=self.step if step is None else step, msg=msg, **fields)
 
@@ -650,7 +424,7 @@ class Runtime:
         return torch_attach.install(self)
 
     def _enable_gpu_timing(self) -> None:
-        torch = _fully_imported_torch()
+        torch = fully_imported_torch()
         if self.training.gpu_timer is None and torch is not None and torch.cuda.is_initialized():
             from .gpu_timing import GpuTimer, cuda_event_source
 
@@ -668,6 +442,9 @@ class Runtime:
 
     def _on_step(self, step: int, span: OpenSpan | None = None) -> None:
         self.step = step
+        halts = self.halts
+        if halts.target is not None:  # a halt waits for its step (one attribute read until then)
+            halts.step_done(step)
         write = self._ledger_write
         if write is not None and span is not None:
             try:
@@ -676,156 +453,44 @@ class Runtime:
                 self._ledger_write = None
                 report_internal(exc, Site.STEP_LEDGER_WRITE)
         if step & 63 == 1:  # the first step, then every 64th: cheap enough for the step path
-            self._note_program_device()
+            self.devices.note_program_device()
 
-    # -- coherent halt (docs/halt.md) --------------------------------------------------------------
+    # -- coherent halt (docs/halt.md): the HaltController's, as integrations and api.py ask ------
 
-    def _on_step_halting(self, step: int, span: OpenSpan | None = None) -> None:
-        """``_on_step`` while a halt is pending: installed by the sampler when it reads ``.HALT``,
-        so no step pays for the check before one is asked for."""
-        self._on_step(step, span)
-        halt = self.halt
-        if halt is not None and step >= halt.target_step:
-            self._reach_halt(step, threading.get_ident())
+    @property
+    def halt(self) -> Any:
+        """The ``HaltRequest`` this rank follows (None: none)."""
+        return self.halts.request
 
-    def _reach_halt(self, step: int, thread: int | None) -> None:
-        """The target step is done: ``halt_requested()`` is true from now on, and the training
-        thread's next phase or step raises ``Halt`` (the loop's own check after
-        ``optimizer.step()`` comes first). Both traps shadow ``TrainingState`` methods on this
-        instance: nothing is checked on any step before."""
-        if self.halt_step is not None:
-            return
-        self.halt_step = step
-        self._halt_thread = thread
-        if self.training.on_step == self._on_step_halting:
-            self.training.on_step = self._on_step
-        # every phase opens through phase_begin (TrainingState.begin_phase calls it too)
-        self.training.phase_begin = self._halt_at_phase_begin  # type: ignore[method-assign]
-        self.training.open_step = self._halt_at_step  # type: ignore[method-assign]
-        if self._halt_left:  # the training thread left it to its framework while the sampler got here
-            self.leave_halt_to_caller()
-        self._write_rank_end()
-
-    def _halt_at_phase_begin(self, local: Any, name: str, timed: bool = True) -> OpenSpan | None:
-        if self._halt_thread not in (None, threading.get_ident()):
-            return TrainingState.phase_begin(self.training, local, name, timed)
-        self.raise_halt()
-        return None  # pragma: no cover
-
-    def _halt_at_step(self, *args: Any, **kwargs: Any) -> OpenSpan | None:
-        if self._halt_thread not in (None, threading.get_ident()):
-            return TrainingState.open_step(self.training, *args, **kwargs)
-        self.raise_halt()
-        return None  # pragma: no cover
-
-    def halt_reached_here(self) -> bool:
-        """The halt's step is done, and this is the thread it stops (any thread for a late halt)."""
-        return self.halt_step is not None and self._halt_thread in (None, threading.get_ident())
-
-    def leave_halt_to_caller(self) -> None:
-        """The halt's step is done and the caller stops the loop its own way (a framework's stop
-        flag): no ``Halt`` is raised at the next phase. The rank's outcome stays ``halted``."""
-        self._halt_left = True
-        self._disarm_halt()
-
-    def _disarm_halt(self) -> None:
-        self.training.__dict__.pop("phase_begin", None)
-        self.training.__dict__.pop("open_step", None)
-
-    def raise_halt(self) -> None:
-        """Raises ``Halt`` for the step reached (once: a program that catches it goes on)."""
-        self._disarm_halt()
-        halt = self.halt
-        raise Halt(self.halt_step or 0, halt.reason if halt is not None else "", halt_exit_code())
+    @property
+    def halt_step(self) -> int | None:
+        """The step this rank halted at, once the target step completed (None: not halted)."""
+        return self.halts.step
 
     def halt_record(self) -> dict[str, Any] | None:
         """The rank's halt, for its end file and run.json (None: not halted)."""
-        halt = self.halt
-        if self.halt_step is None or halt is None:
-            return None
-        return {"kind": "halt", "rank": self.identity.rank, "type": "Halt", "step": self.halt_step,
-                "target_step": halt.target_step, "late": self._halt_late, "reason": halt.reason,
-                "requested_at": halt.requested_at, "by": halt.by, "fatal": False,
-                "message": f"halted at step {self.halt_step} on request: {halt.reason}",
-                "traceback": None, "at_ns": time.time_ns()}
+        return self.halts.record()
 
-    def _poll_halt(self) -> None:
-        """Sampler: a new or changed ``.HALT`` for this session arms the halt."""
-        if self._halt_file is None or self.halt_step is not None:
-            return
-        data = self._halt_file.poll()
-        if data is None:
-            if not self._halt_file.present and self.halt is not None:  # .HALT removed in time: cancelled
-                self.halt = None
-                if self.training.on_step == self._on_step_halting:
-                    self.training.on_step = self._on_step
-                self._heartbeat_write(self._heartbeat("halt_cancelled"))
-            return
-        request = read_halt_request(data, self.run_dir / HALT_FILENAME, self.session_id)
-        if request is None:
-            return
-        self.halt = request
-        if self.step >= request.target_step:  # seen too late: stop at the next boundary, and say so
-            self._halt_late = True
-            self._reach_halt(self.step, training_thread(self.training))
-        elif self.training.on_step == self._on_step:
-            self.training.on_step = self._on_step_halting
-        self._heartbeat_write(self._heartbeat("halt_requested", target_step=request.target_step,
-                                              reason=request.reason, late=self._halt_late or None))
+    def halt_reached_here(self) -> bool:
+        """The halt's step is done, and this is the thread it stops (integrations ask)."""
+        return self.halts.reached_here()
 
-    def _poll_memory_snapshot(self) -> None:
-        """Sampler: answers a new ``.MEMORY_SNAPSHOT`` request once."""
-        data = self._snapshot_file.poll() if self._snapshot_file is not None else None
-        if data is None:
-            return
-        request = read_snapshot_request(data, self.run_dir / MEMORY_SNAPSHOT_FILENAME, self.session_id,
-                                        self.started_ns)
-        if request is None or request.request_id == self._snapshot_answered:
-            return
-        self._snapshot_answered = request.request_id
-        answer = answer_memory_snapshot(self.run_dir, self._name, self.identity.rank, request,
-                                        history=self._memory_history)
-        self._heartbeat_write(self._heartbeat("memory_snapshot", request_id=request.request_id,
-                                              status=answer["status"], path=answer.get("path"),
-                                              note=answer.get("note")))
+    def leave_halt_to_caller(self) -> None:
+        """A framework stops its loop its own way: no ``Halt`` at the next phase."""
+        self.halts.leave_to_caller()
+
+    def raise_halt(self) -> None:
+        """Raises ``Halt`` for the step reached (a framework that trained on after its stop)."""
+        self.halts.raise_halt()
 
     def _poll_controls(self, mono: float) -> None:
         with guarded:
-            self._poll_halt()
-        if self.halt_step is not None and not self._halt_said:
-            self._halt_said = True
-            with guarded:
-                self._heartbeat_write(self._heartbeat("halt", step=self.halt_step, target_step=self.halt.target_step,
-                                                      reason=self.halt.reason))
-        with guarded:
-            self._poll_memory_snapshot()
-        if self._want_memory_history and not self._memory_history and mono >= self._next_history_try:
-            self._next_history_try = mono + _DISCOVER_EVERY_S  # torch imported, or CUDA set up, later
-            with guarded:
-                self._memory_history = record_memory_history()
+            self.halts.poll()
+        self.memory.poll(mono, lambda msg, **fields: self.outputs.heartbeat_write(self._heartbeat(msg, **fields)))
 
     def _phase_fields(self) -> dict[str, Any]:
         phase, seconds = current_phase(self.training, time.time_ns())
         return {"phase": phase, "phase_s": seconds} if phase is not None else {"phase": None}
-
-    def _open_ledger(self) -> StepLedger | None:
-        """This rank's step ledger (artifacts/step_ledger.py): the steps a SIGKILL would take
-        with it survive in its pages. None (and said once) when the disk has no room for it."""
-        try:
-            return StepLedger.create(self.run_dir, self.session_id, rank=self.identity.rank,
-                                     started_ns=self.started_ns)
-        except (OSError, ValueError) as exc:
-            report_internal(exc, Site.STEP_LEDGER_CREATE)
-            return None
-
-    def _note_program_device(self) -> None:
-        """Remembers the CUDA device current on the calling (the program's) thread."""
-        device = _program_cuda_device()
-        if device is not None:
-            self._cuda_device = device
-
-    def _program_device(self) -> int | None:
-        return self._cuda_device
 
     def _blob_uri(self, span_id: str, kind: str) -> str:
         return (self.run_dir / "snapshots" / span_id / f"{kind}.safetensors").resolve().as_uri()
@@ -833,73 +498,21 @@ class Runtime:
     def _snapshot_sink(self, records: list[dict[str, Any]], job: Any) -> None:
         self.snapshot_rows.append((records, job))
 
-    def _ship_spans_early(self) -> None:
-        """Between spool seals the aggregator still gets closed spans and marks at every tick, so
-        they are in the history within about a second; the next spool batch holds them too."""
-        spans = self.spans.span_records(self.training.gpu_timer, final=False)
-        marks = self.spans.mark_records()
-        self._shipped_spans.extend(spans)
-        self._shipped_marks.extend(marks)
-        self._wire["spans"].extend(spans)
-        self._wire["marks"].extend(marks)
-
-    def _seal_spool(self, final: bool = False) -> None:
-        """Writes closed spans (those whose GPU time is resolved), marks and snapshots as a batch."""
-        # Records (msgspec Structs) are built here, on this thread, by the recorder (spans.py).
-        fresh_spans: list[Any] = self.spans.span_records(self.training.gpu_timer, final=final)
-        fresh_marks: list[Any] = self.spans.mark_records()
-        spans = self._shipped_spans + fresh_spans
-        marks = self._shipped_marks + fresh_marks
-        self._shipped_spans, self._shipped_marks = [], []
-        snapshots: list[dict[str, Any]] = []
-        for records, job in self.snapshot_rows.drain():
-            snapshots.extend(records)
-            if job is not None:
-                from .snapshots import write_blobs
-
-                with guarded:
-                    write_blobs(job, self.run_dir / "snapshots" / job.span_id)
-        if self.sender is not None:
-            self._wire["spans"].extend(fresh_spans)
-            self._wire["marks"].extend(fresh_marks)
-            self._wire["snapshots"].extend(snapshots)
-        roots: list[Any] = []
-        if final:
-            # The session span gets a batch of its own, written last: a final batch over the byte
-            # cap is split and its older pieces evicted, and that must not take the span that
-            # everything else hangs under.
-            roots = [span for span in spans if span.parent_id is None]
-            spans = [span for span in spans if span.parent_id is not None]
-        try:
-            paths = self.spool.write(spans, marks, snapshots)
-            paths += self.spool.write(roots, [], [])
-        except OSError as exc:  # full or vanished disk: the batch is lost, and counted as such
-            self.spool_write_lost += len(spans) + len(roots) + len(marks) + len(snapshots)
-            report_internal(exc, Site.SPOOL_WRITE)
-            return
-        for path in paths:
-            if self.exporter is not None:
-                self.exporter.submit(path)
-
     # -- stop ----------------------------------------------------------------------------------
 
     def drops(self) -> dict[str, int]:
         return {
             "phase_rows_evicted": self.phase_rows.evicted,
             "progress_rows_evicted": self.progress_rows.evicted,
-            "phase_rows_dropped_at_stop": self.dropped_at_stop["phases"],
-            "progress_rows_dropped_at_stop": self.dropped_at_stop["progress"],
-            "rows_unwritable": self.rows_unwritable,
+            "phase_rows_dropped_at_stop": self.drain.dropped_at_stop["phases"],
+            "progress_rows_dropped_at_stop": self.drain.dropped_at_stop["progress"],
+            "rows_unwritable": self.outputs.rows_unwritable,
             "error_events_evicted": self.error_events.evicted,
-            "sink_records_dropped": self.sink_dropped,
+            "sink_records_dropped": self.outputs.sink_dropped,
             "span_rows_evicted": self.spans.closed.evicted,
             "mark_rows_evicted": self.spans.marks.evicted,
-            "snapshot_rows_evicted": self.snapshot_rows.evicted,
             "spans_over_depth_cap": self.spans.depth_dropped,
-            "spool_batches_evicted": self.spool.evicted_batches,
-            "spool_records_evicted": self.spool.evicted_records,
-            "spool_records_dropped": self.spool.dropped_records,
-            "spool_records_lost_to_write_errors": self.spool_write_lost,
+            **self.sealer.drops(),
             "gpu_timing_pool_exhausted": getattr(self.training.gpu_timer, "pool_exhausted", 0),
             "gpu_timing_unresolved": getattr(self.training.gpu_timer, "unresolved_dropped", 0),
             "gpu_timing_record_failed": getattr(self.training.gpu_timer, "record_failed", 0),
@@ -920,22 +533,19 @@ class Runtime:
         self._stopped = True
         torch_attach.cancel(self)
         deadline = time.monotonic() + max(0.0, float(timeout))
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        # The sampler gives way between chunks, so this wait is short unless a write blocks.
-        if not self._tick_lock.acquire(timeout=max(0.01, deadline - time.monotonic())):
-            with self._handoff_lock:
-                if not self._loop_done:
-                    self._handoff = (status, max(0.0, float(timeout)), exit_code)
-                    report_internal(TimeoutError(f"sampler busy past the {timeout} s stop deadline; "
-                                                 "it closes the session when its write returns"), Site.STOP_HANDOFF)
-                    return
-            self._tick_lock.acquire()  # the sampler has left its loop: the lock is free now
+        if not self.sampler.stop(deadline, (status, max(0.0, float(timeout)), exit_code), now=time.monotonic):
+            report_internal(TimeoutError(f"sampler busy past the {timeout} s stop deadline; "
+                                         "it closes the session when its write returns"), Site.STOP_HANDOFF)
+            return
         try:
             self._stop_locked(status, timeout, exit_code, deadline)
         finally:
-            self._tick_lock.release()
+            self.sampler.lock.release()
+
+    def _finish_handed_off(self, handoff: tuple[SessionStatus, float, int | None]) -> None:
+        """A stop the sampler runs, when ``stop`` could not wait for its tick."""
+        status, timeout, exit_code = handoff
+        self._stop_locked(status, timeout, exit_code, time.monotonic() + timeout)
 
     def _launcher_ending(self, status: SessionStatus) -> tuple[SessionStatus, dict[str, Any]]:
         """A stop because ``stepwatch run`` died (``kill -9``, its terminal closed): the kernel's
@@ -956,7 +566,7 @@ class Runtime:
         status, ending = self._launcher_ending(status)
         self._ended_with_launcher = bool(ending)
         with guarded:  # first: the deadline bounds this, not the exporter's wait below
-            self._drain(deadline)
+            self.drain.run(deadline)
         if self.patches is not None:
             with guarded:
                 self.patches.uninstall()
@@ -966,24 +576,24 @@ class Runtime:
             self.spans.close_all()
             if self.training.gpu_timer is not None:  # the last steps' GPU time, not dropped
                 self.training.gpu_timer.settle(min(1.0, max(0.0, deadline - time.monotonic())))
-            self._seal_spool(final=True)
+            self.sealer.seal(final=True)
         if self.exporter is not None:
             with guarded:
                 self.exporter.close(timeout)
         with guarded:
-            self._sample(time.time())
-            self._drain(deadline)  # an error event recorded meanwhile (phases and progress are off now)
+            self.devices.sample(time.time(), self.factory, self.outputs.write)
+            self.drain.run(deadline)  # an error event recorded meanwhile (phases and progress are off now)
         with guarded:
-            self._write(self.factory.point(
+            self.outputs.write(self.factory.point(
                 "stop", context=f"stepwatch capture stopped ({status})",
                 metadata={"dropped": self.drops(), "internal_errors": sum(swallowed().values()),
                           "outcome": self.outcome(),
-                          "collector_failures": {h.collector.name: h.failures_total for h in self.collectors},
+                          "collector_failures": self.devices.failures(),
                           **ending},
             ))
         first_error = next((e for e in self.failures if e.get("fatal")), None)
         with guarded:
-            self._heartbeat_write(self._heartbeat("stop", status=status, error=first_error, **ending,
+            self.outputs.heartbeat_write(self._heartbeat("stop", status=status, error=first_error, **ending,
                                                   outcome=self.outcome()))
             self.heartbeat.close()
         self._write_rank_end()
@@ -995,14 +605,14 @@ class Runtime:
                 manifest.ended_at_ns = time.time_ns()
                 manifest.exit_code = exit_code
                 manifest.outcome = self.outcome()
-                manifest.error = next((e for e in self.failures if e.get("fatal")), None) or self.halt_record()
+                manifest.error = next((e for e in self.failures if e.get("fatal")), None) or self.halts.record()
                 manifest.errors = list(self.failures)
                 if ending:
                     manifest.extra.update(ending)
                 write_run_manifest(self.run_dir, manifest)
         if self.sender is not None:
             with guarded:
-                self._ship()
+                self.outputs.ship()
                 self.sender.close(min(timeout, 1.0))
         with guarded:
             self.session = self.sink.close(status) or self.session

@@ -43,8 +43,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ..guard import Site, report_internal
-from . import step_inference as machine
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
+from .step_inference import StepHost, StepMachine
 
 __all__ = [
     "FRAMEWORK_PRIORITY", "TrainingState", "activate", "batches", "epochs", "inference", "mark",
@@ -66,14 +66,14 @@ _pre_init_marks: deque[MarkRow] = deque(maxlen=_PRE_INIT_MARKS_MAX)
 
 class _ThreadState:
     """This thread's training bookkeeping, and its span stack and ident, so that a phase reads
-    one object (the stack is the very list the recorder uses for the thread)."""
+    one object (the stack is the very list the recorder uses for the thread). Step inference's
+    own state is the thread's ``machine`` (step_inference.py)."""
 
     __slots__ = ("stack", "ident", "step", "model", "pending_fetch", "in_forward", "in_backward",
-                 "optimizer_token", "optimizer_depth", "implicit", "live", "done_ns", "holding", "held",
-                 "last_opt_end", "source", "mode", "watch", "cuts", "first_times", "eval_ids", "it_fwd",
-                 "it_bwd", "step_opts", "opt_label", "opt_nested")
+                 "optimizer_token", "optimizer_depth", "implicit", "live", "source", "step_opts", "opt_label",
+                 "opt_nested", "ended_pass", "machine")
 
-    def __init__(self, recorder: SpanRecorder) -> None:
+    def __init__(self, recorder: SpanRecorder, host: StepHost) -> None:
         self.stack: list[OpenSpan] = recorder.thread_stack()
         self.ident = threading.get_ident()
         self.step: OpenSpan | None = None
@@ -85,26 +85,17 @@ class _ThreadState:
         self.optimizer_depth = 0  # optimizer steps nested in the open one (super().step(), wrappers)
         self.implicit = False  # the open step was opened by the patches, not by trace_step
         # The step phases accrue to: ``step`` while it runs, None once an inferred step's optimizer
-        # step returned (``done_ns`` its end; it stays open for marks) and when no step is open.
-        # The one attribute begin_phase tests before taking its slow path.
+        # step returned (it stays open for marks) and when no step is open. The one attribute
+        # begin_phase tests before taking its slow path; the machine sets it for inferred steps.
         self.live: OpenSpan | None = None
-        self.done_ns = 0
-        # The step machine (step_inference.py): closed phases held back until it is known whose
-        # they are, the mode learned from the loop, the iterations of a step that may be split.
-        self.holding = False
-        self.held: list[OpenSpan] = []
-        self.last_opt_end = 0  # end of the last inferred step, where a DataLoader-less step starts
         self.source: tuple[Any, int] | None = None  # (loader, pass start ns) of the last fetch
-        self.mode = machine.UNKNOWN
-        self.watch = False  # begin_phase takes the slow path even in a running step
-        self.cuts: list[int] = []  # starts of the held iterations of the open step (UNKNOWN mode)
-        self.first_times: dict[str, int] | None = None  # the open step's times before its held iterations
-        self.eval_ids: set[int] = set()  # held forwards that ran with gradients off
-        self.it_fwd = 0  # the current iteration's forwards: 0 none, 1 gradients off only, 2 with gradients
-        self.it_bwd = False
         self.step_opts: dict[str, int] = {}  # optimizer label -> its own ns in the open step
         self.opt_label = ""
         self.opt_nested = 0  # ns of phases nested in the open optimizer step (its closure)
+        # A loader pass exhausted whose end is not yet applied: (its source, end ns, the open
+        # step's phase time then). See TrainingState.end_pass.
+        self.ended_pass: tuple[tuple[Any, int], int, int] | None = None
+        self.machine = StepMachine(host, self)
 
 
 class _PerThread(threading.local):
@@ -112,8 +103,8 @@ class _PerThread(threading.local):
     call and then plain slots: a thread-local attribute costs ~38 ns to read and ~49 to write
     against ~9 for a slot (timeit), and a step reads and writes the bookkeeping ~80 times."""
 
-    def __init__(self, recorder: SpanRecorder, states: dict[int, _ThreadState]) -> None:
-        self.me = _ThreadState(recorder)
+    def __init__(self, recorder: SpanRecorder, states: dict[int, _ThreadState], host: StepHost) -> None:
+        self.me = _ThreadState(recorder, host)
         states[self.me.ident] = self.me  # for the sampler's view of the current phase (controls.py)
 
 
@@ -129,7 +120,7 @@ class TrainingState:
         self.blob_uri = blob_uri
         self.on_step = on_step
         self.thread_states: dict[int, _ThreadState] = {}  # each thread's, by ident: read by the sampler
-        self.threads = _PerThread(recorder, self.thread_states)
+        self.threads = _PerThread(recorder, self.thread_states, self)
         # What the hot paths below take from the recorder, held here: one attribute read each.
         self._new_id = recorder.new_id
         self._push = recorder.closed.push  # with _tally: SpanTable.append, inline
@@ -157,6 +148,11 @@ class TrainingState:
         self.grad_enabled: Callable[[], bool] = lambda: True  # torch.is_grad_enabled, from the patches
         self.optimizer_labels: dict[int, str] = {}  # id(optimizer) -> "<class>#<order first stepped>"
         self.on_new_optimizer: Callable[[Any], None] | None = None  # at an optimizer's first step
+        # The one way to stop the training code from outside (docs/halt.md): when set, it is called
+        # on the calling thread before every phase and every step opens, and may raise into the
+        # training code (``Halt``, the only thing stepwatch raises there, and only on request).
+        # None costs the hot path one attribute read. Set and cleared by its owner (halt_control.py).
+        self.trap: Callable[[], None] | None = None
 
     @property
     def local(self) -> _ThreadState:
@@ -193,10 +189,16 @@ class TrainingState:
         while its iterations are watched) the step machine decides first whether a step opens,
         closes, splits or takes the phase (``step_inference``).
         """
+        trap = self.trap
+        if trap is not None:
+            trap()
         now = _time_ns()
-        slow = local.live is None or local.watch
+        machine = local.machine
+        slow = local.live is None or machine.watch
         if slow:
-            machine.before_phase(self, local, name, now)
+            if local.ended_pass is not None:  # the pass's last step is over: what comes now is not the pass's
+                self._settle_pass(local)
+            machine.phase(name, now)
         stack = local.stack if not self.requests else (self._context_stack() or local.stack)
         if len(stack) >= self._max_depth:
             self.recorder.depth_dropped += 1
@@ -205,7 +207,7 @@ class TrainingState:
                         local.ident)
         stack.append(span)
         if slow and name == "forward" and local.step is not None and not self.grad_enabled():
-            local.eval_ids.add(span.id)  # evaluation work, if it comes between training steps
+            machine.forward_opened(span)  # evaluation work, if it comes between training steps
         if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
         return span
@@ -231,10 +233,7 @@ class TrainingState:
                     self.on_new_optimizer(optimizer)  # its settings (program_settings.py)
             local.opt_label = label
             local.opt_nested = 0
-            if local.step is not None and local.implicit and self.auto_steps and not self.owners:
-                machine.before_optimizer(self, local, label)
-            elif local.step is None:
-                local.mode = machine.OPTIMIZER
+            local.machine.optimizer(label)
             local.optimizer_token = self.phase_begin(local, "optimizer_step")
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.PATCH_OPTIMIZER)
@@ -256,10 +255,9 @@ class TrainingState:
         """Before a scope or an epoch opens: the inferred step that ended at its optimizer step
         closes (a scope must not nest in it) and held phases are resolved."""
         local = self.threads.me
-        if local.step is not None and local.live is None and local.implicit:
-            machine.resolve_done(self, local, reopen=False)
-        elif local.held and local.step is None:
-            machine.flush_held(self, local)
+        if local.ended_pass is not None:
+            self._settle_pass(local)
+        local.machine.settle()
 
     def end_phase(self, span: OpenSpan | None) -> None:
         """Closes a phase ``begin_phase`` opened (None: it opened none)."""
@@ -277,8 +275,9 @@ class TrainingState:
             stack.pop()
             span.closed = True
             span.end_ns = end_ns
-            if local.holding and span.name in _NO_PHASE_TIME:
-                local.held.append(span)  # spooled once the machine knows its step
+            machine = local.machine
+            if machine.holding and span.name in _NO_PHASE_TIME:
+                machine.held.append(span)  # spooled once the machine knows its step
             else:
                 self._push(span)
                 self._tally()
@@ -299,31 +298,24 @@ class TrainingState:
                     opts = local.step_opts
                     opts[local.opt_label] = opts.get(local.opt_label, 0) + duration - local.opt_nested
                     local.opt_nested = 0
-                    if local.implicit:
-                        # The inferred step ends here but stays open for the marks made after
-                        # optimizer.step(); the next event decides what follows (step_inference).
-                        # It is done: numbered and reported now (heartbeat, step ledger), not when
-                        # it closes, which a killed rank may never reach.
-                        local.live = None
-                        local.done_ns = step.end_ns = end_ns
-                        if step.index is None:
-                            step.index = next(self.steps)
-                        if self.on_step is not None:
-                            self.on_step(step.index + 1, step)
+                    if local.implicit:  # RUNNING -> DONE (step_inference)
+                        local.machine.optimizer_done(step, end_ns)
 
     def record_fetch(self, start_ns: int, end_ns: int, source: Any = None) -> None:
         """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
         held for the next step to adopt."""
         local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         local.source = source
-        local.last_opt_end = 0
         step = local.step
+        machine = local.machine
         if step is not None:
-            if not local.implicit or machine.on_fetch(self, local, start_ns, end_ns):
+            if not local.implicit or machine.fetch(start_ns):
                 self._data_load_span(start_ns, end_ns)
                 return
-        elif local.held:
-            machine.flush_held(self, local)
+        elif machine.held:
+            machine.flush()
         if local.pending_fetch is not None:  # never adopted (no phase after it): keep it where it ran
             self._data_load_span(*local.pending_fetch[:2])
         local.pending_fetch = (start_ns, end_ns, source)
@@ -331,7 +323,7 @@ class TrainingState:
     def end_inferred_step(self, end_ns: int | None = None) -> None:
         """Closes an inferred step open on this thread: when its loader is exhausted (not at the
         next epoch's fetch) and at epoch boundaries (it must not enclose, then close, an epoch)."""
-        machine.close_inferred(self, self.threads.me, end_ns)
+        self.threads.me.machine.close(end_ns)
 
     # -- automatic epochs (passes over the training DataLoader) ------------------------------
 
@@ -341,6 +333,8 @@ class TrainingState:
         A pass over the training loader ends the epoch open; the next opens at this pass's first
         training step, so a pass abandoned after a fetch or two is no epoch."""
         local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         fetch = local.pending_fetch
         if fetch is not None and fetch[2] is not source:
             local.pending_fetch = None
@@ -349,14 +343,36 @@ class TrainingState:
         if train is None or not self.auto_epochs or self.owners or train() is not source[0]:
             return
         self.end_inferred_step()
-        local.last_opt_end = 0
         self._close_auto_epoch(source[1])
 
     def end_pass(self, source: tuple[Any, int], end_ns: int) -> None:
-        """A DataLoader pass is exhausted: the inferred step closes, and the epoch if this pass is one."""
-        self.end_inferred_step(end_ns)
+        """A DataLoader pass is exhausted. The inferred step in it closes, and the epoch if this
+        pass is one, at the next event (a pass, a fetch, a scope, an epoch, shutdown, or a phase
+        outside a running step): a loader that reads one batch ahead (Accelerate's
+        ``DataLoaderShard`` iterating a ``DataLoader`` inside its own) exhausts it before its last
+        batch is trained on, and that batch still belongs to the step and the epoch (one step per
+        update, one epoch per pass)."""
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
+        times = local.step.phase_ns if local.step is not None else None
+        local.ended_pass = (source, end_ns, sum(times.values()) if times else 0)
+
+    def _settle_pass(self, local: _ThreadState) -> None:
+        """Applies the end of the pass ``end_pass`` saw: its inferred step closes (at the pass's end
+        unless phases ran since) and its epoch, once that step is over."""
+        ended = local.ended_pass
+        assert ended is not None
+        local.ended_pass = None
+        source, end_ns, work = ended
+        step = local.step
+        times = step.phase_ns if step is not None else None
+        moved = bool(times) and sum(times.values()) != work  # type: ignore[union-attr]
+        local.machine.close(None if moved else end_ns)
         train = self.train_loader
         if train is not None and self.epoch_is_auto and train() is source[0]:
+            if step is not None and step.closed and step.end_ns > end_ns:
+                end_ns = step.end_ns
             self._close_auto_epoch(end_ns)
 
     def _close_auto_epoch(self, end_ns: int | None = None) -> None:
@@ -404,8 +420,9 @@ class TrainingState:
         else:
             span = OpenSpan(self._new_id(), "data_load", stack[-1].id if stack else self._session_id, None,
                             start_ns, None, local.ident, closed=True, end_ns=end_ns)
-            if local.holding:
-                local.held.append(span)
+            machine = local.machine
+            if machine.holding:
+                machine.held.append(span)
             else:
                 self._push(span)
                 self._tally()
@@ -416,18 +433,20 @@ class TrainingState:
     # -- steps and epochs -------------------------------------------------------------------
 
     def open_step(self, model: Any, attrs: dict[str, Any] | None, *, implicit: bool = False,
-                  start_ns: int | None = None, local: _ThreadState | None = None) -> OpenSpan | None:
+                  start_ns: int | None = None, local: _ThreadState | None = None,
+                  by_machine: bool = False) -> OpenSpan | None:
         """Opens a step on the calling thread (``local``: its bookkeeping, when the caller has
-        read it already)."""
+        read it already). An implicit step opened by anyone but the step machine itself (an
+        integration's ``eval_step``) is told to the machine (``by_machine``: the machine opens it,
+        and makes its own transition)."""
+        trap = self.trap
+        if trap is not None:
+            trap()
         if local is None:
             local = self.threads.me
         if not implicit:
             self.auto_steps = False  # the program marks its own steps from now on
-            if local.step is not None and local.implicit:
-                machine.close_inferred(self, local)
-            if local.held:
-                machine.flush_held(self, local)
-            local.watch = False
+            local.machine.take_over()
             if local.step_opts:
                 local.step_opts = {}
         fetch = local.pending_fetch
@@ -444,6 +463,8 @@ class TrainingState:
         local.step = local.live = span
         local.model = model
         local.implicit = implicit
+        if implicit and not by_machine:
+            local.machine.opened()
         if fetch is not None:  # the adopted fetch: the step's data_load child (what _data_load_span does)
             start_ns, end_ns = fetch[0], fetch[1]
             if len(stack) >= self._max_depth:
@@ -463,9 +484,10 @@ class TrainingState:
             return
         implicit = local.implicit
         reported = False
-        if local.done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
-            end_ns = local.last_opt_end = local.done_ns
-            local.done_ns = 0
+        if implicit:
+            done_ns = local.machine.closed()
+            if done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
+                end_ns = done_ns
         end_ns = end_ns or _time_ns()
         local.step = local.model = local.live = None
         if implicit:
@@ -506,11 +528,13 @@ class TrainingState:
         breakdown; one that ``trace_step`` opened (cut by SIGTERM or exit) is flagged unclosed.
         An automatic epoch ends here (a loop that stopped before its loader was exhausted)."""
         local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         step = local.step
         if step is not None and not local.implicit:
             step.attrs = {**(step.attrs or {}), "unclosed": True}
             self.close_step(step, None)
-        machine.close_inferred(self, local)
+        local.machine.interrupt()  # a step cut short closes as what it was (step_inference)
         fetch = local.pending_fetch
         if fetch is not None:
             local.pending_fetch = None
@@ -518,13 +542,18 @@ class TrainingState:
         self._close_auto_epoch()
 
     def close_epoch(self, span: OpenSpan) -> None:
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         self.end_inferred_step()  # closed as a step with its breakdown, not as an "unclosed" child
         self.recorder.close(span)
 
     def open_epoch(self, index: int) -> OpenSpan | None:
         """An epoch of ``stepwatch.epochs()`` or a framework: automatic epochs stop here."""
+        local = self.threads.me
+        if local.ended_pass is not None:
+            self._settle_pass(local)
         self.end_inferred_step()
-        self.threads.me.last_opt_end = 0
         self.auto_epochs = False
         self._close_auto_epoch()
         if self.epoch is not None and not self.epoch.closed:

@@ -14,7 +14,7 @@ from stepwatch.capture.api import current_runtime
 steps = int(sys.argv[1])
 if len(sys.argv) > 2:
     stepwatch.init(out=sys.argv[2])
-hold = getattr(current_runtime(), "_tick_lock", None)
+hold = getattr(getattr(current_runtime(), "sampler", None), "lock", None)  # the sampler cannot tick
 if hold is not None:
     hold.acquire()
 
