@@ -29,6 +29,7 @@ class Phase(NamedTuple):
     span: str  # timeline / spool span name
     share: str  # summary name; ``<share>_ns`` is its history column
     in_residual: bool = True  # subtracted from the step's time to give ``wait``
+    trains: bool = False  # only a training step runs it: a step that did is never evaluation
 
     @property
     def attr(self) -> str:
@@ -44,10 +45,10 @@ PHASES: tuple[Phase, ...] = (
     Phase("data_load", "data_load", in_residual=False),
     Phase("h2d", "h2d"),
     Phase("forward", "forward"),
-    Phase("backward", "backward"),
-    Phase("optimizer_step", "optimizer"),
+    Phase("backward", "backward", trains=True),
+    Phase("optimizer_step", "optimizer", trains=True),
     # forwards re-run during backward by activation checkpointing (docs/step-inference.md)
-    Phase("recompute", "recompute"),
+    Phase("recompute", "recompute", trains=True),
 )
 RESIDUAL = Phase("wait", "wait", in_residual=False)
 

@@ -8,7 +8,6 @@ split at the pass's end, nor its last micro-batch open an epoch of its own."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -18,20 +17,20 @@ from typing import Any
 import pytest
 
 from stepwatch.artifacts.spool import read_spool
+from tests.support import clean_env
+
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "accelerate_accumulation.py"
 pytest.importorskip("accelerate")
 
 
-def _env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC_", "ACCELERATE_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 @pytest.fixture(scope="module")
 def spans(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     run_dir = tmp_path_factory.mktemp("accelerate") / "run"
-    done = subprocess.run([sys.executable, str(PROGRAM), str(run_dir)], env=_env(), capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(PROGRAM), str(run_dir)], env=clean_env(), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0 and "UPDATES 24" in done.stdout, done.stdout + done.stderr
     return read_spool(run_dir).spans

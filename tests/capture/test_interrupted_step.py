@@ -6,7 +6,6 @@ evaluation time stays 0."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,20 +17,20 @@ import pytest
 
 from stepwatch.analysis.epochs import epoch_report
 from stepwatch.artifacts.spool import read_spool
+from tests.support import clean_env
+
+pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "killed_in_backward.py"
 
 
-def _env() -> dict[str, str]:
-    drop = ("STEPWATCH_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     base = tmp_path_factory.mktemp("killed")
     run_dir, flag = base / "run", base / "in_backward"
-    process = subprocess.Popen([sys.executable, str(PROGRAM), str(run_dir), str(flag)], env=_env(),
+    process = subprocess.Popen([sys.executable, str(PROGRAM), str(run_dir), str(flag)], env=clean_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not flag.exists() and process.poll() is None and time.monotonic() < deadline:

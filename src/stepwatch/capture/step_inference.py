@@ -44,13 +44,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..phases import PHASES as PHASE_TABLE
 from .spans import PHASES, OpenSpan, SpanRecorder
 
 __all__ = ["MAX_HELD", "Mode", "StepHost", "StepMachine", "StepState", "ThreadBook", "own_times"]
 
 MAX_HELD = 64  # held phases before the machine decides without waiting any longer
 _PHASE_SET = frozenset(PHASES)
-_TRAINING_PHASES = frozenset({"backward", "optimizer_step", "recompute"})
+_TRAINING_PHASES = frozenset(p.span for p in PHASE_TABLE if p.trains)
 
 
 class StepState(enum.Enum):
