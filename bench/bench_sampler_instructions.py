@@ -372,20 +372,6 @@ def solve(runs: list[dict[str, Any]], counts: list[float]) -> tuple[float, float
     return out[0], out[1], out[2]
 
 
-def inclusive_costs(path: Path) -> dict[str, int]:
-    """Inclusive instructions per C function of one dump (``callgrind_annotate --inclusive=yes``)."""
-    proc = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
-                          capture_output=True, text=True, check=True)
-    costs: dict[str, int] = {}
-    for line in proc.stdout.splitlines():
-        match = re.match(r"\s*([\d,]+)\s+(?:\([^)]*\)\s+)?(\S.*)$", line)
-        if match is None or ":" not in match.group(2):
-            continue
-        where = match.group(2).split(" [", 1)[0].rsplit("/", 1)[-1]
-        costs[where] = max(costs.get(where, 0), int(match.group(1).replace(",", "")))
-    return costs
-
-
 def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out = work / mode
     out.mkdir(parents=True)
@@ -442,7 +428,9 @@ def print_annotation(mode: str, result: dict[str, Any], rows: int = 25) -> None:
     if sampler is None or None in sampler["files"][:2]:
         print(f"\n{mode}: no sampler thread dump to annotate")
         return
-    short, long = (inclusive_costs(Path(f)) for f in sampler["files"][:2])
+    from bench_step_instructions import callgrind_costs
+
+    short, long = (callgrind_costs(Path(f), inclusive=True) for f in sampler["files"][:2])
     seconds = result["runs"][1]["seconds"] - result["runs"][0]["seconds"]
     diff = {k: (long.get(k, 0) - short.get(k, 0)) / seconds for k in set(short) | set(long)}
     top = sorted(diff.items(), key=lambda kv: kv[1], reverse=True)[:rows]

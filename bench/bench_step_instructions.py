@@ -271,17 +271,20 @@ def run_contender(name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     return {"per_depth": per_depth, "wall_s": time.perf_counter() - started}
 
 
-def own_costs(path: Path) -> dict[str, int]:
-    """Own (exclusive) instructions per function of one dump, from ``callgrind_annotate``."""
-    proc = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(path)],
-                          capture_output=True, text=True, check=True)
+def callgrind_costs(path: Path, *, inclusive: bool = False) -> dict[str, int]:
+    """Instructions per C function (``file:function``, no directories) of one dump, from
+    ``callgrind_annotate``: own (exclusive) by default, inclusive with ``inclusive``."""
+    proc = subprocess.run(["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}", "--threshold=100",
+                           str(path)], capture_output=True, text=True, check=True)
     costs: dict[str, int] = {}
     for line in proc.stdout.splitlines():
         match = re.match(r"\s*([\d,]+)\s+(?:\([^)]*\)\s+)?(\S.*)$", line)
         if match is None or ":" not in match.group(2):
             continue
-        where = match.group(2).split(" [", 1)[0].rsplit("/", 1)[-1]  # file:function, no directories
-        costs[where] = costs.get(where, 0) + int(match.group(1).replace(",", ""))
+        where = match.group(2).split(" [", 1)[0].rsplit("/", 1)[-1]
+        count = int(match.group(1).replace(",", ""))
+        # a function listed twice: its inclusive cost is the larger, its own cost the sum
+        costs[where] = max(costs.get(where, 0), count) if inclusive else costs.get(where, 0) + count
     return costs
 
 
@@ -291,8 +294,8 @@ def print_annotation(results: dict[str, Any], args: argparse.Namespace, rows: in
         if name not in results or "plain" not in results:
             continue
         for depth in args.depths:
-            base = own_costs(Path(results["plain"]["per_depth"][depth]["training_file"]))
-            ours = own_costs(Path(results[name]["per_depth"][depth]["training_file"]))
+            base = callgrind_costs(Path(results["plain"]["per_depth"][depth]["training_file"]))
+            ours = callgrind_costs(Path(results[name]["per_depth"][depth]["training_file"]))
             diff = {k: (ours.get(k, 0) - base.get(k, 0)) / steps for k in set(base) | set(ours)}
             top = sorted(diff.items(), key=lambda kv: abs(kv[1]), reverse=True)[:rows]
             print(f"\n{name} - plain, depth {depth}: own instructions per step, largest differences "

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -22,6 +21,7 @@ from stepwatch.artifacts.sink import TelemetrySink
 from stepwatch.artifacts.spool import read_spool
 from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
 from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
+from tests.support.aggregator import query
 from tests.support.marks import own_marks
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
@@ -37,14 +37,6 @@ STEPS_PER_RANK = 39
 def run_command(out: Path, *script: str, nproc: int = 2) -> list[str]:
     return [*STEPWATCH, "run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--interval", "200",
             "--out", str(out), *script]
-
-
-def query(path: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    try:
-        return db.execute(sql, params).fetchall()
-    finally:
-        db.close()
 
 
 @pytest.fixture(scope="module")
