@@ -73,16 +73,15 @@ def _refuse(*args: Any, **kwargs: Any) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module's tests run on one xdist worker (``--dist loadgroup``), so a real run a
-    module-scoped fixture makes is made once; a module may split itself with its own
-    ``xdist_group`` marks. The modules with the most real runs go first, so the longest work
-    starts first and the suite does not end waiting on one worker."""
+    """The modules with the most real runs go first. ``make test`` gives each module's tests to
+    one xdist worker (``--dist loadfile``, so a real run that a module-scoped fixture makes is made
+    once) in this order: the longest work starts first and the suite does not end waiting on one
+    worker."""
     real: dict[str, int] = {}
-    for item in items:
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
         module = item.nodeid.split("::")[0]
+        first.setdefault(module, index)
         if item.get_closest_marker("real") is not None:
             real[module] = real.get(module, 0) + 1
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
-    order = {item.nodeid.split("::")[0]: i for i, item in reversed(list(enumerate(items)))}
-    items.sort(key=lambda item: (-real.get(item.nodeid.split("::")[0], 0), order[item.nodeid.split("::")[0]]))
+    items.sort(key=lambda item: (-real.get(module := item.nodeid.split("::")[0], 0), first[module]))
