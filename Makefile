@@ -20,12 +20,12 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out), and
 # property tests on a fifth of their examples
 test-fast: $(VENV)/.installed
-	STEPWATCH_TESTS_FAST=1 HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-fast} $(PY) -m pytest -q -n 2 --dist loadfile -m "not real" --durations=10
+	STEPWATCH_TESTS_FAST=1 HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-fast} $(PY) -m pytest -q -n 2 -m "not real" --durations=10
 
 bench: $(VENV)/.installed
 	$(PY) bench/bench_sink_write.py

@@ -73,10 +73,8 @@ def _refuse(*args: Any, **kwargs: Any) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules with the most real runs go first. ``make test`` gives each module's tests to
-    one xdist worker (``--dist loadfile``, so a real run that a module-scoped fixture makes is made
-    once) in this order: the longest work starts first and the suite does not end waiting on one
-    worker."""
+    """The modules with the most real runs go first: xdist hands tests out in this order, so the
+    longest work starts first and the suite does not end waiting on one worker."""
     real: dict[str, int] = {}
     first: dict[str, int] = {}
     for index, item in enumerate(items):
