@@ -61,7 +61,9 @@ def test_a_slow_loader_is_input_bound_in_the_summary_the_text_and_explain(runs: 
 
 
 def test_a_slow_rank_is_named_and_only_that_rank(runs: Callable[..., Run]) -> None:
-    run = runs("straggler", "--steps", "120", "--forward-ms", "1", "--slow-rank", "1", "--slow-forward-ms", "5",
+    # 300 steps (~2 s): long enough for the live verdict thread (every 0.5 s) to judge the run on
+    # a machine busy with other tests
+    run = runs("straggler", "--steps", "300", "--forward-ms", "1", "--slow-rank", "1", "--slow-forward-ms", "5",
                nproc=2, STEPWATCH_VERDICT_INTERVAL_S="0.5")
     diagnosis = run.diagnosis
     primary = diagnosis["primary"]
