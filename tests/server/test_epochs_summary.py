@@ -40,17 +40,21 @@ for epoch in stepwatch.epochs(3):
 """
 
 
-@pytest.fixture(scope="module")
-def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _train(base: Path, code: str) -> Path:
+    """``stepwatch run`` of ``code`` in ``base``; its run directory."""
     pytest.importorskip("torch")
-    base = tmp_path_factory.mktemp("epochs")
     script = base / "loop.py"
-    script.write_text(LOOP)
+    script.write_text(code)
     out = base / "run"
-    proc = subprocess.run(check=False, args=[*STEPWATCH, "run", "--out", str(out), str(script)], cwd=base, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(check=False, args=[*STEPWATCH, "run", "--out", str(out), str(script)], cwd=base,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _train(tmp_path_factory.mktemp("epochs"), LOOP)
 
 
 # No stepwatch code: the epochs are the passes over the training loader, each ended when the loader
@@ -58,7 +62,6 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 LOOP_EVAL_AFTER = """
 import time, torch
 from torch.utils.data import DataLoader, TensorDataset
-time.sleep(1.5)  # the sampler installs torch's patches at its next tick after the import
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -81,15 +84,7 @@ for epoch in range(3):
 
 @pytest.fixture(scope="module")
 def eval_after_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("torch")
-    base = tmp_path_factory.mktemp("eval_after")
-    script = base / "loop.py"
-    script.write_text(LOOP_EVAL_AFTER)
-    out = base / "run"
-    proc = subprocess.run(check=False, args=[*STEPWATCH, "run", "--out", str(out), str(script)], cwd=base,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return _train(tmp_path_factory.mktemp("eval_after"), LOOP_EVAL_AFTER)
 
 
 def test_evaluation_after_each_epoch_is_that_epochs(eval_after_run: Path) -> None:
