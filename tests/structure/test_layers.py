@@ -32,10 +32,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     # reads the history and the artifacts
     "analysis": _FOUNDATION | {"artifacts", "store"},
     # the aggregator and the launcher: the wire in, the history, the final summary
-    "server": _FOUNDATION | {"artifacts", "transport", "store", "analysis"},
+    # what the surfaces show (live view, dashboard, report), computed once for all of them
+    "views": _FOUNDATION | {"artifacts", "store", "analysis"},
+    "server": _FOUNDATION | {"artifacts", "transport", "store", "analysis", "views"},
     # surfaces: the public loading facade and the CLI
     "telemetry": _FOUNDATION | {"artifacts", "capture"},
-    "ui": _FOUNDATION | {"artifacts", "capture", "store", "analysis", "server"},
+    "ui": _FOUNDATION | {"artifacts", "capture", "store", "analysis", "server", "views"},
     "__main__": frozenset({"ui"}),
 }
 
