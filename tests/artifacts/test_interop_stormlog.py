@@ -34,6 +34,7 @@ from stepwatch.schema import SessionSummary, telemetry_event_to_dict  # noqa: E4
 from stepwatch.telemetry import load_telemetry_events as sw_load_events  # noqa: E402
 from stepwatch.telemetry import load_telemetry_sessions as sw_load  # noqa: E402
 from tests.support.records import make_event  # noqa: E402
+from tests.support.shared import once  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,10 @@ def run_tracker(sink_dir: Path, export: Path | None, seconds: float) -> None:
 
 @pytest.fixture(scope="module")
 def stormlog_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("stormlog")
+    return once(tmp_path_factory, "artifacts-stormlog-interop", _stormlog_artifacts)
+
+
+def _stormlog_artifacts(base: Path) -> dict[str, Path]:
     sink = base / "sink"
     run_tracker(sink, None, 0.15)
     run_tracker(sink, base / "export.json", 0.25)

@@ -18,6 +18,7 @@ import pytest
 
 from stepwatch.artifacts.spool import read_spool
 from tests.support import clean_env
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -29,7 +30,11 @@ pytest.importorskip("accelerate")
 
 @pytest.fixture(scope="module")
 def spans(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    run_dir = tmp_path_factory.mktemp("accelerate") / "run"
+    return once(tmp_path_factory, "capture-accelerate", _spans)
+
+
+def _spans(base: Path) -> list[dict[str, Any]]:
+    run_dir = base / "run"
     done = subprocess.run([sys.executable, str(PROGRAM), str(run_dir)], env=clean_env(), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0 and "UPDATES 24" in done.stdout, done.stdout + done.stderr

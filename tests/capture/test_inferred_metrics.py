@@ -18,6 +18,7 @@ from stepwatch.artifacts.spool import read_spool
 from stepwatch.capture.inferred_metrics import GRAD_NORM_SOURCE, LOSS_SOURCE
 from stepwatch.guard import reset_swallowed, swallowed
 from tests.support import STEPWATCH, clean_env
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -36,7 +37,10 @@ def run(base: Path, name: str, nan_from: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("inferred")
+    return once(tmp_path_factory, "capture-inferred-loss", _runs)
+
+
+def _runs(base: Path) -> dict[str, Path]:
     return {"nan": run(base, "nan", NAN_FROM), "clean": run(base, "clean", -1)}
 
 

@@ -18,6 +18,7 @@ import pytest
 from stepwatch.analysis.epochs import epoch_report
 from stepwatch.artifacts.spool import read_spool
 from tests.support import clean_env
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -28,7 +29,10 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "killed_in_backward.py"
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    base = tmp_path_factory.mktemp("killed")
+    return once(tmp_path_factory, "capture-killed-in-backward", _killed_run)
+
+
+def _killed_run(base: Path) -> tuple[Path, int]:
     run_dir, flag = base / "run", base / "in_backward"
     process = subprocess.Popen([sys.executable, str(PROGRAM), str(run_dir), str(flag)], env=clean_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.support import STEPWATCH, clean_env
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -54,7 +55,7 @@ def _train(base: Path, code: str) -> Path:
 
 @pytest.fixture(scope="module")
 def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _train(tmp_path_factory.mktemp("epochs"), LOOP)
+    return once(tmp_path_factory, "epochs", lambda base: _train(base, LOOP))
 
 
 # No stepwatch code: the epochs are the passes over the training loader, each ended when the loader
@@ -84,7 +85,7 @@ for epoch in range(3):
 
 @pytest.fixture(scope="module")
 def eval_after_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _train(tmp_path_factory.mktemp("eval_after"), LOOP_EVAL_AFTER)
+    return once(tmp_path_factory, "epochs-eval-after", lambda base: _train(base, LOOP_EVAL_AFTER))
 
 
 def test_evaluation_after_each_epoch_is_that_epochs(eval_after_run: Path) -> None:

@@ -23,6 +23,7 @@ from tests.support import STEPWATCH, clean_env, run_stepwatch
 from tests.support.aggregator import Aggregator, query, raw_client, wait_for
 from tests.support.http import AUTH, TOKEN, batch, hexid, mark, post, request, span
 from tests.support.records import make_event
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -69,9 +70,12 @@ CIRRON_LOOP = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def cirron_spool(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return once(tmp_path_factory, "history-cirron-spool", _cirron_spool)
+
+
+def _cirron_spool(base: Path) -> Path:
     pytest.importorskip("cirron")
     pytest.importorskip("torch")
-    base = tmp_path_factory.mktemp("cirron")
     (base / "loop.py").write_text(CIRRON_LOOP)
     env = {**clean_env(), "CIRRON_OUTPUT_DIR": str(base / ".cirron"), "HOME": str(base)}
     proc = subprocess.run([sys.executable, "loop.py"], cwd=base, env=env, capture_output=True, text=True, timeout=120)

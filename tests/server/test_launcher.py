@@ -23,6 +23,7 @@ from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
 from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
 from tests.support.aggregator import query
 from tests.support.marks import own_marks
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -41,22 +42,26 @@ def run_command(out: Path, *script: str, nproc: int = 2) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    base = tmp_path_factory.mktemp("run")
-    out = base / "run-a"
-    proc = subprocess.run(run_command(out, str(DEMO), "--steps", str(STEPS)), cwd=base, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
-    return out, proc
+    def build(base: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+        out = base / "run-a"
+        proc = subprocess.run(run_command(out, str(DEMO), "--steps", str(STEPS)), cwd=base, env=clean_env(),
+                              capture_output=True, text=True, timeout=120)
+        return out, proc
+
+    return once(tmp_path_factory, "launcher-two-ranks", build)
 
 
 @pytest.fixture(scope="module")
 def track_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("track")
-    out = base / "track-run"
-    proc = run_stepwatch("track", "--interval", "100", "--out", str(out), "--", sys.executable, str(DEMO), "--steps", "30",
-                     cwd=base, timeout=90)
-    assert proc.returncode == 0, proc.stderr
-    assert not (out / "history.sqlite").exists()
-    return out
+    def build(base: Path) -> Path:
+        out = base / "track-run"
+        proc = run_stepwatch("track", "--interval", "100", "--out", str(out), "--", sys.executable, str(DEMO),
+                             "--steps", "30", cwd=base, timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        assert not (out / "history.sqlite").exists()
+        return out
+
+    return once(tmp_path_factory, "launcher-track", build)
 
 
 def test_two_rank_run_completes_with_history_and_summary(two_ranks: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

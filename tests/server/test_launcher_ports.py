@@ -17,6 +17,7 @@ import pytest
 from stepwatch.errors import ConfigError
 from stepwatch.server.launcher import TORCHRUN_PORT, LaunchOptions, _training_command, master_port
 from tests.support import STEPWATCH, clean_env, free_port
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -80,8 +81,11 @@ if job != "named":  # a real DDP job, rendezvous and all-reduce through its MAST
 def three_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Three ``stepwatch run --nproc-per-node 2`` jobs on one machine at once: two with no port
     named (the DDP ones), one with ``MASTER_PORT`` exported."""
+    return once(tmp_path_factory, "launcher-three-jobs", _three_jobs)
+
+
+def _three_jobs(base: Path) -> dict[str, Any]:
     pytest.importorskip("torch")
-    base = tmp_path_factory.mktemp("ports")
     control = base / "control"
     control.mkdir()
     (base / "job.py").write_text(JOB)

@@ -18,6 +18,7 @@ from stepwatch.analysis.markers import derive_session_timeline_markers
 from stepwatch.artifacts.heartbeat import read_heartbeat
 from stepwatch.artifacts.telemetry_loader import load_telemetry_sessions
 from tests.support import STEPWATCH, clean_env, free_port
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -72,14 +73,13 @@ def manifest(out: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_rank_raises(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    base = tmp_path_factory.mktemp("raise1")
-    return base / "run", run(base, base / "run", "raise", "0")
+    return once(tmp_path_factory, "outcome-raise-rank0", lambda base: (base / "run", run(base, base / "run", "raise", "0")))
 
 
 @pytest.fixture(scope="module")
 def rank1_raises(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    base = tmp_path_factory.mktemp("raise2")
-    return base / "run", run(base, base / "run", "raise", "1", nproc=2)
+    return once(tmp_path_factory, "outcome-raise-rank1",
+                lambda base: (base / "run", run(base, base / "run", "raise", "1", nproc=2)))
 
 
 def test_one_rank_that_raises_reads_failed_everywhere(one_rank_raises: tuple[Path, Any]) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from stepwatch.schema import new_session_id
 from tests.support import STEPWATCH, clean_env
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -70,7 +71,10 @@ def _alerts(hub: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def lost_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    base = tmp_path_factory.mktemp("rank_lost")
+    return once(tmp_path_factory, "rank-lost-on-another-host", _lost_run)
+
+
+def _lost_run(base: Path) -> dict[str, Any]:
     hub, control = base / "hub", base / "control"
     control.mkdir()
     (base / "rank.py").write_text(RANK)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 import stepwatch.ui
 from tests.support import run_stepwatch
+from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -73,7 +75,10 @@ def test_track_of_a_module_still_works(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def track_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("track")
+    return once(tmp_path_factory, "ui-track-run", _track_run)
+
+
+def _track_run(base: Path) -> Path:
     (base / "script.py").write_text(TINY)
     proc = run_stepwatch("track", "--interval", "100", "--out", "run", "--", sys.executable, "script.py", cwd=base)
     assert proc.returncode == 0, proc.stderr
@@ -89,7 +94,8 @@ def test_summary_of_an_unknown_session_is_an_error_listing_the_sessions(track_ru
         assert proc.stdout == ""
 
 
-def test_summary_write_on_a_track_run_writes_the_final_summary(track_run: Path) -> None:
+def test_summary_write_on_a_track_run_writes_the_final_summary(track_run: Path, tmp_path: Path) -> None:
+    track_run = Path(shutil.copytree(track_run, tmp_path / "run"))  # the shared run stays as it was
     assert not (track_run / "history.sqlite").exists()
     proc = run_stepwatch("summary", str(track_run), "--write", cwd=track_run.parent)
     assert proc.returncode == 0, proc.stderr

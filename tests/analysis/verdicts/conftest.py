@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
+from tests.support.shared import once
 
 pytest.importorskip("torch")
 
@@ -51,13 +52,10 @@ def train(base: Path, name: str, *args: str, nproc: int = 1, interval_ms: int = 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
-    """``runs(name, *args, ...)``: the run of that name, trained once per test session."""
-    base = tmp_path_factory.mktemp("verdict-runs")
-    done: dict[str, Run] = {}
+    """``runs(name, *args, ...)``: the run of that name, trained once per test session, whichever
+    worker asks first (the same name always asks for the same run)."""
 
     def get(name: str, *args: str, **kwargs: Any) -> Run:
-        if name not in done:
-            done[name] = train(base, name, *args, **kwargs)
-        return done[name]
+        return once(tmp_path_factory, f"verdict-{name}", lambda base: train(base, name, *args, **kwargs))
 
     return get
