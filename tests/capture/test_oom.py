@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -219,27 +220,22 @@ def test_is_oom() -> None:
     ],
     ids=lambda v: v if v in ("cuda", "rocm", "mps", "cpu") else None,
 )
+@pytest.mark.usefixtures("training_test")
 def test_torch_oom_error_record_names_its_bundle_and_the_real_backend(
-    tmp_path: Path, message: str, backend: str
+    tmp_path: Path, message: str, backend: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     run = tmp_path / "run"
-    proc = run_py(
-        """
-        import sys, time, torch, stepwatch
-        stepwatch.init(out=sys.argv[1], interval=0.05)
-        time.sleep(0.1)
-        with stepwatch.oom_guard():
-            raise torch.OutOfMemoryError(sys.argv[2])
-        """,
-        tmp_path, str(run), message,
-    )
-    assert proc.returncode == 1
-    assert "[stepwatch]" not in proc.stderr
-    (error,) = error_events(run)
+    stepwatch.init(out=run, interval=0.05, handle_signals=False)
+    time.sleep(0.1)
+    with pytest.raises(torch.OutOfMemoryError, match=message.split(" ")[0]), stepwatch.oom_guard():
+        raise torch.OutOfMemoryError(message)
     bundle = only_bundle(run)
-    assert error.metadata["oom_dump_path"] == str(bundle.resolve())  # as Stormlog's error records do
     check_bundle(bundle, run, reason=f"OutOfMemoryError: {message}", backend=backend)
+    stepwatch.shutdown()
+    assert "[stepwatch]" not in capsys.readouterr().err
+    (error,) = error_events(run)
+    assert error.metadata["oom_dump_path"] == str(bundle.resolve())  # as Stormlog's error records do
     recorded = json.loads((bundle / "events.json").read_text())[-1]
     assert recorded["metadata"]["oom_dump_path"] == str(bundle.resolve())  # the bundle holds that record
 
