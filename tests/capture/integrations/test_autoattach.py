@@ -27,27 +27,42 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import ROOT, STEPWATCH, clean_env
+from tests.support.lazy import installed, lazy_module
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pl = pytest.importorskip("lightning.pytorch")
+# imported by the worker that runs a test of this module, not by every worker that collects it
+transformers = lazy_module("transformers")
+pl = lazy_module("lightning.pytorch")
+huggingface = lazy_module("stepwatch.capture.integrations.huggingface")
+lightning = lazy_module("stepwatch.capture.integrations.lightning")
+modules = lazy_module("tests.capture.integrations.lightning_modules")
 
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
 from stepwatch.capture import after_import, api  # noqa: E402
-from stepwatch.capture.integrations import autoattach, huggingface, lightning  # noqa: E402
+from stepwatch.capture.integrations import autoattach  # noqa: E402
 from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
 needs_trainer = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                    reason="transformers.Trainer needs accelerate>=1.1")
 # Lightning's own pytree helper trips a typing_extensions deprecation on this torch; not ours.
-pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")]
+pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
+              pytest.mark.skipif(not (installed("transformers") and installed("lightning")),
+                                 reason="needs transformers and lightning")]
 
 QUIET = {"handle_signals": False, "capture_oom": False}
 TRAIN_PHASES = ("forward", "backward", "optimizer_step")
 
 
-# run_dir: tests/capture/integrations/conftest.py
+# run_dir: tests/capture/integrations/conftest.py; the LightningModules: lightning_modules.py
+
+
+@pytest.fixture(autouse=True)
+def frameworks_imported() -> None:
+    """Both frameworks imported before stepwatch starts (autouse fixtures come first), as the
+    docstring says: the import hook itself is tested in fresh interpreters."""
+    importlib.import_module("transformers")
+    importlib.import_module("lightning.pytorch")
 
 
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
@@ -259,27 +274,6 @@ def test_attaching_fails_open(run_dir: Path, tmp_path: Path, monkeypatch: pytest
 # -- Lightning -------------------------------------------------------------------------------
 
 
-class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class ValidatedRegressor(Regressor):
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), y))
-
-
 def loader(n: int, batch_size: int, seed: int = 0) -> Any:
     generator = torch.Generator().manual_seed(seed)
     data = torch.utils.data.TensorDataset(torch.randn(n, 4, generator=generator), torch.randn(n, generator=generator))
@@ -300,7 +294,7 @@ def test_lightning_accumulation_one_step_per_optimizer_update(run_dir: Path, use
     ours = [c for c in trainer.callbacks if isinstance(c, lightning.StepwatchCallback)]
     assert len(ours) == (2 if user == "append" else 1)
     assert ours[0].auto_attached is (user != "instance")
-    trainer.fit(ValidatedRegressor(), loader(120, 2), loader(8, 4, seed=1))
+    trainer.fit(modules.ValidatedRegressor(), loader(120, 2), loader(8, 4, seed=1))
     assert trainer.global_step == 15
     stepwatch.shutdown()
 
@@ -326,7 +320,7 @@ def test_lightning_accumulation_one_step_per_optimizer_update(run_dir: Path, use
 
 
 def test_lightning_callback_from_configure_callbacks_replaces_the_attached_one(run_dir: Path) -> None:
-    class WithCallback(Regressor):
+    class WithCallback(modules.Regressor):
         def configure_callbacks(self) -> Any:
             return [lightning.StepwatchCallback()]
 
@@ -345,7 +339,7 @@ def test_lightning_callback_from_configure_callbacks_replaces_the_attached_one(r
 
 
 def test_lightning_validate_alone_gives_eval_steps_and_survives_a_failing_batch(run_dir: Path) -> None:
-    class Failing(ValidatedRegressor):
+    class Failing(modules.ValidatedRegressor):
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             if batch_idx == 1:
                 raise KeyError("user code failed")
@@ -357,7 +351,7 @@ def test_lightning_validate_alone_gives_eval_steps_and_survives_a_failing_batch(
 
     with pytest.raises(KeyError):
         trainer().validate(Failing(), loader(12, 4))
-    trainer().validate(ValidatedRegressor(), loader(12, 4))
+    trainer().validate(modules.ValidatedRegressor(), loader(12, 4))
     stepwatch.shutdown()
 
     spool = read_spool(run_dir)

@@ -23,17 +23,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 
 import pytest
 
+from tests.support.lazy import installed, lazy_module
 from tests.support.marks import own_marks
 
-pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+# every test here starts a process or trains a model
+pytestmark = [pytest.mark.real, pytest.mark.skipif(not installed("transformers"), reason="needs transformers")]
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+transformers = lazy_module("transformers")  # imported by the worker that runs a test of this module
+huggingface = lazy_module("stepwatch.capture.integrations.huggingface")  # it imports transformers
 
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
 from stepwatch.capture import api, training  # noqa: E402
-from stepwatch.capture.integrations.huggingface import StepwatchCallback  # noqa: E402
 from stepwatch.capture.spans import SpanRecorder  # noqa: E402
 from stepwatch.capture.training import TrainingState  # noqa: E402
 from stepwatch.errors import ConfigError, IntegrationUnavailable  # noqa: E402
@@ -149,7 +151,7 @@ def marks_on_steps(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
 @needs_trainer
 def test_trainer_run_has_one_epoch_per_epoch_one_step_per_optimizer_step(run_dir: Path, tmp_path: Path) -> None:
     trainer = transformers.Trainer(model=TinyRegressor(), args=training_args(tmp_path),
-                                   train_dataset=RegressionData(), callbacks=[StepwatchCallback()])
+                                   train_dataset=RegressionData(), callbacks=[huggingface.StepwatchCallback()])
     trainer.train()
     assert api.current_runtime().active  # the program started stepwatch: the callback leaves it
     assert training._state is not None and "transformers" not in training._state.owners
@@ -185,7 +187,7 @@ def test_lower_priority_hooks_yield_to_the_trainer(run_dir: Path, tmp_path: Path
                 return super().training_step(model, inputs, num_items_in_batch)
 
     trainer = TracedTrainer(model=model, args=training_args(tmp_path), train_dataset=TokenData(),
-                            callbacks=[StepwatchCallback()])
+                            callbacks=[huggingface.StepwatchCallback()])
     for _ in stepwatch.epochs(1):
         trainer.train()
     stepwatch.shutdown()
@@ -203,7 +205,7 @@ def test_callback_starts_and_stops_stepwatch_when_nobody_did(tmp_path: Path) -> 
     out = tmp_path / "own-run"
     trainer = transformers.Trainer(model=TinyRegressor(), args=training_args(tmp_path, num_train_epochs=1),
                                    train_dataset=RegressionData(),
-                                   callbacks=[StepwatchCallback(init_kwargs={"out": out, **QUIET})])
+                                   callbacks=[huggingface.StepwatchCallback(init_kwargs={"out": out, **QUIET})])
     try:
         trainer.train()
         assert not api.current_runtime().active
@@ -237,7 +239,7 @@ class FailingRegressor(TinyRegressor):
 def test_a_user_exception_propagates_and_the_next_train_starts_clean(run_dir: Path, tmp_path: Path) -> None:
     model = FailingRegressor(fail_at_call=2)
     trainer = transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=RegressionData(),
-                                   callbacks=[StepwatchCallback()])
+                                   callbacks=[huggingface.StepwatchCallback()])
     with pytest.raises(Boom) as info:
         trainer.train()
     assert info.value is model.boom
@@ -265,7 +267,7 @@ def test_a_broken_stepwatch_never_breaks_the_trainer(run_dir: Path, tmp_path: Pa
     monkeypatch.setattr(TrainingState, "open_step", broken)
     monkeypatch.setattr(SpanRecorder, "mark_on", broken)
     trainer = transformers.Trainer(model=TinyRegressor(), args=training_args(tmp_path),
-                                   train_dataset=RegressionData(), callbacks=[StepwatchCallback()])
+                                   train_dataset=RegressionData(), callbacks=[huggingface.StepwatchCallback()])
     result = trainer.train()
     assert result.global_step == 4
     failures = swallowed()
@@ -282,7 +284,7 @@ def test_events_driven_by_hand_give_the_canonical_shape(run_dir: Path) -> None:
     model = TinyRegressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = RegressionData()
-    callback = StepwatchCallback()
+    callback = huggingface.StepwatchCallback()
     state, control = transformers.TrainerState(), transformers.TrainerControl()
     callback.on_train_begin(None, state, control)
     for epoch in range(2):
@@ -315,7 +317,7 @@ def test_events_driven_by_hand_give_the_canonical_shape(run_dir: Path) -> None:
 
 def test_callback_without_stepwatch_does_nothing() -> None:
     reset_swallowed()
-    callback = StepwatchCallback(init_kwargs={"enabled": False})
+    callback = huggingface.StepwatchCallback(init_kwargs={"enabled": False})
     state, control = transformers.TrainerState(), transformers.TrainerControl()
     for event in ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end",
                   "on_train_end"):
@@ -327,9 +329,9 @@ def test_callback_without_stepwatch_does_nothing() -> None:
 
 def test_invalid_init_kwargs_raise_where_the_callback_is_built() -> None:
     with pytest.raises(ConfigError):
-        StepwatchCallback(init_kwargs={"interval": -1})
+        huggingface.StepwatchCallback(init_kwargs={"interval": -1})
     with pytest.raises(ConfigError):
-        StepwatchCallback(init_kwargs={"no_such_option": 1})
+        huggingface.StepwatchCallback(init_kwargs={"no_such_option": 1})
 
 
 # -- self-gating --------------------------------------------------------------------------------
@@ -344,7 +346,7 @@ def test_module_refuses_a_missing_or_old_transformers(shadow: str | None, monkey
         fake.__version__ = "4.1.0"  # type: ignore[attr-defined]
         fake.TrainerCallback = object  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "transformers", fake)
-    monkeypatch.delitem(sys.modules, "stepwatch.capture.integrations.huggingface")
+    monkeypatch.delitem(sys.modules, "stepwatch.capture.integrations.huggingface", raising=False)
     with pytest.raises(IntegrationUnavailable) as info:
         importlib.import_module("stepwatch.capture.integrations.huggingface")
     assert info.value.library == "transformers"
@@ -380,7 +382,7 @@ def test_a_halt_stops_the_trainer_its_own_way_and_train_returns(run_dir: Path, t
         time.sleep(0.05)
     trainer = transformers.Trainer(model=TinyRegressor(), args=training_args(tmp_path, num_train_epochs=5,
                                                                              logging_steps=logging_steps),
-                                   train_dataset=RegressionData(), callbacks=[StepwatchCallback()])
+                                   train_dataset=RegressionData(), callbacks=[huggingface.StepwatchCallback()])
     trainer.train()  # no Halt raised: the Trainer's own stop ends the run
     assert trainer.state.global_step == 3
     assert runtime.step == 3 and runtime.outcome() == "halted"  # type: ignore[union-attr]

@@ -17,22 +17,25 @@ from typing import Any
 
 import pytest
 
+from tests.support.lazy import installed, lazy_module
 from tests.support.marks import own_marks
 
 torch = pytest.importorskip("torch")
-pl = pytest.importorskip("lightning.pytorch")
+pl = lazy_module("lightning.pytorch")  # imported by the worker that runs a test of this module
+lightning = lazy_module("stepwatch.capture.integrations.lightning")  # it imports Lightning
+modules = lazy_module("tests.capture.integrations.lightning_modules")
 
 import stepwatch  # noqa: E402
 from stepwatch.artifacts.spool import LoadedSpool, read_spool  # noqa: E402
 from stepwatch.capture import api, training  # noqa: E402
-from stepwatch.capture.integrations.lightning import StepwatchCallback  # noqa: E402
 from stepwatch.capture.spans import SpanRecorder  # noqa: E402
 from stepwatch.capture.training import TrainingState  # noqa: E402
 from stepwatch.errors import ConfigError, IntegrationUnavailable  # noqa: E402
 from stepwatch.guard import reset_swallowed, swallowed  # noqa: E402
 
 # Lightning's own pytree helper trips a typing_extensions deprecation on this torch; not ours.
-pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning")]
+pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
+              pytest.mark.skipif(not installed("lightning"), reason="needs lightning")]
 
 QUIET = {"handle_signals": False, "capture_oom": False}
 PHASES = ("forward", "backward", "optimizer_step")
@@ -41,57 +44,7 @@ PHASES = ("forward", "backward", "optimizer_step")
 # -- fixtures and helpers ----------------------------------------------------------------------
 
 
-# run_dir: tests/capture/integrations/conftest.py
-
-
-class Boom(Exception):
-    """The user's own error."""
-
-
-class TinyModule(pl.LightningModule):
-    """A linear regressor; ``fail_at`` raises Boom in that batch, ``trace`` wraps each step in
-    ``stepwatch.trace_step`` as a user porting a plain-torch loop would."""
-
-    def __init__(self, *, fail_at: int | None = None, trace: bool = False) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
-        self.fail_at = fail_at
-        self.trace = trace
-        self.boom: Boom | None = None
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.trace:
-            with stepwatch.trace_step(self):
-                stepwatch.mark("user_mark", batch_idx)
-                return self._step(batch, batch_idx)
-        return self._step(batch, batch_idx)
-
-    def _step(self, batch: Any, batch_idx: int) -> Any:
-        if self.fail_at == batch_idx:
-            self.boom = Boom("user code failed")
-            raise self.boom
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), y)
-        self.log("train_loss", loss, on_step=True, on_epoch=True)
-        return {"loss": loss}
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-class ManualModule(TinyModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        optimizer = self.optimizers()
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), y)
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-        return {"loss": loss.detach()}
+# run_dir: tests/capture/integrations/conftest.py; the LightningModules: lightning_modules.py
 
 
 def loader(n: int = 8) -> Any:
@@ -100,7 +53,7 @@ def loader(n: int = 8) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def make_trainer(callback: StepwatchCallback, **overrides: Any) -> Any:
+def make_trainer(callback: Any, **overrides: Any) -> Any:
     options: dict[str, Any] = {
         "max_epochs": 2, "accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
         "enable_progress_bar": False, "enable_model_summary": False, "callbacks": [callback],
@@ -160,8 +113,8 @@ def marks_on_steps(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
 
 
 def test_fit_has_one_epoch_per_epoch_one_step_per_optimizer_step(run_dir: Path) -> None:
-    module = TinyModule()
-    trainer = make_trainer(StepwatchCallback())
+    module = modules.TinyModule()
+    trainer = make_trainer(lightning.StepwatchCallback())
     trainer.fit(module, loader())
     assert api.current_runtime().active  # the program started stepwatch: the callback leaves it
     assert training._state is not None and "lightning" not in training._state.owners
@@ -187,9 +140,9 @@ def test_lower_priority_hooks_yield_to_lightning(run_dir: Path) -> None:
     """The user also wraps the fit in stepwatch.epochs and each training_step in trace_step:
     still one epoch and one step each. The user's marks, made inside training_step, land on
     the innermost scope there: the step's forward."""
-    trainer = make_trainer(StepwatchCallback())
+    trainer = make_trainer(lightning.StepwatchCallback())
     for _ in stepwatch.epochs(1):
-        trainer.fit(TinyModule(trace=True), loader())
+        trainer.fit(modules.TinyModule(trace=True), loader())
     stepwatch.shutdown()
 
     spool = read_spool(run_dir)
@@ -202,9 +155,9 @@ def test_lower_priority_hooks_yield_to_lightning(run_dir: Path) -> None:
 
 
 def test_a_user_exception_propagates_unchanged(run_dir: Path) -> None:
-    module = TinyModule(fail_at=1)
-    trainer = make_trainer(StepwatchCallback())
-    with pytest.raises(Boom) as info:
+    module = modules.TinyModule(fail_at=1)
+    trainer = make_trainer(lightning.StepwatchCallback())
+    with pytest.raises(modules.Boom) as info:
         trainer.fit(module, loader())
     assert info.value is module.boom
     assert not {"training_step", "batch_to_device"} & set(vars(trainer.strategy))
@@ -222,8 +175,8 @@ def test_a_user_exception_propagates_unchanged(run_dir: Path) -> None:
 
 
 def test_gradient_accumulation_makes_one_step_per_optimizer_update(run_dir: Path) -> None:
-    trainer = make_trainer(StepwatchCallback(), accumulate_grad_batches=2)
-    trainer.fit(TinyModule(), loader())
+    trainer = make_trainer(lightning.StepwatchCallback(), accumulate_grad_batches=2)
+    trainer.fit(modules.TinyModule(), loader())
     stepwatch.shutdown()
 
     spool = read_spool(run_dir)
@@ -235,8 +188,8 @@ def test_gradient_accumulation_makes_one_step_per_optimizer_update(run_dir: Path
 
 
 def test_manual_optimization(run_dir: Path) -> None:
-    trainer = make_trainer(StepwatchCallback())
-    trainer.fit(ManualModule(), loader())
+    trainer = make_trainer(lightning.StepwatchCallback())
+    trainer.fit(modules.ManualModule(), loader())
     stepwatch.shutdown()
 
     spool = read_spool(run_dir)
@@ -248,8 +201,8 @@ def test_manual_optimization(run_dir: Path) -> None:
 def test_lightning_yields_to_transformers(run_dir: Path) -> None:
     assert training._state is not None
     training._state.claim("transformers")
-    trainer = make_trainer(StepwatchCallback())
-    trainer.fit(TinyModule(), loader())
+    trainer = make_trainer(lightning.StepwatchCallback())
+    trainer.fit(modules.TinyModule(), loader())
     stepwatch.shutdown()
 
     spool = read_spool(run_dir)
@@ -261,9 +214,9 @@ def test_callback_starts_and_stops_stepwatch_when_nobody_did(tmp_path: Path) -> 
     assert not api.current_runtime().active
     reset_swallowed()
     out = tmp_path / "own-run"
-    trainer = make_trainer(StepwatchCallback(init_kwargs={"out": out, **QUIET}), max_epochs=1)
+    trainer = make_trainer(lightning.StepwatchCallback(init_kwargs={"out": out, **QUIET}), max_epochs=1)
     try:
-        trainer.fit(TinyModule(), loader())
+        trainer.fit(modules.TinyModule(), loader())
         assert not api.current_runtime().active
     finally:
         stepwatch.shutdown()
@@ -278,8 +231,8 @@ def test_a_broken_stepwatch_never_breaks_the_fit(run_dir: Path, monkeypatch: pyt
     monkeypatch.setattr(TrainingState, "open_epoch", broken)
     monkeypatch.setattr(TrainingState, "close_step", broken)
     monkeypatch.setattr(SpanRecorder, "mark_on", broken)
-    module = TinyModule()
-    trainer = make_trainer(StepwatchCallback())
+    module = modules.TinyModule()
+    trainer = make_trainer(lightning.StepwatchCallback())
     trainer.fit(module, loader())
     assert trainer.global_step == 4
     assert {"lightning.open_epoch", "lightning.close_step", "lightning.mark"} <= set(swallowed())
@@ -288,7 +241,7 @@ def test_a_broken_stepwatch_never_breaks_the_fit(run_dir: Path, monkeypatch: pyt
 
 def test_invalid_init_kwargs_raise_where_the_callback_is_built() -> None:
     with pytest.raises(ConfigError):
-        StepwatchCallback(init_kwargs={"table_rows": 1})
+        lightning.StepwatchCallback(init_kwargs={"table_rows": 1})
 
 
 # -- self-gating --------------------------------------------------------------------------------
@@ -302,7 +255,7 @@ def test_module_refuses_a_missing_or_old_lightning(shadow: str | None, monkeypat
         fake = types.ModuleType("lightning")
         fake.__version__ = "1.9.5"  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "lightning", fake)
-    monkeypatch.delitem(sys.modules, "stepwatch.capture.integrations.lightning")
+    monkeypatch.delitem(sys.modules, "stepwatch.capture.integrations.lightning", raising=False)
     with pytest.raises(IntegrationUnavailable) as info:
         importlib.import_module("stepwatch.capture.integrations.lightning")
     assert info.value.library == "lightning"
@@ -327,8 +280,8 @@ def test_a_halt_stops_the_trainer_its_own_way_and_fit_returns(run_dir: Path) -> 
     import json
 
     runtime = _arm_halt(run_dir, 3)
-    trainer = make_trainer(StepwatchCallback(), max_epochs=5)  # 2 batches an epoch: 10 steps
-    trainer.fit(TinyModule(), loader())  # no Halt raised: Lightning's own stop ends the fit
+    trainer = make_trainer(lightning.StepwatchCallback(), max_epochs=5)  # 2 batches an epoch: 10 steps
+    trainer.fit(modules.TinyModule(), loader())  # no Halt raised: Lightning's own stop ends the fit
     assert trainer.should_stop and trainer.global_step == 3
     assert runtime.step == 3 and runtime.outcome() == "halted"
     end = json.loads((run_dir / "outcome_rank0.json").read_text())
@@ -337,9 +290,9 @@ def test_a_halt_stops_the_trainer_its_own_way_and_fit_returns(run_dir: Path) -> 
 
 def test_a_halt_before_min_steps_stops_the_fit_with_halt(run_dir: Path) -> None:
     runtime = _arm_halt(run_dir, 3)
-    trainer = make_trainer(StepwatchCallback(), max_epochs=5, min_steps=6)  # Lightning would train on
+    trainer = make_trainer(lightning.StepwatchCallback(), max_epochs=5, min_steps=6)  # Lightning would train on
     with pytest.raises(stepwatch.Halt) as raised:
-        trainer.fit(TinyModule(), loader())
+        trainer.fit(modules.TinyModule(), loader())
     assert raised.value.step == 3 and trainer.global_step == 3
     assert runtime.outcome() == "halted"
 
@@ -352,9 +305,9 @@ def test_a_fit_that_trains_on_past_the_halt_step_is_stopped_by_halt(run_dir: Pat
             trainer.should_stop = False
 
     runtime = _arm_halt(run_dir, 3)
-    trainer = make_trainer(StepwatchCallback(), max_epochs=5)
+    trainer = make_trainer(lightning.StepwatchCallback(), max_epochs=5)
     trainer.callbacks.append(KeepGoing())
     with pytest.raises(stepwatch.Halt) as raised:  # the rank must not pass the step every rank stops at
-        trainer.fit(TinyModule(), loader())
+        trainer.fit(modules.TinyModule(), loader())
     assert raised.value.step == 3 and trainer.global_step == 3
     assert runtime.outcome() == "halted"

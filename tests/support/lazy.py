@@ -1,0 +1,41 @@
+"""A module imported at its first attribute read.
+
+Every pytest-xdist worker imports every test module to collect it, whichever tests it then runs:
+a test module that imports transformers and Lightning at its top costs each worker four seconds
+of CPU before its first test. Such a module names them through ``lazy_module`` and pays on the
+worker that runs one of its tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import types
+from typing import Any
+
+
+class _LazyModule(types.ModuleType):
+    """Reads, writes and deletes of its attributes go to the module itself (``monkeypatch.setattr``
+    on it patches the module)."""
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self.__name__), attribute)
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        if attribute.startswith("__"):  # the proxy's own module attributes
+            super().__setattr__(attribute, value)
+        else:
+            setattr(importlib.import_module(self.__name__), attribute, value)
+
+    def __delattr__(self, attribute: str) -> None:
+        delattr(importlib.import_module(self.__name__), attribute)
+
+
+def lazy_module(name: str) -> Any:
+    """``name``, imported when an attribute of it is first read (``sys.modules`` after that)."""
+    return _LazyModule(name)
+
+
+def installed(name: str) -> bool:
+    """Whether the top-level package of ``name`` can be imported, without importing it."""
+    return importlib.util.find_spec(name.partition(".")[0]) is not None
