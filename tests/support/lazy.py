@@ -15,10 +15,14 @@ from typing import Any
 
 
 class _LazyModule(types.ModuleType):
-    """Reads, writes and deletes of its attributes go to the module itself (``monkeypatch.setattr``
-    on it patches the module)."""
+    """Reads, writes and deletes of its public attributes go to the module itself
+    (``monkeypatch.setattr`` on it patches the module). Private and dunder names are not
+    forwarded: collection probes every global of a test module for them (``__test__``,
+    ``pytestmark``, ``_pytestfixturefunction``), which must not import anything."""
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("_") or attribute == "pytestmark":
+            raise AttributeError(attribute)
         return getattr(importlib.import_module(self.__name__), attribute)
 
     def __setattr__(self, attribute: str, value: Any) -> None:
