@@ -15,8 +15,9 @@ from typing import Any
 
 
 class _LazyModule(types.ModuleType):
-    """Reads, writes and deletes of its public attributes go to the module itself
-    (``monkeypatch.setattr`` on it patches the module). Private and dunder names are not
+    """Reads of its public attributes go to the module itself. Patch the
+    module by its dotted name (``monkeypatch.setattr("pkg.module.name", ...)``), not through the
+    proxy: pytest's undo reads the target's ``__dict__``. Private and dunder names are not
     forwarded: collection probes every global of a test module for them (``__test__``,
     ``pytestmark``, ``_pytestfixturefunction``), which must not import anything."""
 
@@ -24,15 +25,6 @@ class _LazyModule(types.ModuleType):
         if attribute.startswith("_") or attribute == "pytestmark":
             raise AttributeError(attribute)
         return getattr(importlib.import_module(self.__name__), attribute)
-
-    def __setattr__(self, attribute: str, value: Any) -> None:
-        if attribute.startswith("__"):  # the proxy's own module attributes
-            super().__setattr__(attribute, value)
-        else:
-            setattr(importlib.import_module(self.__name__), attribute, value)
-
-    def __delattr__(self, attribute: str) -> None:
-        delattr(importlib.import_module(self.__name__), attribute)
 
 
 def lazy_module(name: str) -> Any:

@@ -263,7 +263,7 @@ def test_attaching_fails_open(run_dir: Path, tmp_path: Path, monkeypatch: pytest
     def broken() -> Any:
         raise RuntimeError("stepwatch bug")
 
-    monkeypatch.setattr(huggingface, "auto_callback", broken)
+    monkeypatch.setattr("stepwatch.capture.integrations.huggingface.auto_callback", broken)  # the module, not the proxy
     trainer = hf_trainer(tmp_path, num_train_epochs=1, eval_strategy="no")
     assert trainer.train().global_step == 3
     assert stepwatch_callbacks(trainer) == []
