@@ -50,8 +50,9 @@ FOLD_ABOVE = 16  # ranks shown one a row up to this many; above, folded (``fold_
 ALERTS_KEPT = 5  # the latest alerts a snapshot carries
 PLAN_MARK = "stepwatch.plan"  # the run's plan (epochs, max_steps), as capture records it
 DATALOADER_MARK = "stepwatch.dataloader"  # capture/program_settings.py's: a loader's settings, ``batches`` among them
-SILENT_AFTER_S = 15.0  # a rank with no sign of life for this long is shown ``silent``
-_PLAN_EVERY_S = 5.0  # the spool is looked at this often while the total is unknown
+SILENT_AFTER_S = 15.0
+LAUNCHER_GRACE_S = 90.0  # a ``run`` whose ranks all stopped ends once its launcher says so, or this long after  # a rank with no sign of life for this long is shown ``silent``
+_PLAN_EVERY_S = 2.0  # the spool is looked at this often while the total is unknown
 _HEARTBEAT_EVERY_S = 5.0  # ranks without a ledger (older runs) are re-read this often
 _LEDGER_NAME = re.compile(r"^rank(\d+)-(\d+)\.steps$")
 _SINK_RANK = re.compile(r"^rank(\d+)$")
@@ -352,8 +353,9 @@ class LiveReader:
         ranks = self._ranks(now)  # a session still unknown becomes the newest ledger's
         alerts = self._read_alerts()
         final = self._final_summary(manifest)
-        verdict = self._live_verdict() or _primary_of(final)
-        ended = bool(manifest.get("ended_at_ns")) or (bool(ranks) and all(r.state == "stopped" for r in ranks))
+        # an ended run's diagnosis (of the whole run) has the last word over the live window's
+        verdict = _primary_of(final) or self._live_verdict()
+        ended = bool(manifest.get("ended_at_ns")) or self._all_stopped(ranks, manifest)
         world = manifest.get("world_size") if type(manifest.get("world_size")) is int else None
         started, stopped = (manifest.get(k) for k in ("started_at_ns", "ended_at_ns"))
         return LiveSnapshot(run_dir=str(self.run_dir), session_id=self.session_id, taken_at=now, ranks=tuple(ranks),
@@ -361,6 +363,17 @@ class LiveReader:
                             verdict=verdict, alerts=tuple(alerts), ended=ended,
                             started_at=started / 1e9 if type(started) is int and started > 0 else None,
                             ended_at=stopped / 1e9 if type(stopped) is int and stopped > 0 else None)
+
+    @staticmethod
+    def _all_stopped(ranks: list[RankLive], manifest: dict[str, Any]) -> bool:
+        """Every rank stopped. Under ``stepwatch run`` the run ends when its launcher has written
+        the summary (run.json's ``ended_at_ns``): until then, or ``LAUNCHER_GRACE_S`` after the
+        last rank's end (a launcher that died), it is not over."""
+        if not ranks or any(r.state != "stopped" for r in ranks):
+            return False
+        if manifest.get("launcher") != "run":
+            return True
+        return min(r.heartbeat_age_s or 0.0 for r in ranks) > LAUNCHER_GRACE_S
 
     def close(self) -> None:
         for ledger in self._ledgers.values():
