@@ -285,3 +285,34 @@ def test_damaged_files_never_raise(ledger: bytes, alerts: bytes, segment: bytes,
         finally:
             reader.close()
         assert all(r.rank in (0, 1) for r in snapshot.ranks)
+
+
+# -- the ledger's window, against the ledger's own reader ------------------------------------------
+
+
+@given(writes=st.lists(st.integers(0, 40), min_size=1, max_size=6), capacity=st.sampled_from([8, 16, 64]),
+       size=st.integers(1, 100))
+def test_the_ledger_window_is_the_last_records_the_ledger_holds(writes: list[int], capacity: int, size: int) -> None:
+    from stepwatch.artifacts.step_ledger import StepLedger, read_ledger
+    from stepwatch.views.live import _Ledger
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ledger = StepLedger.create(Path(tmp), "s", rank=0, capacity=capacity)
+        reader = None
+        step = 0
+        try:
+            for burst in writes:  # the reader looks between bursts, as a refresh does
+                for _ in range(burst):
+                    ledger.write(step, 10 + step * 100, 60 + step * 100, {"forward": 7, "backward": step})
+                    step += 1
+                if reader is None:
+                    reader = _Ledger(next((Path(tmp) / "ledger").iterdir()))
+                window = reader.window(size)
+                expected = read_ledger(reader.path).records[-size:]
+                assert [int(i) for i in window["index"]] == [r.index for r in expected]
+                assert [int(e) for e in window["end"]] == [r.end_ns for r in expected]
+                assert [tuple(int(v) for v in p) for p in window["phases"]] == [r.phases for r in expected]
+        finally:
+            if reader is not None:
+                reader.close()
+            ledger.close(1)

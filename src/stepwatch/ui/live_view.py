@@ -28,8 +28,8 @@ __all__ = ["PLAIN_EVERY_S", "REFRESH_S", "OutputPump", "RunView", "plain_line", 
 REFRESH_S = 1.0  # the live view's redraw period
 PLAIN_EVERY_S = 10.0  # the plain line's period (no terminal)
 BAR_WIDTH = 16  # characters of a rank's phase bar
-_PHASE_STYLE = {"data_load": "red", "h2d": "magenta", "forward": "green", "backward": "blue",
-                "optimizer": "yellow", "recompute": "cyan", "wait": "bright_black"}
+# a colour a phase, in stepwatch.phases' order (the residual, wait, last and grey)
+_PHASE_STYLE = dict(zip(SHARE_NAMES, ("red", "magenta", "green", "blue", "yellow", "cyan", "bright_black"), strict=False))
 _SEVERITY_STYLE = {"crit": "bold red", "critical": "bold red", "warn": "yellow", "warning": "yellow",
                    "info": "cyan", "ok": "green"}
 

@@ -30,6 +30,7 @@ import mmap
 import os
 import re
 import sqlite3
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,8 @@ DATALOADER_MARK = "stepwatch.dataloader"  # capture/program_settings.py's: a loa
 SILENT_AFTER_S = 15.0
 LAUNCHER_GRACE_S = 90.0  # a ``run`` whose ranks all stopped ends once its launcher says so, or this long after  # a rank with no sign of life for this long is shown ``silent``
 _PLAN_EVERY_S = 2.0  # the spool is looked at this often while the total is unknown
-_HEARTBEAT_EVERY_S = 5.0  # ranks without a ledger (older runs) are re-read this often
+_HEARTBEAT_EVERY_S = 5.0
+_LIST_EVERY_S = 5.0  # a rank's telemetry folder is listed this often (a new segment is rare)  # ranks without a ledger (older runs) are re-read this often
 _LEDGER_NAME = re.compile(r"^rank(\d+)-(\d+)\.steps$")
 _SINK_RANK = re.compile(r"^rank(\d+)$")
 _BATCH = re.compile(r"^\d{20}-.+\.json$")
@@ -191,6 +193,7 @@ _sample_decoder = msgspec.json.Decoder(_Sample)
 _alert_decoder = msgspec.json.Decoder(_Alert)
 _batch_decoder = msgspec.json.Decoder(_Batch)
 _json = msgspec.json.Decoder()
+_U64 = struct.Struct("<Q")
 
 
 class _Ledger:
@@ -213,6 +216,8 @@ class _Ledger:
         self.rank, self.pid, self.started_ns = rank, pid, started_ns
         self.session_id = raw_id.rstrip(b"\0").decode("ascii", "replace")
         self.phases = record_size // 8 - 5
+        self.record_size = record_size
+        self._newest = 0
         self.capacity = min(capacity, max(0, size - HEADER_SIZE) // record_size)
         self.dtype = np.dtype([("seq", "<u8"), ("index", "<i8"), ("start", "<i8"), ("end", "<i8"),
                                ("phases", "<i8", (self.phases,)), ("tail", "<u8")])
@@ -222,23 +227,62 @@ class _Ledger:
         _, _, _, _, _, _, _, alive_ns, closed_ns, _ = HEADER.unpack_from(self.map, 0)
         return alive_ns, closed_ns
 
-    def window(self, size: int) -> Any:
-        """The last ``size`` whole records, oldest first (a numpy structured array, copied)."""
+    def _whole(self, seq: int) -> bool:
+        """Record ``seq`` sits whole in its slot (its first and last words both say ``seq``)."""
+        offset = HEADER_SIZE + ((seq - 1) % self.capacity) * self.record_size
+        if offset + self.record_size > len(self.map):
+            return False
+        return bool(_U64.unpack_from(self.map, offset)[0] == seq
+                    == _U64.unpack_from(self.map, offset + self.record_size - 8)[0])
+
+    def newest(self) -> int:
+        """The newest whole record's sequence number (0: none). From the last one known, a
+        binary search over the ring's next ``capacity`` numbers (a dozen reads: record n lives in
+        slot n - 1 modulo capacity, whole up to the newest); a full scan when the ring lapped
+        the last one known, or at first."""
+        known = self._newest
+        if known and self._whole(known):
+            low, high = known, known + self.capacity
+            while high - low > 1:
+                middle = (low + high) // 2
+                if self._whole(middle):
+                    low = middle
+                else:
+                    high = middle
+            self._newest = low
+            return low
         import numpy as np
 
         records = np.frombuffer(self.map, dtype=self.dtype, count=self.capacity, offset=HEADER_SIZE)
         try:
             seq = records["seq"]
             whole = (seq == records["tail"]) & (seq > 0)
-            newest = int(seq[whole].max()) if whole.any() else 0
-            if newest == 0:
-                return records[:0].copy()
-            chosen = records[whole & (seq > newest - size)].copy()
+            self._newest = int(seq[whole].max()) if whole.any() else 0
         finally:
             del records  # no view may outlive the mapping
-        order = np.argsort(chosen["seq"], kind="stable")
-        chosen = chosen[order]
-        keep = (chosen["end"] >= chosen["start"]) & (chosen["start"] > 0)
+        return self._newest
+
+    def window(self, size: int) -> Any:
+        """The last ``size`` whole records, oldest first (a numpy structured array, copied)."""
+        import numpy as np
+
+        newest = self.newest()
+        first = max(1, newest - min(size, self.capacity) + 1)
+        if newest == 0:
+            return np.zeros(0, dtype=self.dtype)
+        start_slot, end_slot = (first - 1) % self.capacity, (newest - 1) % self.capacity
+        pieces = [(start_slot, end_slot + 1)] if start_slot <= end_slot else [(start_slot, self.capacity),
+                                                                               (0, end_slot + 1)]
+        parts = []
+        for low, high in pieces:
+            view = np.frombuffer(self.map, dtype=self.dtype, count=high - low,
+                                 offset=HEADER_SIZE + low * self.record_size)
+            parts.append(view.copy())
+            del view  # no view may outlive the mapping
+        chosen = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        seq = chosen["seq"]
+        keep = ((seq == chosen["tail"]) & (seq >= first) & (seq <= newest) & (chosen["end"] >= chosen["start"])
+                & (chosen["start"] > 0))
         return chosen[keep]
 
     def close(self) -> None:
@@ -278,15 +322,19 @@ class _Memory:
 
     def __init__(self) -> None:
         self.files: dict[Path, _Follower] = {}
+        self.names: list[Path] = []
+        self.listed_at = float("-inf")
         self.latest: dict[int, int] = {}
         self.peak: dict[int, int] = {}
 
-    def read(self, directory: Path, session_id: str | None) -> None:
-        try:
-            names = sorted(p for p in directory.glob("segment-*.jsonl"))
-        except OSError:
-            return
-        for path in names:
+    def read(self, directory: Path, session_id: str | None, now: float) -> None:
+        if now - self.listed_at >= _LIST_EVERY_S:  # a new segment is rare: the folder is listed now and then
+            self.listed_at = now
+            try:
+                self.names = sorted(p for p in directory.glob("segment-*.jsonl"))
+            except OSError:
+                return
+        for path in self.names:
             follower = self.files.setdefault(path, _Follower(path))
             for raw in follower.lines():
                 try:
@@ -445,7 +493,7 @@ class LiveReader:
         age = max(0.0, now - last_sign) if last_sign > 0 else None
         state = "stopped" if closed_ns else ("silent" if age is not None and age > SILENT_AFTER_S else "running")
         memory = self._memory.setdefault(ledger.rank, _Memory())
-        memory.read(self.run_dir / "telemetry" / f"rank{ledger.rank}", self.session_id)
+        memory.read(self.run_dir / "telemetry" / f"rank{ledger.rank}", self.session_id, now)
         current, peak, kind = memory.now()
         return RankLive(rank=ledger.rank, step=step, step_time_s=step_time, steps_per_s=rate, phase_shares=shares,
                         memory_bytes=current, memory_peak_bytes=peak, memory_kind=kind, heartbeat_age_s=age,
@@ -456,7 +504,15 @@ class LiveReader:
         their heartbeat files, re-read every ``_HEARTBEAT_EVERY_S``."""
         if now - self._heartbeat_at >= _HEARTBEAT_EVERY_S:
             self._heartbeat_at = now
-            from ..artifacts.live_ranks import rank_processes
+            from ..artifacts.live_ranks import HEARTBEAT_FILE, rank_processes
+
+            try:
+                files = [HEARTBEAT_FILE.match(e.name) for e in os.scandir(self.run_dir)]
+            except OSError:
+                files = []
+            if {int(m.group(1)) for m in files if m is not None and not m.group(2)} <= covered:
+                self._heartbeat_ranks = []
+                return []  # every rank has its ledger: the heartbeat files add nothing
 
             try:
                 processes = rank_processes(self.run_dir)
@@ -469,7 +525,7 @@ class LiveReader:
             if process.rank in covered:
                 continue
             memory = self._memory.setdefault(process.rank, _Memory())
-            memory.read(self.run_dir / "telemetry" / f"rank{process.rank}", self.session_id)
+            memory.read(self.run_dir / "telemetry" / f"rank{process.rank}", self.session_id, now)
             current, peak, kind = memory.now()
             age = max(0.0, now - process.step_ts)
             state = "stopped" if process.stopped else ("silent" if age > 60 else "running")
