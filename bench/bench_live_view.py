@@ -3,7 +3,7 @@ CPU per second at its one refresh a second, for 1 to 256 ranks.
 
 Usage::
 
-    PYTHONPATH=src .venv/bin/python bench/bench_live_view.py [--ranks 1,8,64,256] [--refreshes 20]
+    PYTHONPATH=src .venv/bin/python bench/bench_live_view.py [--ranks 1,8,64,256] [--refreshes 20] [--real 2]
 
 A run directory in the files the ranks write: per rank a step ledger (``StepLedger``, the
 writer the ranks use, its ring full: 4,096 steps), a telemetry segment with an hour of memory
@@ -13,6 +13,11 @@ Measured on this thread (``time.thread_time``): the ``LiveReader.snapshot`` (rea
 new), the rich table drawn to a terminal console (``render_view``, what ``Live`` refreshes),
 and the plain line. The first snapshot (it reads the hour of samples a ``top`` started late
 finds) is reported apart. Median of ``--refreshes``.
+
+``--real N``: then the launcher process itself, N times each way in turn: ``stepwatch run`` of
+examples/train_demo.py (``--steps 3000``, one rank) under a pseudo-terminal with ``--view live``
+and with ``--view off``; the launcher's own CPU time (``psutil``, its children not counted, read
+until it exits) over its wall time.
 """
 
 from __future__ import annotations
@@ -108,10 +113,49 @@ def measure(ranks: int, refreshes: int) -> dict[str, float]:
             "plain_ms": statistics.median(plains) * 1e3, "cpu_pct": (read + draw) * 100}
 
 
+def launcher_cpu(view: str, steps: int) -> tuple[float, float]:
+    """(CPU seconds of the launcher process alone, its wall seconds) for one ``stepwatch run``
+    on a pseudo-terminal."""
+    import os
+    import pty
+    import select
+
+    import psutil
+
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, "-m", "stepwatch", "run", "--view", view, "--out", f"{tmp}/run",
+                str(repo / "examples" / "train_demo.py"), "--steps", str(steps)]
+        started = time.monotonic()
+        pid, fd = pty.fork()
+        if pid == 0:
+            os.execv(sys.executable, argv)
+        process = psutil.Process(pid)
+        cpu = 0.0
+        while True:
+            try:
+                times = process.cpu_times()
+                cpu = times.user + times.system
+            except psutil.NoSuchProcess:
+                break
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                try:
+                    if not os.read(fd, 65536):
+                        break
+                except OSError:
+                    break
+        os.waitpid(pid, 0)
+        os.close(fd)
+        return cpu, time.monotonic() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="1,8,64,256")
     parser.add_argument("--refreshes", type=int, default=20)
+    parser.add_argument("--real", type=int, default=0, help="real runs each way (live, off)")
+    parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}; {STEPS_PER_S} steps/s per rank; median of {args.refreshes} refreshes")
     print(f"{'ranks':>5}  {'first read':>10}  {'read':>8}  {'draw':>8}  {'plain':>8}  {'CPU at 1/s':>10}")
@@ -119,6 +163,19 @@ def main() -> None:
         row = measure(ranks, args.refreshes)
         print(f"{row['ranks']:>5}  {row['first_ms']:>7.1f} ms  {row['read_ms']:>5.2f} ms  {row['draw_ms']:>5.2f} ms  "
               f"{row['plain_ms']:>5.3f} ms  {row['cpu_pct']:>9.2f}%")
+    if args.real:
+        print(f"launcher process, stepwatch run train_demo.py --steps {args.steps} on a pseudo-terminal:")
+        found: dict[str, list[tuple[float, float]]] = {"live": [], "off": []}
+        for _ in range(args.real):
+            for view in ("live", "off"):
+                found[view].append(launcher_cpu(view, args.steps))
+        for view, runs in found.items():
+            cpu = statistics.median(c for c, _ in runs)
+            wall = statistics.median(w for _, w in runs)
+            print(f"  --view {view:<4}  CPU {cpu:.2f} s over {wall:.1f} s wall ({cpu / wall * 100:.2f}% of a core)")
+        extra = statistics.median(c for c, _ in found["live"]) - statistics.median(c for c, _ in found["off"])
+        wall = statistics.median(w for _, w in found["live"])
+        print(f"  the view: {extra:+.2f} s CPU, {extra / wall * 100:+.2f}% of a core")
 
 
 if __name__ == "__main__":
