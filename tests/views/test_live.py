@@ -11,6 +11,7 @@ import shutil
 import sqlite3
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -316,3 +317,78 @@ def test_the_ledger_window_is_the_last_records_the_ledger_holds(writes: list[int
             if reader is not None:
                 reader.close()
             ledger.close(1)
+
+
+# -- a run with no history, killed: ``stepwatch track``, its program SIGKILLed mid-run --------------
+
+
+@dataclass
+class Killed:
+    run_dir: Path
+    during: list[LiveSnapshot]
+    killed_at_step: int
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Killed:
+    import os
+    import signal
+
+    base = tmp_path_factory.mktemp("live_killed")
+    program = base / "train.py"
+    program.write_text(PROGRAM)
+    run_dir = base / "run"
+    job = subprocess.Popen([*STEPWATCH, "track", "--out", str(run_dir), sys.executable, str(program)], cwd=base,
+                           env=clean_env(LIVE_SLEEP="0.03"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader = LiveReader(run_dir)
+    during: list[LiveSnapshot] = []
+    step = 0
+    try:
+        deadline = time.monotonic() + 120
+        while job.poll() is None and time.monotonic() < deadline:
+            snapshot = reader.snapshot()
+            during.append(snapshot)
+            if (snapshot.step or 0) >= 60:
+                (ledger,) = (run_dir / "ledger").iterdir()
+                os.kill(int(ledger.stem.split("-")[1]), signal.SIGKILL)  # the training process: rank<R>-<pid>
+                step = snapshot.step or 0
+                break
+            time.sleep(0.2)  # sampling a live state: there is no event to await
+        job.communicate(timeout=120)
+    finally:
+        reader.close()
+        if job.poll() is None:
+            job.kill()
+    assert step, [s.step for s in during]
+    return Killed(run_dir, during, step)
+
+
+@pytest.mark.real
+def test_a_killed_rank_is_lost_and_its_run_over(killed: Killed) -> None:
+    assert not (killed.run_dir / "history.sqlite").exists()  # track keeps no history
+    later = LiveReader(killed.run_dir, clock=lambda: time.time() + 60)  # its silence, a minute on
+    try:
+        snapshot = later.snapshot()
+    finally:
+        later.close()
+    (rank,) = snapshot.ranks
+    assert rank.state == "lost" and killed.killed_at_step <= (rank.step or 0) < TOTAL
+    assert snapshot.ended
+
+
+@pytest.mark.real
+def test_a_run_with_no_history_gets_the_engines_verdict_on_its_ledger(killed: Killed) -> None:
+    assert any(s.ranks and s.ranks[0].state == "running" for s in killed.during)
+    reader = LiveReader(killed.run_dir)
+    try:
+        verdict = reader.snapshot().verdict
+    finally:
+        reader.close()
+    explained = subprocess.run([*STEPWATCH, "explain", str(killed.run_dir), "--window", "100", "--json"],
+                               env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 0, explained.stderr
+    primary = json.loads(explained.stdout)["diagnosis"]["primary"]
+    if primary["name"] in ("WARMUP", "INSUFFICIENT_STEP_TIME_DATA"):
+        assert verdict is None
+    else:  # the same engine on the same last 100 steps: the same verdict
+        assert verdict is not None and (verdict["name"], verdict["ranks"]) == (primary["name"], primary["ranks"])

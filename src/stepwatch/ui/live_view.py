@@ -121,6 +121,8 @@ def _age(rank: RankLive) -> Any:
 
     if rank.state == "stopped":
         return Text("stopped", style="bright_black")
+    if rank.state == "lost":
+        return Text("lost", style="bold red")
     if rank.heartbeat_age_s is None:
         return Text("-")
     text = f"{rank.heartbeat_age_s:.0f} s" if rank.heartbeat_age_s >= 1.5 else "now"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import socket
 import sqlite3
 import struct
 import time
@@ -51,11 +52,12 @@ FOLD_ABOVE = 16  # ranks shown one a row up to this many; above, folded (``fold_
 ALERTS_KEPT = 5  # the latest alerts a snapshot carries
 PLAN_MARK = "stepwatch.plan"  # the run's plan (epochs, max_steps), as capture records it
 DATALOADER_MARK = "stepwatch.dataloader"  # capture/program_settings.py's: a loader's settings, ``batches`` among them
-SILENT_AFTER_S = 15.0
-LAUNCHER_GRACE_S = 90.0  # a ``run`` whose ranks all stopped ends once its launcher says so, or this long after  # a rank with no sign of life for this long is shown ``silent``
+SILENT_AFTER_S = 15.0  # a rank with no sign of life for this long is shown ``silent`` (``lost`` once its pid is gone)
+OWN_VERDICT_EVERY_S = 10.0  # a run with no history: the engine over the ledgers this often
+LAUNCHER_GRACE_S = 90.0  # a ``run`` whose ranks all stopped ends once its launcher says so, or this long after
 _PLAN_EVERY_S = 2.0  # the spool is looked at this often while the total is unknown
-_HEARTBEAT_EVERY_S = 5.0
-_LIST_EVERY_S = 5.0  # a rank's telemetry folder is listed this often (a new segment is rare)  # ranks without a ledger (older runs) are re-read this often
+_HEARTBEAT_EVERY_S = 5.0  # ranks without a ledger (older runs) are re-read this often
+_LIST_EVERY_S = 5.0  # a rank's telemetry folder is listed this often (a new segment is rare)
 _LEDGER_NAME = re.compile(r"^rank(\d+)-(\d+)\.steps$")
 _SINK_RANK = re.compile(r"^rank(\d+)$")
 _BATCH = re.compile(r"^\d{20}-.+\.json$")
@@ -69,8 +71,8 @@ class RankLive:
     time (``stepwatch.phases`` share names, ``wait`` the rest); ``memory_bytes``/``memory_peak_bytes``:
     its latest and highest memory sample, of ``memory_kind`` ``"device"`` (an accelerator's
     allocation) or ``"rss"`` (the process, when it uses no device); ``heartbeat_age_s``: seconds
-    since its last sign of life; ``state``: ``running``, ``stopped`` (a clean end) or ``silent``
-    (no sign of life for ``SILENT_AFTER_S``)."""
+    since its last sign of life; ``state``: ``running``, ``stopped`` (a clean end), ``silent``
+    (no sign of life for ``SILENT_AFTER_S``) or ``lost`` (silent, and its process is gone: killed)."""
 
     rank: int
     step: int | None = None
@@ -389,6 +391,10 @@ class LiveReader:
         self._heartbeat_at = 0.0
         self._heartbeat_ranks: list[Any] = []
         self._final: dict[str, Any] | None = None
+        self._windows: dict[int, Any] = {}  # rank -> its last ledger window (for ``_own_verdict``)
+        self._own: dict[str, Any] | None = None
+        self._own_at = float("-inf")
+        self._local = True  # the ranks ran on this host (run.json's hosts): a dead pid means a dead rank
 
     # -- the snapshot ----------------------------------------------------------------------------
 
@@ -396,13 +402,15 @@ class LiveReader:
         """The run now. Never raises for what the files hold."""
         now = self.clock()
         manifest = self._manifest()
+        hosts = manifest.get("hosts")
+        self._local = not isinstance(hosts, list) or not hosts or socket.gethostname() in hosts
         if self.session_id is None:
             self.session_id = manifest.get("session_id") if isinstance(manifest.get("session_id"), str) else None
         ranks = self._ranks(now)  # a session still unknown becomes the newest ledger's
         alerts = self._read_alerts()
         final = self._final_summary(manifest)
         # an ended run's diagnosis (of the whole run) has the last word over the live window's
-        verdict = _primary_of(final) or self._live_verdict()
+        verdict = _primary_of(final) or self._live_verdict() or self._own_verdict(now)
         ended = bool(manifest.get("ended_at_ns")) or self._all_stopped(ranks, manifest)
         world = manifest.get("world_size") if type(manifest.get("world_size")) is int else None
         started, stopped = (manifest.get(k) for k in ("started_at_ns", "ended_at_ns"))
@@ -417,7 +425,7 @@ class LiveReader:
         """Every rank stopped. Under ``stepwatch run`` the run ends when its launcher has written
         the summary (run.json's ``ended_at_ns``): until then, or ``LAUNCHER_GRACE_S`` after the
         last rank's end (a launcher that died), it is not over."""
-        if not ranks or any(r.state != "stopped" for r in ranks):
+        if not ranks or any(r.state not in ("stopped", "lost") for r in ranks):
             return False
         if manifest.get("launcher") != "run":
             return True
@@ -470,6 +478,7 @@ class LiveReader:
         import numpy as np
 
         records = ledger.window(self.window)
+        self._windows[ledger.rank] = records
         alive_ns, closed_ns = ledger.header_times()
         step = step_time = rate = None
         shares: dict[str, float] = {}
@@ -492,6 +501,8 @@ class LiveReader:
         last_sign = max(alive_ns, last_end, closed_ns) / 1e9
         age = max(0.0, now - last_sign) if last_sign > 0 else None
         state = "stopped" if closed_ns else ("silent" if age is not None and age > SILENT_AFTER_S else "running")
+        if state == "silent" and self._local and not _pid_alive(ledger.pid, ledger.started_ns):
+            state = "lost"  # killed (SIGKILL, the OOM killer): its ledger was never closed
         memory = self._memory.setdefault(ledger.rank, _Memory())
         memory.read(self.run_dir / "telemetry" / f"rank{ledger.rank}", self.session_id, now)
         current, peak, kind = memory.now()
@@ -590,6 +601,46 @@ class LiveReader:
         return {"name": row[0], "severity": row[1], "ranks": [r for r in ranks if type(r) is int]
                 if isinstance(ranks, list) else [], "message": row[3], "next_step": row[4], "step": row[5]}
 
+    def _own_verdict(self, now: float) -> dict[str, Any] | None:
+        """A run with no history (``init``, ``track``, an aggregator that never started): the
+        verdict engine over the ledgers' last ``window`` steps, every ``OWN_VERDICT_EVERY_S``.
+        WARMUP and too few steps are no verdict; with a history, the aggregator's verdicts are
+        the run's (``_live_verdict``) and this is never computed."""
+        if (self.run_dir / "history.sqlite").exists() or not self._windows:
+            return None
+        if now - self._own_at < OWN_VERDICT_EVERY_S:
+            return self._own
+        self._own_at = now
+        try:
+            from ..analysis.verdicts.engine import diagnose
+
+            primary = diagnose(self._window_rows(), window=self.window).primary
+        except Exception:  # noqa: BLE001 - a view without a verdict is still a view
+            return self._own
+        if primary.name in ("WARMUP", "INSUFFICIENT_STEP_TIME_DATA"):
+            self._own = None
+        else:
+            self._own = {"name": primary.name, "severity": primary.severity, "ranks": list(primary.ranks),
+                         "message": primary.message, "next_step": primary.next_step, "source": "view"}
+        return self._own
+
+    def _window_rows(self) -> list[dict[str, Any]]:
+        """The ledger windows as the history's ``steps`` rows (store/rows: ``wait`` is the step
+        less every phase inside the residual)."""
+        rows = []
+        for rank, records in self._windows.items():
+            for record in records.tolist():
+                _, index, start, end, phases, _ = record
+                row = {"session_id": self.session_id, "rank": rank, "step": index, "start_ns": start, "end_ns": end,
+                       "step_ns": end - start}
+                inside = 0
+                for phase, value in zip(PHASES, (int(v) for v in phases), strict=False):  # numpy's, as ints
+                    row[phase.column] = value
+                    inside += value if phase.in_residual else 0
+                row[RESIDUAL.column] = max(0, end - start - inside)
+                rows.append(row)
+        return rows
+
     def _final_summary(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         """final_summary.json of this session, once the run has ended (read once)."""
         if self._final is not None or not manifest.get("ended_at_ns"):
@@ -649,3 +700,10 @@ def _primary_of(summary: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(primary, dict) or not isinstance(primary.get("name"), str):
         return None
     return {key: primary.get(key) for key in ("name", "severity", "ranks", "message", "next_step")}
+
+
+def _pid_alive(pid: int, started_ns: int) -> bool:
+    """Whether ``pid`` on this host may still be the rank that started its ledger at ``started_ns``."""
+    from ..artifacts._files import process_alive
+
+    return process_alive(socket.gethostname(), pid, started_ns or None)
