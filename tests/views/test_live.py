@@ -392,3 +392,36 @@ def test_a_run_with_no_history_gets_the_engines_verdict_on_its_ledger(killed: Ki
         assert verdict is None
     else:  # the same engine on the same last 100 steps: the same verdict
         assert verdict is not None and (verdict["name"], verdict["ranks"]) == (primary["name"], primary["ranks"])
+
+
+# -- from the history alone: a ``serve --out`` directory of many sessions ----------------------------
+
+
+@pytest.mark.real
+def test_a_history_alone_shows_the_same_ranks_and_picks_its_session(watched: Watched, killed: Killed,
+                                                                    tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    shutil.copy(watched.run_dir / "history.sqlite", hub / "history.sqlite")
+    imported = subprocess.run([*STEPWATCH, "import", str(killed.run_dir), "--into", str(hub / "history.sqlite")],
+                              env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    reader = LiveReader(hub, watched.final.session_id)
+    try:
+        snapshot = reader.snapshot()
+    finally:
+        reader.close()
+    (rank,), (own,) = snapshot.ranks, watched.final.ranks
+    # the same steps, read from the history instead of the ledger: the same figures
+    assert (rank.step, rank.state, rank.memory_kind, rank.memory_peak_bytes) == (
+        own.step, "stopped", own.memory_kind, own.memory_peak_bytes)
+    assert rank.step_time_s == pytest.approx(own.step_time_s)
+    assert rank.steps_per_s == pytest.approx(own.steps_per_s)
+    assert rank.phase_shares == pytest.approx(own.phase_shares)
+    assert snapshot.ended
+    for session, step in ((watched.final.session_id, TOTAL), (None, None)):
+        shown = subprocess.run([*STEPWATCH, "top", str(hub), "--once", *(["--session", session] if session else [])],
+                               env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        row = shown.stdout.splitlines()[2].split()
+        assert row[0] == "0" and (step is None or row[1] == str(step)), shown.stdout

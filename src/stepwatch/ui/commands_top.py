@@ -1,5 +1,6 @@
 """``stepwatch top RUN_DIR``: the live terminal view of a run started elsewhere (``stepwatch.init``,
-``track``, ``run`` in another terminal), read from its run directory (docs/live-view.md)."""
+``track``, ``run`` in another terminal), read from its run directory, or of a session of a
+``serve --out`` directory, read from its history (docs/live-view.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ __all__ = ["top"]
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--session", "session_id", help="Session id (default: run.json's, else the newest ranks').")
+@click.option("--session", "session_id",
+              help="Session id (default: run.json's, else the newest ranks', else the history's newest).")
 @click.option("--once", is_flag=True, help="Print the view once and exit.")
 @click.option("--plain", is_flag=True, help="One plain line every --every seconds, even on a terminal.")
 @click.option("--every", "every_s", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
@@ -30,8 +32,8 @@ def top(run_dir: Path, session_id: str | None, once: bool, plain: bool, every_s:
     from ..artifacts.live_ranks import require_run_dir
     from .live_view import PLAIN_EVERY_S, REFRESH_S, watch_run
 
-    if not (run_dir / "ledger").is_dir() and not (run_dir / "run.json").is_file():
-        require_run_dir(run_dir)  # no run.json, no ledger: a heartbeat file at least, else a clear error
+    if not any((run_dir / name).exists() for name in ("ledger", "run.json", "history.sqlite")):
+        require_run_dir(run_dir)  # no run.json, ledger or history: a heartbeat file at least, else a clear error
     console = _console()
     live = console.is_terminal and not console.is_dumb_terminal and not plain
     try:

@@ -57,10 +57,21 @@ OWN_VERDICT_EVERY_S = 10.0  # a run with no history: the engine over the ledgers
 LAUNCHER_GRACE_S = 90.0  # a ``run`` whose ranks all stopped ends once its launcher says so, or this long after
 _PLAN_EVERY_S = 2.0  # the spool is looked at this often while the total is unknown
 _HEARTBEAT_EVERY_S = 5.0  # ranks without a ledger (older runs) are re-read this often
+_HISTORY_EVERY_S = 2.0  # ranks only the history knows (another node's, a serve directory's) are re-read this often
 _LIST_EVERY_S = 5.0  # a rank's telemetry folder is listed this often (a new segment is rare)
 _LEDGER_NAME = re.compile(r"^rank(\d+)-(\d+)\.steps$")
 _SINK_RANK = re.compile(r"^rank(\d+)$")
 _BATCH = re.compile(r"^\d{20}-.+\.json$")
+# each rank of a session, by a skip-scan down steps_unique (session_key, rank, step)
+_HISTORY_RANKS = """
+WITH RECURSIVE ranks(rank) AS (
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
+    UNION ALL
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
+    FROM ranks WHERE ranks.rank IS NOT NULL
+)
+SELECT rank FROM ranks
+"""
 SHARE_NAMES: tuple[str, ...] = (*(p.share for p in PHASES), RESIDUAL.share)
 
 
@@ -391,6 +402,9 @@ class LiveReader:
         self._heartbeat_at = 0.0
         self._heartbeat_ranks: list[Any] = []
         self._final: dict[str, Any] | None = None
+        self._history_at = float("-inf")
+        self._history_ranks: list[RankLive] = []
+        self._history_seen: dict[int, list[Any]] = {}
         self._windows: dict[int, Any] = {}  # rank -> its last ledger window (for ``_own_verdict``)
         self._own: dict[str, Any] | None = None
         self._own_at = float("-inf")
@@ -455,6 +469,8 @@ class LiveReader:
         ranks = {rank: self._from_ledger(ledger, now) for rank, ledger in newest.items()}
         for process in self._heartbeat_only(now, set(ranks)):
             ranks.setdefault(process.rank, process)
+        for remote in self._from_history(now, set(ranks)):
+            ranks.setdefault(remote.rank, remote)
         return [ranks[r] for r in sorted(ranks)]
 
     def _open_ledgers(self) -> list[_Ledger]:
@@ -572,11 +588,8 @@ class LiveReader:
             del self._recent_alerts[:-ALERTS_KEPT]
         return list(self._recent_alerts)
 
-    def _live_verdict(self) -> dict[str, Any] | None:
-        """The newest primary verdict the aggregator stored for this session (None: none yet, or
-        no history)."""
-        if self.session_id is None:
-            return None
+    def _connect(self) -> sqlite3.Connection | None:
+        """A read-only connection to the run's history.sqlite (None: there is none yet)."""
         if self._history is None:
             path = self.run_dir / "history.sqlite"
             if not path.is_file():
@@ -586,8 +599,88 @@ class LiveReader:
                                                 check_same_thread=False)
             except sqlite3.Error:
                 return None
+        return self._history
+
+    def _from_history(self, now: float, covered: set[int]) -> list[RankLive]:
+        """Ranks no local file describes, from the history: another node's ranks in a multi-node
+        run's hub, the sessions of a ``serve --out`` directory. Index seeks only (each rank's last
+        steps down ``steps_unique``, its newest samples down ``telemetry_unique``), at most every
+        ``_HISTORY_EVERY_S``; the peak is kept from the samples read since the last look."""
+        if now - self._history_at < _HISTORY_EVERY_S:
+            return [r for r in self._history_ranks if r.rank not in covered]
+        self._history_at = now
+        history = self._connect()
+        if history is None:
+            return []
         try:
-            row = self._history.execute(
+            if self.session_id is None:
+                found = history.execute("SELECT session_id FROM sessions ORDER BY started_at_ns DESC LIMIT 1").fetchone()
+                if found is None:
+                    return []
+                self.session_id = found[0]
+            ranks = [r for (r,) in history.execute(_HISTORY_RANKS, (self.session_id,)) if r is not None]
+            rows = [self._history_rank(history, rank, now) for rank in ranks if rank not in covered]
+        except sqlite3.Error:
+            return [r for r in self._history_ranks if r.rank not in covered]
+        self._history_ranks = rows
+        return rows
+
+    def _history_rank(self, history: sqlite3.Connection, rank: int, now: float) -> RankLive:
+        import numpy as np
+
+        columns = ", ".join(["step", "start_ns", "end_ns", "step_ns", *(p.column for p in PHASES)])
+        steps = history.execute(f"SELECT {columns} FROM steps WHERE session_id = ? AND rank = ? "
+                                "ORDER BY step DESC LIMIT ?", (self.session_id, rank, self.window)).fetchall()[::-1]
+        step = step_time = rate = None
+        shares: dict[str, float] = {}
+        last_end = 0
+        if steps:
+            table = np.array([[v or 0 for v in row] for row in steps], dtype=np.int64)  # ns: exact in int64 only
+            step, last_end = int(table[-1, 0]) + 1, int(table[-1, 2])
+            durations = (table[:, 2] - table[:, 1]).astype(np.float64)
+            step_time = float(np.median(durations)) / 1e9
+            span = (table[-1, 2] - table[0, 2]) / 1e9
+            rate = (len(steps) - 1) / span if len(steps) > 1 and span > 0 else None
+            total = float(durations.sum())
+            if total > 0:
+                phases = table[:, 4:].astype(np.float64)
+                for column, phase in enumerate(PHASES):
+                    shares[phase.share] = float(phases[:, column].sum()) / total
+                shares[RESIDUAL.share] = float(np.maximum(durations - phases.sum(axis=1), 0.0).sum()) / total
+        seen = self._history_seen.setdefault(rank, [0, None, None, None])  # last ts, latest, peak, kind
+        for ts, device, allocated in history.execute(
+                "SELECT timestamp_ns, device_id, allocated FROM telemetry WHERE session_id = ? AND rank = ? "
+                "AND timestamp_ns > ? AND event_type = 'sample' ORDER BY timestamp_ns", (self.session_id, rank, seen[0])):
+            seen[0] = max(seen[0], ts or 0)
+            if type(allocated) is not int:
+                continue
+            kind = "device" if type(device) is int and device >= 0 else "rss"
+            if seen[3] == "device" and kind == "rss":
+                continue  # a device's samples, where the rank has one
+            if seen[3] != kind:
+                seen[1:] = [None, None, kind]
+            seen[1] = allocated
+            seen[2] = allocated if seen[2] is None else max(seen[2], allocated)
+        last = history.execute("SELECT timestamp_ns, event_type FROM telemetry WHERE session_id = ? AND rank = ? "
+                               "ORDER BY timestamp_ns DESC LIMIT 1", (self.session_id, rank)).fetchone()
+        sign = max(last_end, last[0] or 0 if last else 0) / 1e9
+        age = max(0.0, now - sign) if sign > 0 else None
+        stopped = bool(last and last[1] == "stop")
+        state = "stopped" if stopped else ("silent" if age is not None and age > SILENT_AFTER_S else "running")
+        return RankLive(rank=rank, step=step, step_time_s=step_time, steps_per_s=rate, phase_shares=shares,
+                        memory_bytes=seen[1], memory_peak_bytes=seen[2], memory_kind=seen[3], heartbeat_age_s=age,
+                        state=state)
+
+    def _live_verdict(self) -> dict[str, Any] | None:
+        """The newest primary verdict the aggregator stored for this session (None: none yet, or
+        no history)."""
+        if self.session_id is None:
+            return None
+        history = self._connect()
+        if history is None:
+            return None
+        try:
+            row = history.execute(
                 "SELECT name, severity, ranks, message, next_step, step, ts_ns FROM verdicts "
                 "WHERE session_id = ? ORDER BY ts_ns DESC LIMIT 1", (self.session_id,)).fetchone()
         except sqlite3.Error:
