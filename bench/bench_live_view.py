@@ -12,7 +12,8 @@ gains what a second of training at 100 steps/s adds (100 ledger records, one mem
 Measured on this thread (``time.thread_time``): the ``LiveReader.snapshot`` (reading what is
 new), the rich table drawn to a terminal console (``render_view``, what ``Live`` refreshes),
 and the plain line. The first snapshot (it reads the hour of samples a ``top`` started late
-finds) is reported apart. Median of ``--refreshes``.
+finds) is reported apart. Median of ``--refreshes``. Then the lines a second a job can print
+through the view's pseudo-terminal while the view shows (100,000 lines from a writer thread).
 
 ``--real N``: then the launcher process itself, N times each way in turn: ``stepwatch run`` of
 examples/train_demo.py (``--steps 3000``, one rank) under a pseudo-terminal with ``--view live``
@@ -150,6 +151,37 @@ def launcher_cpu(view: str, steps: int) -> tuple[float, float]:
         return cpu, time.monotonic() - started
 
 
+def pump_rate(lines: int) -> float:
+    """Lines a second a job can print through the live view's pseudo-terminal while the view
+    shows (a writer thread, one ``write`` a line; the view drawn to /dev/null as a terminal)."""
+    import os
+    import threading
+
+    from rich.console import Console
+
+    from stepwatch.ui.live_view import RunView
+
+    with open(os.devnull, "w") as sink, tempfile.TemporaryDirectory() as tmp:
+        view = RunView(Console(file=sink, force_terminal=True, width=140), live=True)
+        view.begin(Path(tmp), SESSION)
+        assert view.pump is not None
+        writer = os.dup(view.pump.slave)
+        view.job_started()
+
+        def write() -> None:
+            for i in range(lines):
+                os.write(writer, f"step {i}: loss 0.1234, lr 3e-4, a line a training loop prints\n".encode())
+            os.close(writer)
+
+        started = time.monotonic()
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+        elapsed = time.monotonic() - started
+        view.end()
+    return lines / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="1,8,64,256")
@@ -163,6 +195,7 @@ def main() -> None:
         row = measure(ranks, args.refreshes)
         print(f"{row['ranks']:>5}  {row['first_ms']:>7.1f} ms  {row['read_ms']:>5.2f} ms  {row['draw_ms']:>5.2f} ms  "
               f"{row['plain_ms']:>5.3f} ms  {row['cpu_pct']:>9.2f}%")
+    print(f"the job's output through the view's pseudo-terminal: {pump_rate(100_000):,.0f} lines/s")
     if args.real:
         print(f"launcher process, stepwatch run train_demo.py --steps {args.steps} on a pseudo-terminal:")
         found: dict[str, list[tuple[float, float]]] = {"live": [], "off": []}

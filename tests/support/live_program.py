@@ -19,6 +19,8 @@ import stepwatch
 torch.manual_seed(0)
 torch.set_num_threads(1)
 print(f"program stdout is a tty: {{sys.stdout.isatty()}}", flush=True)
+if sys.stdout.isatty():  # as a program colours its output on a terminal only
+    print("\\x1b[31mprogram in red\\x1b[0m", flush=True)
 x = torch.randn({BATCHES} * 8, 4)
 loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 model = torch.nn.Linear(4, 1)

@@ -100,6 +100,7 @@ def test_the_programs_lines_scroll_above_the_view_whole(terminal: Terminal) -> N
     assert [int(n) for n in lines] == list(range(LINE_EVERY, TOTAL + 1, LINE_EVERY)), terminal.output[-3000:]
     # and the program still wrote to a terminal (its own, the view's pseudo-terminal)
     assert "program stdout is a tty: True\r\n" in terminal.output
+    assert "\x1b[31mprogram in red\x1b[0m" in terminal.output  # its colours pass as it wrote them
 
 
 @pytest.mark.real
@@ -113,7 +114,7 @@ def test_top_on_a_terminal_shows_the_ended_run_and_returns(terminal: Terminal) -
 
 def test_the_pump_passes_whole_lines_and_keeps_the_partial_one() -> None:
     seen: list[str] = []
-    pump = OutputPump(seen.append)
+    pump = OutputPump(seen.extend)
     writer = os.dup(pump.slave)
     pump.job_started()
     os.write(writer, b"first line\nsecond \xc3")

@@ -226,15 +226,21 @@ def _eta(snapshot: LiveSnapshot) -> str:
 
 class OutputPump:
     """A pseudo-terminal for the training's output: the job writes to its slave side (and sees a
-    terminal, of the launcher terminal's size); a thread reads the master side and hands each
-    whole line to ``emit`` (a carriage return keeps what follows it, as a terminal shows it);
-    ``partial`` is the line being written (a progress bar redrawn with ``\\r``)."""
+    terminal, of the launcher terminal's size); a thread reads the master side and hands the
+    whole lines to ``emit``, a batch at most every ``BATCH_S`` (one redraw of the view a batch,
+    however fast the job writes: the pump keeps up, so the job never waits on a full terminal
+    buffer); a carriage return keeps what follows it, as a terminal shows it. ``partial`` is the
+    line being written (a progress bar redrawn with ``\\r``)."""
 
-    def __init__(self, emit: Callable[[str], None], *, size_from: int | None = None) -> None:
+    BATCH_S = 0.05
+
+    def __init__(self, emit: Callable[[list[str]], None], *, size_from: int | None = None) -> None:
         self.emit = emit
         self.master, self.slave = os.openpty()
         self.partial = ""
+        self.lines = 0
         self._buffer = ""
+        self._pending: list[str] = []
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = threading.Event()
         self._slave_closed = False
@@ -251,26 +257,30 @@ class OutputPump:
             os.close(self.slave)
 
     def _run(self) -> None:
+        emitted = time.monotonic()
         while True:
             try:
-                ready, _, _ = select.select([self.master], [], [], 0.2)
+                ready, _, _ = select.select([self.master], [], [], self.BATCH_S)
             except (OSError, ValueError):
                 break
-            if not ready:
-                if self._stop.is_set():
+            if ready:
+                try:
+                    data = os.read(self.master, 65536)
+                except OSError:  # EIO: every writer closed the slave
                     break
-                continue
-            try:
-                data = os.read(self.master, 65536)
-            except OSError:  # EIO: every writer closed the slave
+                if not data:
+                    break
+                self._feed(self._decoder.decode(data))
+            elif self._stop.is_set():
                 break
-            if not data:
-                break
-            self._feed(self._decoder.decode(data))
+            if self._pending and (not ready or time.monotonic() - emitted >= self.BATCH_S):
+                self._emit()
+                emitted = time.monotonic()
         self._feed(self._decoder.decode(b"", final=True))
         if self._buffer:
-            self._line(self._buffer)
+            self._pending.append(_shown(self._buffer))
             self._buffer = ""
+        self._emit()
         self.partial = ""
 
     def _feed(self, text: str) -> None:
@@ -278,16 +288,18 @@ class OutputPump:
             return
         buffer = self._buffer + text
         *lines, buffer = buffer.split("\n")
-        for line in lines:
-            self._line(line)
+        self._pending.extend(_shown(line) for line in lines)
         self._buffer = buffer
-        self.partial = buffer.rstrip("\r").rsplit("\r", 1)[-1]
+        self.partial = _shown(buffer)
 
-    def _line(self, line: str) -> None:
-        line = line.rstrip("\r").rsplit("\r", 1)[-1]
+    def _emit(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        self.lines += len(batch)
         try:
-            self.emit(line)
-        except Exception:  # noqa: BLE001 - a line that cannot be drawn must not stop the job's output
+            self.emit(batch)
+        except Exception:  # noqa: BLE001 - lines that cannot be drawn must not stop the job's output
             pass
 
     def close(self, timeout: float = 2.0) -> None:
@@ -300,6 +312,11 @@ class OutputPump:
             os.close(self.master)
         except OSError:
             pass
+
+
+def _shown(line: str) -> str:
+    """What a terminal shows of a line: the text after its last carriage return."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
 def _copy_window_size(source: int, target: int) -> None:
@@ -350,7 +367,7 @@ class RunView:
             self._live = Live(render_view(self._empty()), console=self.console,
                               auto_refresh=False, redirect_stdout=True, redirect_stderr=True, transient=False)
             self._live.start()
-            self.pump = OutputPump(self._job_line, size_from=_fileno(self.console.file))
+            self.pump = OutputPump(self._job_lines, size_from=_fileno(self.console.file))
         self._thread = threading.Thread(target=self._run, name="stepwatch-live-view", daemon=True)
         self._thread.start()
 
@@ -394,12 +411,13 @@ class RunView:
         return LiveSnapshot(run_dir=str(self.reader.run_dir) if self.reader else "", session_id=None,
                             taken_at=time.time())
 
-    def _job_line(self, line: str) -> None:
-        from rich.text import Text
-
+    def _job_lines(self, lines: list[str]) -> None:
+        """A batch of the job's lines, above the view: one print, one redraw. The lines go out as
+        the job wrote them (its colours kept), not parsed nor wrapped by rich: the terminal wraps
+        them, above the view, and the pump keeps up with a job printing tens of thousands a second."""
         live = self._live
         if live is not None:
-            live.console.print(Text.from_ansi(line))
+            live.console.print(_RawLines(lines))
 
     def _run(self) -> None:
         period = self.refresh_s if self.live_mode else self.plain_every_s
@@ -423,6 +441,22 @@ class RunView:
                 self.console.print(plain_line(snapshot), markup=False, highlight=False, soft_wrap=True)
             self.refreshes += 1
             self.refresh_seconds += time.thread_time() - started
+
+
+class _RawLines:
+    """Lines for a rich console as they are: one segment and a newline each (rich's ``Text``
+    would decode, measure and wrap each one, a hundred times the cost)."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.segment import Segment
+
+        newline = Segment.line()
+        for line in self.lines:
+            yield Segment(line + "\x1b[0m" if "\x1b" in line else line)  # a colour left open ends with its line
+            yield newline
 
 
 def _fileno(stream: Any) -> int | None:
