@@ -37,4 +37,6 @@ for epoch in stepwatch.epochs({EPOCHS}):
         done += 1
         if done % {LINE_EVERY} == 0:
             print(f"program line {{done}}: loss {{loss.item():.4f}}", flush=True)
+if sys.stdout.isatty():  # the terminal's width now (the test resizes it mid-run)
+    print(f"program columns at the end: {{os.get_terminal_size().columns}}", flush=True)
 '''

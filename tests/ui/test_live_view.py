@@ -37,8 +37,9 @@ class Terminal:
 
 
 def _in_terminal(argv: list[str], cwd: Path, env: dict[str, str], *, columns: int = 140,
-                 timeout: float = 120) -> tuple[str, int]:
-    """``argv`` with a pseudo-terminal as its stdin, stdout and stderr; what it wrote and its exit status."""
+                 timeout: float = 120, resize: tuple[bytes, int] | None = None) -> tuple[str, int]:
+    """``argv`` with a pseudo-terminal as its stdin, stdout and stderr; what it wrote and its exit
+    status. ``resize``: once the output holds the marker, the terminal becomes that many columns."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the terminal is ours now
         try:
@@ -62,6 +63,9 @@ def _in_terminal(argv: list[str], cwd: Path, env: dict[str, str], *, columns: in
         if not data:
             break
         chunks.append(data)
+        if resize is not None and resize[0] in b"".join(chunks[-8:]):
+            fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, resize[1], 0, 0))  # and the kernel's SIGWINCH
+            resize = None
     try:
         _, status = os.waitpid(pid, 0)
     except ChildProcessError:
@@ -78,7 +82,7 @@ def terminal(tmp_path_factory: pytest.TempPathFactory) -> Terminal:
     run_dir = base / "run"
     env = clean_env(LIVE_SLEEP="0.03", TERM="xterm-256color")
     output, status = _in_terminal([*STEPWATCH, "run", "--out", str(run_dir), "--view-every", "0.3", str(program)],
-                                  base, env)
+                                  base, env, resize=(b"program line 10:", 120))
     return Terminal(output, status, run_dir)
 
 
@@ -101,6 +105,7 @@ def test_the_programs_lines_scroll_above_the_view_whole(terminal: Terminal) -> N
     # and the program still wrote to a terminal (its own, the view's pseudo-terminal)
     assert "program stdout is a tty: True\r\n" in terminal.output
     assert "\x1b[31mprogram in red\x1b[0m" in terminal.output  # its colours pass as it wrote them
+    assert "program columns at the end: 120\r\n" in terminal.output  # the terminal resized: the job's too
 
 
 @pytest.mark.real

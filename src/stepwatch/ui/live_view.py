@@ -355,6 +355,7 @@ class RunView:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._restore: Callable[[], Any] | None = None
 
     # -- the launcher's side -------------------------------------------------------------------
 
@@ -368,8 +369,28 @@ class RunView:
                               auto_refresh=False, redirect_stdout=True, redirect_stderr=True, transient=False)
             self._live.start()
             self.pump = OutputPump(self._job_lines, size_from=_fileno(self.console.file))
+            self._follow_resizes()
         self._thread = threading.Thread(target=self._run, name="stepwatch-live-view", daemon=True)
         self._thread.start()
+
+    def _follow_resizes(self) -> None:
+        """A resized terminal resizes the job's (SIGWINCH, from the main thread only)."""
+        import signal
+
+        source, pump = _fileno(self.console.file), self.pump
+        if source is None or pump is None or threading.current_thread() is not threading.main_thread():
+            return
+
+        def resized(signum: int, frame: Any) -> None:
+            _copy_window_size(source, pump.master)
+            if callable(previous):
+                previous(signum, frame)
+
+        try:
+            previous = signal.signal(signal.SIGWINCH, resized)
+        except (ValueError, OSError, AttributeError):
+            return
+        self._restore = lambda: signal.signal(signal.SIGWINCH, previous)
 
     def streams(self) -> tuple[int | None, int | None]:
         """The job's stdout and stderr: the pump's terminal where each is ours (None: inherited)."""
@@ -387,6 +408,9 @@ class RunView:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
         if self.pump is not None:
             self.pump.close()
         if self._live is not None:
