@@ -350,6 +350,7 @@ class RunView:
         self.pump: OutputPump | None = None
         self.refreshes = 0
         self.refresh_seconds = 0.0  # CPU the refreshes cost this process (thread time)
+        self.errors = 0  # refreshes that failed (the next one tries again)
         self._live: Any = None
         self._started = time.time()
         self._stop = threading.Event()
@@ -448,9 +449,8 @@ class RunView:
         while not self._stop.wait(period):
             try:
                 self._refresh()
-            except Exception:  # noqa: BLE001 - the view must never end the run
-                if self._live is None and not self.live_mode:
-                    return
+            except Exception:  # noqa: BLE001 - the view must never end the run: counted, tried again
+                self.errors += 1
 
     def _refresh(self) -> None:
         if self.reader is None:
