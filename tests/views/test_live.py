@@ -1,4 +1,4 @@
-"""The live view's data (``stepwatch.views.live``): one real run under ``stepwatch run`` through a
+"""The live view's data (``stepwatch.views.live``): one real 2-rank run under ``stepwatch run`` through a
 pipe, watched while it trains by a ``LiveReader`` in this process and by ``stepwatch top`` in
 another; what they show agrees with the history the aggregator wrote. The folding rule and the
 readers of damaged files are property-tested."""
@@ -48,7 +48,8 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
     program.write_text(PROGRAM)
     run_dir = base / "run"
     env = clean_env(LIVE_SLEEP="0.04")
-    job = subprocess.Popen([*STEPWATCH, "run", "--out", str(run_dir), "--view-every", "0.5", str(program)],
+    job = subprocess.Popen([*STEPWATCH, "run", "--nproc-per-node", "2", "--out", str(run_dir), "--view-every", "0.5",
+                            str(program)],
                            cwd=base, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     top = None
     during: list[LiveSnapshot] = []
@@ -79,11 +80,11 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
     return Watched(run_dir, stdout, stderr, job.returncode, during, top_stdout + top_stderr, top.returncode, final)
 
 
-def _history_steps(run_dir: Path) -> list[dict[str, int]]:
+def _history_steps(run_dir: Path, rank: int) -> list[dict[str, int]]:
     db = sqlite3.connect(run_dir / "history.sqlite")
     db.row_factory = sqlite3.Row
     try:
-        return [dict(r) for r in db.execute("SELECT * FROM steps WHERE rank = 0 ORDER BY step")]
+        return [dict(r) for r in db.execute("SELECT * FROM steps WHERE rank = ? ORDER BY step", (rank,))]
     finally:
         db.close()
 
@@ -96,12 +97,12 @@ def test_the_run_trains_and_ends_well(watched: Watched) -> None:
 
 @pytest.mark.real
 def test_a_reader_sees_the_run_while_it_trains(watched: Watched) -> None:
-    moving = [s for s in watched.during if s.ranks and s.ranks[0].state == "running" and s.step]
+    moving = [s for s in watched.during if len(s.ranks) == 2 and s.ranks[0].state == "running" and s.step]
     assert moving, [(s.step, [r.state for r in s.ranks]) for s in watched.during]
     assert any(0 < (s.step or 0) < TOTAL for s in moving)  # caught mid-run
     steps = [s.step for s in moving]
     assert steps == sorted(steps)  # the step only goes forward
-    fresh = [s.ranks[0].heartbeat_age_s for s in moving]
+    fresh = [r.heartbeat_age_s for s in moving for r in s.ranks if r.state == "running"]
     assert all(age is not None and age < 5 for age in fresh), fresh
     assert any(s.total_steps == TOTAL for s in moving)  # the plan was known while it trained
     assert any(s.ranks[0].memory_kind == "rss" and (s.ranks[0].memory_bytes or 0) > 10 * 2**20 for s in moving)
@@ -109,32 +110,37 @@ def test_a_reader_sees_the_run_while_it_trains(watched: Watched) -> None:
 
 @pytest.mark.real
 def test_the_final_snapshot_agrees_with_the_history(watched: Watched) -> None:
-    rows = _history_steps(watched.run_dir)
-    (rank,) = watched.final.ranks
-    assert rank.rank == 0 and rank.state == "stopped"
-    assert rank.step == rows[-1]["step"] + 1 == TOTAL
-    window = rows[-100:]
-    assert rank.step_time_s == pytest.approx(statistics.median(r["step_ns"] for r in window) / 1e9)
-    span = (window[-1]["end_ns"] - window[0]["end_ns"]) / 1e9
-    assert rank.steps_per_s == pytest.approx((len(window) - 1) / span)
-    total = sum(r["step_ns"] for r in window)
-    assert rank.phase_shares["forward"] == pytest.approx(sum(r["forward_ns"] for r in window) / total)
-    assert rank.phase_shares["optimizer"] == pytest.approx(sum(r["optimizer_ns"] for r in window) / total)
-    assert sum(rank.phase_shares.values()) == pytest.approx(1.0, abs=0.02)
+    assert [r.rank for r in watched.final.ranks] == [0, 1]
+    for rank in watched.final.ranks:
+        rows = _history_steps(watched.run_dir, rank.rank)
+        assert rank.state == "stopped"
+        assert rank.step == rows[-1]["step"] + 1 == TOTAL
+        window = rows[-100:]
+        assert rank.step_time_s == pytest.approx(statistics.median(r["step_ns"] for r in window) / 1e9)
+        span = (window[-1]["end_ns"] - window[0]["end_ns"]) / 1e9
+        assert rank.steps_per_s == pytest.approx((len(window) - 1) / span)
+        total = sum(r["step_ns"] for r in window)
+        assert rank.phase_shares["forward"] == pytest.approx(sum(r["forward_ns"] for r in window) / total)
+        assert rank.phase_shares["optimizer"] == pytest.approx(sum(r["optimizer_ns"] for r in window) / total)
+        assert sum(rank.phase_shares.values()) == pytest.approx(1.0, abs=0.02)
     assert watched.final.total_steps == TOTAL
+    # the job's figures: its slowest rank's
+    assert watched.final.step_time_s == max(r.step_time_s for r in watched.final.ranks)  # type: ignore[type-var]
+    assert watched.final.steps_per_s == min(r.steps_per_s for r in watched.final.ranks)  # type: ignore[type-var]
 
 
 @pytest.mark.real
 def test_memory_and_its_peak_are_the_history_samples(watched: Watched) -> None:
     db = sqlite3.connect(watched.run_dir / "history.sqlite")
     try:
-        (peak,), = db.execute("SELECT MAX(allocated) FROM telemetry WHERE rank = 0 AND event_type = 'sample'")
-        (last,), = db.execute("SELECT allocated FROM telemetry WHERE rank = 0 AND event_type = 'sample' "
-                              "ORDER BY timestamp_ns DESC LIMIT 1")
+        for rank in watched.final.ranks:
+            (peak,), = db.execute("SELECT MAX(allocated) FROM telemetry WHERE rank = ? AND event_type = 'sample'",
+                                  (rank.rank,))
+            (last,), = db.execute("SELECT allocated FROM telemetry WHERE rank = ? AND event_type = 'sample' "
+                                  "ORDER BY timestamp_ns DESC LIMIT 1", (rank.rank,))
+            assert (rank.memory_kind, rank.memory_peak_bytes, rank.memory_bytes) == ("rss", peak, last)
     finally:
         db.close()
-    (rank,) = watched.final.ranks
-    assert (rank.memory_kind, rank.memory_peak_bytes, rank.memory_bytes) == ("rss", peak, last)
 
 
 @pytest.mark.real
@@ -177,9 +183,10 @@ def test_top_once_prints_the_table(watched: Watched) -> None:
                            text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "\x1b" not in shown.stdout
-    header, row = shown.stdout.splitlines()[1:3]
+    header, *rows = shown.stdout.splitlines()[1:4]
     assert header.split()[:4] == ["rank", "step", "step", "time"]
-    assert row.split()[:2] == ["0", str(TOTAL)] and "stopped" in row
+    assert [row.split()[:2] for row in rows] == [["0", str(TOTAL)], ["1", str(TOTAL)]]
+    assert all("stopped" in row for row in rows)
     assert f"step {TOTAL} of {TOTAL} (100%)" in shown.stdout
     assert f"verdict {watched.final.verdict['name']}" in shown.stdout  # type: ignore[index]
 
@@ -214,10 +221,11 @@ def test_a_run_without_ledgers_is_read_from_its_heartbeats(watched: Watched, tmp
     shutil.rmtree(copy / "ledger")  # as a run captured before the ledger, or on a full disk
     reader = LiveReader(copy)
     try:
-        (rank,) = reader.snapshot().ranks
+        ranks = reader.snapshot().ranks
     finally:
         reader.close()
-    assert (rank.rank, rank.step, rank.state, rank.memory_kind) == (0, TOTAL, "stopped", "rss")
+    assert [(r.rank, r.step, r.state, r.memory_kind) for r in ranks] == [(0, TOTAL, "stopped", "rss"),
+                                                                          (1, TOTAL, "stopped", "rss")]
 
 
 # -- the folding rule --------------------------------------------------------------------------
@@ -411,13 +419,14 @@ def test_a_history_alone_shows_the_same_ranks_and_picks_its_session(watched: Wat
         snapshot = reader.snapshot()
     finally:
         reader.close()
-    (rank,), (own,) = snapshot.ranks, watched.final.ranks
-    # the same steps, read from the history instead of the ledger: the same figures
-    assert (rank.step, rank.state, rank.memory_kind, rank.memory_peak_bytes) == (
-        own.step, "stopped", own.memory_kind, own.memory_peak_bytes)
-    assert rank.step_time_s == pytest.approx(own.step_time_s)
-    assert rank.steps_per_s == pytest.approx(own.steps_per_s)
-    assert rank.phase_shares == pytest.approx(own.phase_shares)
+    assert len(snapshot.ranks) == 2
+    for rank, own in zip(snapshot.ranks, watched.final.ranks, strict=True):
+        # the same steps, read from the history instead of the ledger: the same figures
+        assert (rank.rank, rank.step, rank.state, rank.memory_kind, rank.memory_peak_bytes) == (
+            own.rank, own.step, "stopped", own.memory_kind, own.memory_peak_bytes)
+        assert rank.step_time_s == pytest.approx(own.step_time_s)
+        assert rank.steps_per_s == pytest.approx(own.steps_per_s)
+        assert rank.phase_shares == pytest.approx(own.phase_shares)
     assert snapshot.ended
     for session, step in ((watched.final.session_id, TOTAL), (None, None)):
         shown = subprocess.run([*STEPWATCH, "top", str(hub), "--once", *(["--session", session] if session else [])],

@@ -126,9 +126,11 @@ class LiveSnapshot:
 
     @property
     def step(self) -> int | None:
-        """The job's step: the least any rank completed (a collective job goes at its slowest)."""
-        steps = [r.step for r in self.ranks if r.step is not None]
-        return min(steps) if steps else None
+        """The job's step: the least any rank completed (a collective job goes at its slowest; a
+        rank with no step yet has done none). None before any rank's first step."""
+        if all(r.step is None for r in self.ranks):
+            return None
+        return min(r.step or 0 for r in self.ranks)
 
     @property
     def steps_per_s(self) -> float | None:
