@@ -6,6 +6,7 @@ readers of damaged files are property-tested."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -434,3 +435,19 @@ def test_a_history_alone_shows_the_same_ranks_and_picks_its_session(watched: Wat
         assert shown.returncode == 0, shown.stderr
         row = shown.stdout.splitlines()[2].split()
         assert row[0] == "0" and (step is None or row[1] == str(step)), shown.stdout
+
+
+def test_a_ledger_cut_under_the_reader_is_mapped_anew_not_read_past_its_end(tmp_path: Path) -> None:
+    from stepwatch.artifacts.step_ledger import StepLedger
+
+    ledger = StepLedger.create(tmp_path, "s", rank=0, capacity=1024)
+    for step in range(50):
+        ledger.write(step, 10 + step * 100, 60 + step * 100, None)
+    reader = LiveReader(tmp_path, "s")
+    try:
+        assert [r.step for r in reader.snapshot().ranks] == [50]
+        os.truncate(ledger.path, 128)  # its pages past the header are gone: reading them would be SIGBUS
+        assert reader.snapshot().ranks == ()
+    finally:
+        reader.close()
+        ledger.close(1)

@@ -226,8 +226,13 @@ class _Ledger:
             magic, version, record_size, capacity, rank, pid, started_ns, _, _, raw_id = HEADER.unpack_from(head)
             if magic != MAGIC or version not in READS or record_size % 8 or record_size < 48 or capacity <= 0:
                 raise ValueError("not a step ledger")
-            size = os.fstat(file.fileno()).st_size
-            self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            stat = os.fstat(file.fileno())
+            full = HEADER_SIZE + capacity * record_size
+            if stat.st_size < full:  # still being allocated (or cut short): asked again next refresh
+                raise ValueError("not allocated in full")
+            self.map = mmap.mmap(file.fileno(), full, access=mmap.ACCESS_READ)
+            self.inode, self.size = stat.st_ino, full
+            size = full
         self.rank, self.pid, self.started_ns = rank, pid, started_ns
         self.session_id = raw_id.rstrip(b"\0").decode("ascii", "replace")
         self.phases = record_size // 8 - 5
@@ -236,6 +241,15 @@ class _Ledger:
         self.capacity = min(capacity, max(0, size - HEADER_SIZE) // record_size)
         self.dtype = np.dtype([("seq", "<u8"), ("index", "<i8"), ("start", "<i8"), ("end", "<i8"),
                                ("phases", "<i8", (self.phases,)), ("tail", "<u8")])
+
+    def intact(self) -> bool:
+        """The file is still the one mapped, at its full size: reading a mapped page a truncated
+        file no longer has would kill this process (SIGBUS), so a changed file is mapped anew."""
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return False
+        return stat.st_ino == self.inode and stat.st_size >= self.size
 
     def header_times(self) -> tuple[int, int]:
         """(alive_ns, closed_ns): the sampler's last sign of life, the clean stop (0: none)."""
@@ -481,6 +495,10 @@ class LiveReader:
             paths = [p for p in directory.iterdir() if _LEDGER_NAME.match(p.name)]
         except OSError:
             paths = []
+        for path, known in list(self._ledgers.items()):
+            if known is not None and not known.intact():
+                known.close()
+                del self._ledgers[path]  # replaced or cut: mapped anew below
         for path in paths:
             if path not in self._ledgers:
                 try:
