@@ -265,6 +265,11 @@ def test_named_ranks_come_from_the_verdict_and_the_alerts() -> None:
                             verdict={"name": "STRAGGLER", "ranks": [3]},
                             alerts=({"kind": "STALL", "ranks": [7, "x"]}, {"kind": "NONFINITE", "ranks": None}))
     assert named_ranks(snapshot) == {3, 7}
+    # a finding on every rank of the run names none in particular: the table still folds
+    everyone = tuple(RankLive(rank=r) for r in range(40))
+    wide = LiveSnapshot(run_dir="r", session_id="s", taken_at=0.0, ranks=everyone,
+                        verdict={"name": "BETWEEN_STEPS", "ranks": list(range(40))}, alerts=({"kind": "X", "ranks": [5]},))
+    assert named_ranks(wide) == {5}
 
 
 # -- damaged files ---------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def verdict_text(verdict: dict[str, Any] | None, *, message: bool = False) -> st
     if not verdict or not verdict.get("name"):
         return "no verdict yet"
     ranks = [str(r) for r in verdict.get("ranks") or ()]
-    who = f", rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}" if ranks else ""
+    who = _who(ranks, ", ")
     text = f"{verdict['name']} ({verdict.get('severity') or '?'}{who})"
     if message and verdict.get("message"):
         text += f": {verdict['message']}"
@@ -85,8 +85,17 @@ def _printable(text: str) -> str:
 
 
 def _ranks_suffix(ranks: Any) -> str:
-    ranks = [str(r) for r in ranks or ()]
-    return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" if ranks else ""
+    who = _who([str(r) for r in ranks or ()], "")
+    return f" ({who})" if who else ""
+
+
+def _who(ranks: list[str], lead: str) -> str:
+    """``rank 3``, ``ranks 1, 5``; past 6 ranks, their count (``40 ranks``): one line stays one line."""
+    if not ranks:
+        return ""
+    if len(ranks) > 6:
+        return f"{lead}{len(ranks)} ranks"
+    return f"{lead}rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
 
 
 def phase_bar(shares: dict[str, float], width: int = BAR_WIDTH) -> Any:

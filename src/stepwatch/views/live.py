@@ -146,12 +146,15 @@ class LiveSnapshot:
 
 
 def named_ranks(snapshot: LiveSnapshot) -> set[int]:
-    """The ranks the primary verdict or an alert names: never folded away."""
+    """The ranks the primary verdict or an alert names: never folded away. A verdict or alert
+    on every rank of a run of several (a run-wide finding) names none in particular."""
     named: set[int] = set()
+    everyone = {r.rank for r in snapshot.ranks}
     for source in (snapshot.verdict, *snapshot.alerts):
-        for rank in (source or {}).get("ranks") or ():
-            if type(rank) is int:
-                named.add(rank)
+        ranks = {rank for rank in (source or {}).get("ranks") or () if type(rank) is int}
+        if len(everyone) > 1 and ranks >= everyone:
+            continue
+        named |= ranks
     return named
 
 
