@@ -192,6 +192,7 @@ def test_top_once_prints_the_table(watched: Watched) -> None:
     assert f"verdict {watched.final.verdict['name']}" in shown.stdout  # type: ignore[index]
 
 
+@pytest.mark.real
 def test_top_refuses_what_is_no_run_directory(tmp_path: Path) -> None:
     shown = subprocess.run([*STEPWATCH, "top", str(tmp_path), "--once"], env=clean_env(), capture_output=True,
                            text=True, timeout=60)
