@@ -15,8 +15,10 @@ started elsewhere (``init``, ``track``, another terminal) and for a finished run
 - ``telemetry/rank<N>/segment-*.jsonl``: the memory samples (device, else the process's RSS),
   followed from where the last refresh stopped, for the current value and the peak;
 - ``alerts.jsonl``: the watchdog's alerts, followed the same way;
-- ``history.sqlite`` (read-only, when there is one): the live verdicts the aggregator stored;
-  ``final_summary.json``: the diagnosis of a run that has ended;
+- ``history.sqlite`` (read-only, when there is one): the live verdicts the aggregator stored,
+  and the ranks no local file describes (another node's; a ``serve --out`` directory's);
+  ``final_summary.json``: the diagnosis of a run that has ended; with neither (``init``,
+  ``track``), the verdict engine over the ledgers' last steps, every 10 s;
 - ``spool/`` batch files: the ``stepwatch.plan`` and ``stepwatch.dataloader`` marks that make
   the run's total steps known (read only until it is known).
 
