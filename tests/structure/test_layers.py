@@ -31,9 +31,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "store": _FOUNDATION | {"artifacts"},
     # reads the history and the artifacts
     "analysis": _FOUNDATION | {"artifacts", "store"},
-    # the aggregator and the launcher: the wire in, the history, the final summary
-    # what the surfaces show (live view, dashboard, report), computed once for all of them
+    # what the surfaces show (the live view's snapshot, the dashboard's data): below all of them
     "views": _FOUNDATION | {"artifacts", "store", "analysis"},
+    # the aggregator and the launcher: the wire in, the history, the final summary
     "server": _FOUNDATION | {"artifacts", "transport", "store", "analysis", "views"},
     # surfaces: the public loading facade and the CLI
     "telemetry": _FOUNDATION | {"artifacts", "capture"},

@@ -8,7 +8,11 @@ to the spool, the aggregator and the history's ``marks`` table; ``attrs`` holds 
 * ``stepwatch.dataloader``: at a loader's first ``__iter__``; value its class name;
 * ``stepwatch.optimizer``: at an optimizer's first ``step()``; value its class name;
 * ``stepwatch.h2d``: at the first host-to-device copy of each kind (``non_blocking`` or not);
-  value ``"non_blocking"`` or ``"blocking"``.
+  value ``"non_blocking"`` or ``"blocking"``;
+* ``stepwatch.plan``: what the run will do, where the program says it: ``epochs`` (from
+  ``stepwatch.epochs(n)``), ``max_steps`` (a framework's: Hugging Face's ``TrainerState.max_steps``,
+  Lightning's estimated stepping batches); the live view's total is ``max_steps``, else
+  ``epochs`` times the first loader's ``batches`` (``len(loader)``).
 
 ``analysis/program_settings.py`` reads them back per session and rank. Never raises into the
 program: a setting that cannot be read is left out.
@@ -24,12 +28,13 @@ from typing import Any
 from ..guard import Site, report_internal
 from .spans import SpanRecorder
 
-__all__ = ["DATALOADER_MARK", "H2D_MARK", "OPTIMIZER_MARK", "ProgramSettings", "dataloader_settings",
+__all__ = ["DATALOADER_MARK", "H2D_MARK", "OPTIMIZER_MARK", "PLAN_MARK", "ProgramSettings", "dataloader_settings",
            "host_cpus", "optimizer_settings"]
 
 DATALOADER_MARK = "stepwatch.dataloader"
 OPTIMIZER_MARK = "stepwatch.optimizer"
 H2D_MARK = "stepwatch.h2d"
+PLAN_MARK = "stepwatch.plan"
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -67,6 +72,10 @@ def dataloader_settings(loader: Any) -> dict[str, Any]:
         settings["dataset_len"] = len(dataset)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - an IterableDataset, or a __len__ that fails: unknown
         settings["dataset_len"] = None
+    try:
+        settings["batches"] = len(loader)  # batches a pass yields: a plan's steps per epoch (the live view)
+    except Exception:  # noqa: BLE001 - an iterable dataset's loader has no length
+        settings["batches"] = None
     settings.update(host_cpus())
     return settings
 

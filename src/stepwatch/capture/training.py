@@ -700,10 +700,18 @@ def mark(name: str, value: Any, kind: str = "point", **attrs: Any) -> None:
 
 
 def epochs(n: int, *, framework: str = "torch") -> Iterator[int]:
-    """``for epoch in stepwatch.epochs(3):`` — each iteration runs inside its ``epoch`` span."""
+    """``for epoch in stepwatch.epochs(3):`` — each iteration runs inside its ``epoch`` span.
+    The first records the plan (``stepwatch.plan``, ``epochs`` n): the live view's total steps."""
     for index in range(n):
         state = _state
         span = None
+        if index == 0 and state is not None and not state.yields(framework):
+            try:
+                from .program_settings import PLAN_MARK
+
+                state.recorder.mark(PLAN_MARK, n, "summary", {"epochs": n})
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, Site.EPOCHS)
         if state is not None and not state.yields(framework):
             try:
                 span = state.open_epoch(index)

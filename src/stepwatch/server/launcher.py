@@ -14,14 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest, write_run_manifest_in_place
 from ..lifetime import LAUNCHER_PID_ENV, preexec_die_with_parent
 from ..log import logger
 from ..schema import SessionStatus, new_session_id
 
-__all__ = ["KILL_GRACE_S", "STALL_KILL_EXIT", "TORCHRUN_PORT", "LaunchOptions", "launch", "master_port"]
+__all__ = ["KILL_GRACE_S", "STALL_KILL_EXIT", "TORCHRUN_PORT", "JobView", "LaunchOptions", "launch", "master_port"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
 REMOTE_DRAIN_S = 60.0  # how long node 0 waits for other nodes' ranks after its own are done
@@ -125,12 +125,31 @@ def _training_command(options: LaunchOptions, port: int | None) -> list[str]:
     ]
 
 
-def _start_job(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start_job(command: list[str], env: dict[str, str], stdout: int | None = None,
+               stderr: int | None = None) -> subprocess.Popen[bytes]:
     """The training (python or torchrun, and the ranks under it) in a process group of its own,
     with SIGTERM from the kernel should the launcher die (``kill -9``, a closed terminal): the
-    job never outlives ``stepwatch run``. Ranks ask the same of torchrun (``Runtime``)."""
-    return subprocess.Popen(command, env=env, start_new_session=True,
+    job never outlives ``stepwatch run``. Ranks ask the same of torchrun (``Runtime``).
+    ``stdout``/``stderr``: file descriptors for its output (a live view's terminal); None: ours."""
+    return subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout, stderr=stderr,
                             preexec_fn=preexec_die_with_parent())
+
+
+class JobView(Protocol):
+    """What ``launch`` asks of a view of the running job (the live terminal view, ui/live_view.py):
+    ``begin`` once the run directory and the aggregator exist; ``streams``, the file descriptors
+    the job's stdout and stderr go to (None: inherited); ``job_started`` once the job runs;
+    ``end`` once it has ended, before the summary is built. The view runs on threads of its own
+    and reads only the run directory's files: nothing here waits for it, and nothing it does
+    reaches the aggregator or the ranks."""
+
+    def begin(self, run_dir: Path, session_id: str) -> None: ...
+
+    def streams(self) -> tuple[int | None, int | None]: ...
+
+    def job_started(self) -> None: ...
+
+    def end(self) -> None: ...
 
 
 def _signal_forwarder(training: subprocess.Popen[bytes], hangup: list[int], forwarded: list[int]) -> Any:
@@ -351,8 +370,10 @@ def _close_rank_sessions(run_dir: Path, session_id: str) -> SessionStatus:
     return max(statuses, key=lambda s: _STATUS_WEIGHT.get(s, 9))  # type: ignore[return-value]
 
 
-def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dict[str, Any] | None]:
-    """Runs the whole job; returns (training exit code, run dir, summary or None)."""
+def launch(options: LaunchOptions, *, echo: Any = print,
+           view: JobView | None = None) -> tuple[int, Path, dict[str, Any] | None]:
+    """Runs the whole job; returns (training exit code, run dir, summary or None). ``view``
+    shows the job while it trains (``JobView``)."""
     rendezvous = master_port(options, os.environ) if options.use_torchrun else None
     run_dir = options.out or Path("stepwatch_runs") / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{options.session_id[:8]}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -389,17 +410,26 @@ def launch(options: LaunchOptions, *, echo: Any = print) -> tuple[int, Path, dic
     if not options.use_torchrun:
         env.update(STEPWATCH_RANK="0", STEPWATCH_LOCAL_RANK="0", STEPWATCH_WORLD_SIZE="1")
     env[LAUNCHER_PID_ENV] = str(os.getpid())
-    training = _start_job(_training_command(options, rendezvous), env)
-    actions.training = training
-    hangup: list[int] = []
-    forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome
-    forward = _signal_forwarder(training, hangup, forwarded)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        returncode = training.wait()
+        if view is not None:
+            view.begin(run_dir, options.session_id)
+        stdout, stderr = view.streams() if view is not None else (None, None)
+        training = _start_job(_training_command(options, rendezvous), env, stdout, stderr)
+        if view is not None:
+            view.job_started()
+        actions.training = training
+        hangup: list[int] = []
+        forwarded: list[int] = []  # the signals this launcher was sent and passed on: the run's outcome
+        forward = _signal_forwarder(training, hangup, forwarded)
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            returncode = training.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        if view is not None:
+            view.end()  # the terminal back as it was, whatever happened
     code = 128 - returncode if returncode < 0 else returncode
     if actions.killed_at_ns is not None:
         code = STALL_KILL_EXIT  # the watchdog ended it: a scheduler may restart it

@@ -15,6 +15,7 @@ from .commands_capture import diagnose, track
 from .commands_control import dump_stacks_command, halt, memory_snapshot
 from .commands_read import inspect, sessions, validate
 from .commands_run import compare, import_command, run, serve, summary
+from .commands_top import top
 from .commands_verdicts import explain
 from .commands_watch import watch
 
@@ -28,7 +29,7 @@ def cli() -> None:
 
 
 for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command, halt,
-                 dump_stacks_command, memory_snapshot, watch, explain):
+                 dump_stacks_command, memory_snapshot, watch, explain, top):
     cli.add_command(_command)
 
 

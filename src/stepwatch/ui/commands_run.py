@@ -44,9 +44,16 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
 @click.option("--on-nonfinite", type=click.Choice(["alert", "halt"]), default="alert", show_default=True,
               help="On NONFINITE: alert only, or halt every rank at the same step.")
 @click.option("--quiet", is_flag=True, help="Do not print the summary.")
+@click.option("--view", "view_mode", type=click.Choice(["auto", "live", "plain", "off"]), default="auto",
+              show_default=True,
+              help="While it trains: live, the terminal view (ranks, progress, verdict, alerts); plain, one line "
+                   "every 10 s; auto: live on a terminal, else plain (docs/live-view.md).")
+@click.option("--view-every", "view_every", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+              help="The view's period (default: 1 s live, 10 s plain).")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 @_reports_errors
-def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: Any) -> None:
+def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: str, view_every: float | None,
+        **options: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank under stepwatch, with the aggregator and final summary.
 
     The training script needs no change. Exits with the training's exit code, or 124 when
@@ -65,8 +72,9 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
 
     console = _console(stderr=True)
-    code, run_dir, summary = launch(LaunchOptions(script=list(script), **options),
-                                    echo=lambda line: console.print(line, markup=False, soft_wrap=True))
+    view = _run_view(console, view_mode, view_every)
+    echo = view.print if view is not None else (lambda line: console.print(line, markup=False, soft_wrap=True))
+    code, run_dir, summary = launch(LaunchOptions(script=list(script), **options), echo=echo, view=view)
     if summary is not None and not quiet:
         from ..analysis.summary import render_summary_text
 
@@ -74,6 +82,17 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, **options: 
     console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
     console.print(f"[stepwatch] look at: {run_dir}/final_summary.txt, stepwatch inspect {run_dir}", markup=False)
     sys.exit(code)
+
+
+def _run_view(console: Any, mode: str, every_s: float | None) -> Any:
+    """The view ``run`` shows while the job trains: the live view on a terminal (``auto``, not
+    a dumb one), else the plain line; None for ``off``."""
+    if mode == "off":
+        return None
+    from .live_view import PLAIN_EVERY_S, REFRESH_S, RunView
+
+    live = mode == "live" or (mode == "auto" and console.is_terminal and not console.is_dumb_terminal)
+    return RunView(console, live=live, refresh_s=every_s or REFRESH_S, plain_every_s=every_s or PLAIN_EVERY_S)
 
 
 # What may come before the script: python's ``-m MODULE`` (torchrun takes it too).

@@ -170,6 +170,9 @@ def test_trainer_run_has_one_epoch_per_epoch_one_step_per_optimizer_step(run_dir
         assert mark["ts_ns"] >= steps[mark["span_id"]]["end_ns"]
     assert not any(m["name"] == "epoch" for m in spool.marks)
     assert any(m["name"] == "train_loss" for m in spool.marks)  # the closing summary log
+    # the plan the live view's progress bar reads: the Trainer's own max_steps
+    (plan,) = [m for m in spool.marks if m["name"] == "stepwatch.plan"]
+    assert plan["attrs"]["max_steps"] == 4 and plan["attrs"]["epochs"] == 2 and plan["kind"] == "summary"
 
 
 @needs_trainer

@@ -134,6 +134,9 @@ def test_fit_has_one_epoch_per_epoch_one_step_per_optimizer_step(run_dir: Path) 
     epoch_ids = {e["id"] for e in named(spool, "epoch")}
     epoch_marks = [m for m in spool.marks if m["name"] == "train_loss_epoch"]
     assert len(epoch_marks) == 2 and {m["span_id"] for m in epoch_marks} == epoch_ids
+    # the plan the live view's progress bar reads: Lightning's estimate of the fit's steps
+    (plan,) = [m for m in spool.marks if m["name"] == "stepwatch.plan"]
+    assert plan["attrs"] == {"max_steps": 4, "epochs": 2} and plan["kind"] == "summary"
 
 
 def test_lower_priority_hooks_yield_to_lightning(run_dir: Path) -> None:

@@ -317,6 +317,24 @@ class FrameworkLink:
 
     # -- marks --------------------------------------------------------------------------------
 
+    def plan(self, max_steps: Any = None, epochs: Any = None) -> None:
+        """The framework's plan as a ``stepwatch.plan`` summary mark on the session (once per
+        start): the steps (``max_steps``) and epochs it will run, whichever it knows (positive
+        integers only: Lightning says ``inf`` or -1 for unbounded)."""
+        try:
+            state = self.current() or training._state
+            if state is None:
+                return
+            from ..program_settings import PLAN_MARK
+
+            attrs = {key: int(value) for key, value in (("max_steps", max_steps), ("epochs", epochs))
+                     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 2**62
+                     and value == int(value)}
+            if attrs:
+                state.recorder.mark(PLAN_MARK, attrs.get("max_steps", attrs.get("epochs")), "summary", attrs)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, self.sites["mark"])
+
     def mark(self, name: str, value: Any, **attrs: Any) -> None:
         """A point mark on this link's open step, else on the innermost open span."""
         try:

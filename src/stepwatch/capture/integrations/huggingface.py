@@ -83,6 +83,8 @@ class StepwatchCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._link.start()
+        self._link.plan(max_steps=getattr(state, "max_steps", None),
+                        epochs=getattr(state, "num_train_epochs", None) or getattr(args, "num_train_epochs", None))
         try:
             # A resumed run starts at its checkpoint's epoch.
             self._next_epoch = int((state.epoch or 0) + 1e-6)

@@ -160,6 +160,7 @@ class StepwatchCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._inert:
             self._link.start()  # idempotent: the same claim as on_fit_start
+            self._link.plan(max_steps=_stepping_batches(trainer), epochs=getattr(trainer, "max_epochs", None))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._restore()
@@ -457,3 +458,12 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
         return __init__
 
     return wrap_method(module.Trainer, "__init__", wrap_init)
+
+
+def _stepping_batches(trainer: Any) -> Any:
+    """The optimizer steps ``fit`` will take (Lightning's estimate: ``max_steps``, else epochs
+    times batches), None where it cannot tell; never raises (the property may)."""
+    try:
+        return trainer.estimated_stepping_batches
+    except Exception:  # noqa: BLE001 - an unsized loader, a strategy that cannot say
+        return None
