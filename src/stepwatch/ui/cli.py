@@ -17,6 +17,7 @@ from .commands_read import inspect, sessions, validate
 from .commands_run import compare, import_command, run, serve, summary
 from .commands_verdicts import explain
 from .commands_watch import watch
+from .commands_web import report, ui
 
 __all__ = ["cli", "main"]
 
@@ -28,7 +29,7 @@ def cli() -> None:
 
 
 for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command, halt,
-                 dump_stacks_command, memory_snapshot, watch, explain):
+                 dump_stacks_command, memory_snapshot, watch, explain, ui, report):
     cli.add_command(_command)
 
 

@@ -1,0 +1,405 @@
+"""One run's page: everything the dashboard's run page and the one-file report draw, from the
+history store (and the run directory's run.json, final_summary.json, alerts and stack dumps).
+
+Big runs stay small: the step rows are never fetched one by one. One aggregate query groups them
+by rank and bucket of steps (``downsample.bucket_width``) and gives each bucket's lowest and
+highest step time with the step each came from (the step packed under the time, so one scan
+finds both), its phase sums (the stacked phase shares) and its slowest step (the heatmap). A
+64-rank x 20,000-step run comes back as about 40,000 step-time points (bench/bench_dashboard.py).
+Memory samples and marks are cut down the same way (``downsample.minmax``) after a range read.
+
+Live growth (``run_updates``): the rows after the page's cursors (each rank's last step, the last
+sample's time, the alerts and verdict changes it has), read by index seeks, so a poll costs what
+is new, not the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..phases import PHASES, RESIDUAL, SHARES, STEP_COLUMNS
+from ..store.base import HistoryStore
+from .downsample import CHART_POINTS, bucket_width, minmax, points_budget
+from .sources import final_summary_of, run_json_of
+
+__all__ = ["UPDATE_LIMIT", "run_page", "run_updates", "step_spans"]
+
+PHASE_BUCKETS = 200  # columns of the stacked phase-share chart
+HEATMAP_CELLS = 20_000  # ranks x step buckets of the heatmap
+UPDATE_LIMIT = 5_000  # new step rows one live poll hands over; past it the page reloads its data
+FULL_DIAGNOSIS_ROWS = 200_000  # step rows above which a run with no summary is diagnosed on a window
+DIAGNOSIS_WINDOW = 2_000
+MIB = 2**20
+_OUTSIDE = tuple(p.column for p in PHASES if not p.in_residual)
+# each rank's last step, by seeks down steps_unique (session, rank, step) (as analysis/verdicts/inputs.py)
+_LAST_STEPS = """
+WITH RECURSIVE ranks(rank) AS (
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
+    UNION ALL
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
+    FROM ranks WHERE ranks.rank IS NOT NULL
+)
+SELECT rank,
+       (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step LIMIT 1) AS first,
+       (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step DESC LIMIT 1) AS last
+FROM ranks WHERE rank IS NOT NULL
+"""
+
+
+def _tuples(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """Rows as tuples (no dict per row) where the store gives them."""
+    query_tuples = getattr(store, "query_tuples", None)
+    if query_tuples is not None:
+        return list(query_tuples(sql, params))
+    return [tuple(r.values()) for r in store.query(sql, params)]
+
+
+def _r(value: float, digits: int = 3) -> float:
+    return round(value, digits)
+
+
+def last_steps(store: HistoryStore, session_id: str) -> dict[int, tuple[int, int]]:
+    """rank -> (its first step, its last step)."""
+    return {int(r["rank"]): (int(r["first"]), int(r["last"])) for r in store.query(_LAST_STEPS, (session_id,))
+            if r["last"] is not None}
+
+
+def session_header(store: HistoryStore, session_id: str, run_dir: Path | None) -> dict[str, Any]:
+    """The run's identity and how it ended: the sessions row, run.json's outcome, error and command."""
+    rows = store.query("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+    row = rows[0] if rows else {"session_id": session_id}
+    run = run_json_of(run_dir, session_id)
+    command = run.get("command_line")
+    if command is None and row.get("command_line"):
+        try:
+            command = json.loads(row["command_line"])
+        except ValueError:
+            command = None
+    return {
+        "session_id": session_id, "status": row.get("status"), "outcome": run.get("outcome"),
+        "error": run.get("error") if isinstance(run.get("error"), dict) else None,
+        "exit_code": run.get("exit_code"), "command": command if isinstance(command, list) else None,
+        "started_at_ns": row.get("started_at_ns") or run.get("started_at_ns"),
+        "ended_at_ns": row.get("ended_at_ns") or run.get("ended_at_ns"),
+        "world_size": row.get("world_size"), "host": row.get("host"), "source": row.get("source"),
+        "run_dir": str(run_dir) if run_dir is not None else None,
+    }
+
+
+def _diagnosis(store: HistoryStore, session_id: str, run_dir: Path | None, status: str | None,
+               step_rows: int) -> dict[str, Any]:
+    """The primary diagnosis the run's other surfaces show: its final summary's, else (a run
+    still going) the live verdict's last change, else computed here (over every step, or the
+    last DIAGNOSIS_WINDOW steps of a run too big to read whole on a page load)."""
+    summary = final_summary_of(run_dir, session_id)
+    if summary is not None and isinstance(summary.get("diagnosis"), dict):
+        return {**summary["diagnosis"], "source": "the final summary (final_summary.json)"}
+    if status == "running":
+        rows = store.query("SELECT * FROM verdicts WHERE session_id = ? ORDER BY ts_ns DESC LIMIT 1", (session_id,))
+        if rows:
+            row = rows[0]
+            primary = {"name": row["name"], "severity": row["severity"], "score": row["score"],
+                       "ranks": json.loads(row["ranks"] or "[]"), "message": row["message"],
+                       "next_step": row["next_step"], "evidence": json.loads(row["evidence"] or "{}")}
+            return {"primary": primary, "step_time": [], "memory": [], "system": [],
+                    "source": f"the live verdict at step {row['step']} (last {row['window_steps']} steps)"}
+    from ..analysis.verdicts.diagnosis import summary_diagnosis
+    from ..analysis.verdicts.inputs import diagnose_store
+
+    if step_rows > FULL_DIAGNOSIS_ROWS:
+        try:
+            found = diagnose_store(store, session_id, window=DIAGNOSIS_WINDOW).to_dict()
+        except Exception as exc:  # noqa: BLE001 - the page shows why, the charts still come
+            return {"primary": None, "error": f"{type(exc).__name__}: {exc}"}
+        return {**found, "source": f"computed now over the last {DIAGNOSIS_WINDOW} steps of every rank"}
+    return {**summary_diagnosis(store, session_id), "source": "computed now over every step"}
+
+
+def _step_buckets(store: HistoryStore, session_id: str, first: int, width: int) -> list[dict[str, Any]]:
+    """Per (rank, bucket of ``width`` steps from ``first``): count, lowest and highest step time
+    with their steps, and the phase sums. The step is packed under the time (``ns * pack +
+    offset``) so one MIN and one MAX find each point; a time too large to pack comes back as a
+    float and the point is put at its bucket's first step."""
+    pack = 1 << max(1, (width - 1).bit_length())
+    residual = " - ".join(["wait_ns", *_OUTSIDE])
+    sums = ", ".join(f"SUM({c})" for c in STEP_COLUMNS if c != RESIDUAL.column)
+    sql = (f"SELECT rank, (step - ?2) / ?3 AS b, COUNT(*) AS n, "
+           f"MIN(step_ns * ?4 + (step - ?2) % ?3) AS lo, MAX(step_ns * ?4 + (step - ?2) % ?3) AS hi, "
+           f"SUM(step_ns) AS total, {sums}, SUM(MAX(0, {residual})) AS wait "
+           f"FROM steps WHERE session_id = ?1 AND step >= ?2 AND step_ns IS NOT NULL GROUP BY rank, b ORDER BY rank, b")
+    rows = _tuples(store, sql, (session_id, first, width, pack))
+    out = []
+    for rank, b, n, lo, hi, total, *phase in rows:
+        start = first + b * width
+        points = []
+        for packed in (lo, hi):
+            if isinstance(packed, int):
+                points.append((start + packed % pack, packed // pack))
+            else:  # past 2^63: no step packed, the bucket's first step
+                points.append((start, int(packed / pack)))
+        out.append({"rank": rank, "b": b, "n": n, "lo": points[0], "hi": points[1], "total": total or 0,
+                    "phases": [p or 0 for p in phase]})
+    return out
+
+
+def _step_charts(store: HistoryStore, session_id: str, extents: dict[int, tuple[int, int]]) -> dict[str, Any]:
+    """Step time per rank, the stacked phase shares and the rank x step heatmap, all from one scan."""
+    if not extents:
+        return {"step_time": {"width": 1, "series": []}, "phases": {"x": [], "shares": {}},
+                "heatmap": {"x": [], "ranks": [], "z": [], "width": 1}}
+    first = min(a for a, _ in extents.values())
+    last = max(b for _, b in extents.values())
+    ranks = sorted(extents)
+    per_series = points_budget(len(ranks))
+    width = bucket_width(first, last, min(per_series, max(1, HEATMAP_CELLS // len(ranks))))
+    buckets = _step_buckets(store, session_id, first, width)
+    series: dict[int, tuple[list[int], list[float]]] = {rank: ([], []) for rank in ranks}
+    slowest: dict[tuple[int, int], float] = {}
+    phase_sums: dict[int, list[float]] = {}
+    for bucket in buckets:
+        xs, ys = series.setdefault(bucket["rank"], ([], []))
+        for step, ns in sorted({bucket["lo"], bucket["hi"]}):
+            xs.append(step)
+            ys.append(_r(ns / 1e6))
+        slowest[(bucket["rank"], bucket["b"])] = _r(bucket["hi"][1] / 1e6)
+        sums = phase_sums.setdefault(bucket["b"], [0.0] * (len(SHARES) + 1))
+        for i, value in enumerate(bucket["phases"]):
+            sums[i] += value
+        sums[-1] += bucket["total"]
+    n_buckets = max((b["b"] for b in buckets), default=-1) + 1
+    # the phase shares: coarser buckets of the same, at most PHASE_BUCKETS columns
+    group = max(1, -(-n_buckets // PHASE_BUCKETS))
+    coarse: dict[int, list[float]] = {}
+    for b, sums in phase_sums.items():
+        into = coarse.setdefault(b // group, [0.0] * len(sums))
+        for i, value in enumerate(sums):
+            into[i] += value
+    phase_x = sorted(coarse)
+    shares: dict[str, list[float | None]] = {name: [] for name in SHARES}
+    for key in phase_x:
+        sums = coarse[key]
+        total = sums[-1]
+        for name, value in zip(SHARES, sums[:-1]):
+            shares[name].append(_r(value / total, 4) if total > 0 else None)
+    heat_x = [first + b * width for b in range(n_buckets)]
+    return {
+        "step_time": {"width": width, "series": [{"rank": rank, "x": series[rank][0], "y": series[rank][1]}
+                                                 for rank in sorted(series)]},
+        "phases": {"x": [first + key * group * width for key in phase_x], "shares": shares, "width": group * width},
+        "heatmap": {"x": heat_x, "ranks": ranks, "width": width,
+                    "z": [[slowest.get((rank, b)) for b in range(n_buckets)] for rank in ranks]},
+    }
+
+
+def _memory(store: HistoryStore, session_id: str, t0: int | None, since_ns: int | None = None,
+            budget_total: int = CHART_POINTS) -> tuple[list[dict[str, Any]], int | None]:
+    """Memory per rank (and device) over time, in MiB against seconds from ``t0``: the larger of
+    allocated and used bytes (a CPU rank's RSS, a GPU's allocator), cut down per series."""
+    after = "AND timestamp_ns > ?" if since_ns is not None else ""
+    params: tuple[Any, ...] = (session_id, since_ns) if since_ns is not None else (session_id,)
+    rows = _tuples(store, 
+        f"SELECT rank, device_id, collector, timestamp_ns, MAX(COALESCE(allocated, 0), COALESCE(used, 0)) "
+        f"FROM telemetry WHERE session_id = ? AND event_type = 'sample' {after} ORDER BY rank, device_id, timestamp_ns",
+        params)
+    grouped: dict[tuple[int, int, str], tuple[list[int], list[float]]] = {}
+    last = since_ns
+    for rank, device, collector, ts, value in rows:
+        if ts is None or value is None:
+            continue
+        xs, ys = grouped.setdefault((rank, device if device is not None else -1, collector), ([], []))
+        xs.append(ts)
+        ys.append(value)
+        last = ts if last is None else max(last, ts)
+    base = t0 if t0 is not None else min((xs[0] for xs, _ in grouped.values()), default=0)
+    buckets = points_budget(len(grouped), budget_total)
+    out = []
+    for (rank, device, collector), (xs, ys) in sorted(grouped.items()):
+        dx, dy = minmax(xs, ys, buckets)
+        out.append({"rank": rank, "device": device, "collector": collector,
+                    "t": [_r((x - base) / 1e9) for x in dx], "y": [_r(y / MIB, 2) for y in dy]})
+    return out, last
+
+
+def _markers(store: HistoryStore, session_id: str, alerts: list[dict[str, Any]], verdicts: list[dict[str, Any]],
+             epochs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Points in time the memory chart marks: OOMs and failures (telemetry events), watchdog
+    alerts, verdict changes and epoch starts, as ``{ts_ns, kind, label}``."""
+    out: list[dict[str, Any]] = []
+    for row in store.query("SELECT rank, timestamp_ns, event_type, context, metadata FROM telemetry "
+                           "WHERE session_id = ? AND event_type IN ('error', 'critical', 'warning') "
+                           "ORDER BY timestamp_ns LIMIT 200", (session_id,)):
+        text = row["metadata"] or ""
+        kind = "oom" if ("oom" in text.lower()) else "failure" if row["event_type"] == "error" else "alert"
+        out.append({"ts_ns": row["timestamp_ns"], "kind": kind,
+                    "label": f"rank {row['rank']} {row['event_type']}: {(row['context'] or '')[:80]}"})
+    for alert in alerts[:200]:
+        ts = alert.get("ts")
+        if isinstance(ts, (int, float)):
+            out.append({"ts_ns": int(ts * 1e9), "kind": "alert", "label": f"{alert.get('kind')}: {alert.get('message')}"})
+    for verdict in verdicts[:200]:
+        out.append({"ts_ns": verdict["ts_ns"], "kind": "verdict", "label": f"verdict {verdict['name']}"})
+    for epoch in (epochs or {}).get("epochs") or []:
+        if epoch.get("rank") == 0 and isinstance(epoch.get("start_ns"), int):
+            out.append({"ts_ns": epoch["start_ns"], "kind": "phase", "label": f"epoch {epoch.get('index')}"})
+    return sorted(out, key=lambda m: m["ts_ns"])
+
+
+def _marks(store: HistoryStore, session_id: str, t0: int | None) -> list[dict[str, Any]]:
+    """Numeric marks (the loss, inferred or logged, and any other) per name and rank over time."""
+    rows = _tuples(store, "SELECT name, rank, ts_ns, value_num, attrs FROM marks WHERE session_id = ? "
+                              "AND value_num IS NOT NULL AND kind = 'point' ORDER BY name, rank, ts_ns", (session_id,))
+    grouped: dict[tuple[str, int], tuple[list[int], list[float], bool]] = {}
+    for name, rank, ts, value, attrs in rows:
+        if ts is None or value != value or value in (float("inf"), float("-inf")):
+            continue
+        key = (name, rank)
+        if key not in grouped:
+            grouped[key] = ([], [], '"inferred":true' in (attrs or "").replace(" ", ""))
+        grouped[key][0].append(ts)
+        grouped[key][1].append(value)
+    base = t0 or min((g[0][0] for g in grouped.values()), default=0)
+    buckets = points_budget(len(grouped))
+    out = []
+    for (name, rank), (xs, ys, inferred) in sorted(grouped.items()):
+        dx, dy = minmax(xs, ys, buckets)
+        out.append({"name": name, "rank": rank, "inferred": inferred, "t": [_r((x - base) / 1e9) for x in dx],
+                    "y": [float(f"{y:.6g}") for y in dy]})
+    return out
+
+
+def _verdict_changes(store: HistoryStore, session_id: str, offset: int = 0) -> list[dict[str, Any]]:
+    rows = store.query("SELECT ts_ns, step, window_steps, name, severity, ranks, message FROM verdicts "
+                       "WHERE session_id = ? ORDER BY ts_ns LIMIT -1 OFFSET ?", (session_id, offset))
+    return [{**r, "ranks": json.loads(r["ranks"] or "[]")} for r in rows]
+
+
+def _stack_files(run_dir: Path | None) -> list[dict[str, Any]]:
+    """The run's stack dumps (``stacks/*.txt``), newest last."""
+    if run_dir is None or not (run_dir / "stacks").is_dir():
+        return []
+    files = sorted((p for p in (run_dir / "stacks").glob("*.txt") if p.is_file()), key=lambda p: p.stat().st_mtime)
+    return [{"name": p.name, "bytes": p.stat().st_size} for p in files[-50:]]
+
+
+def _alerts(store: HistoryStore, session_id: str, run_dir: Path | None) -> list[dict[str, Any]]:
+    from ..analysis.summary import session_alerts
+
+    return session_alerts(store, session_id, run_dir)
+
+
+def run_page(store: HistoryStore, session_id: str, run_dir: Path | None) -> dict[str, Any]:
+    """Everything the run page draws (module docstring), JSON-ready."""
+    header = session_header(store, session_id, run_dir)
+    extents = last_steps(store, session_id)
+    problems: list[str] = []
+    step_rows = sum(b - a + 1 for a, b in extents.values())
+    if not extents:
+        problems.append("no steps recorded in this session (a run captured without step spans, or one that "
+                        "ended before its first step): the step charts are empty")
+    charts = _step_charts(store, session_id, extents)
+    summary = final_summary_of(run_dir, session_id)
+    from ..analysis.summary import session_epochs
+
+    epochs = summary.get("epochs") if summary is not None else session_epochs(store, session_id)
+    alerts = _alerts(store, session_id, run_dir)
+    verdicts = _verdict_changes(store, session_id)
+    t0 = header["started_at_ns"]
+    memory, memory_last = _memory(store, session_id, t0)
+    if not memory:
+        problems.append("no memory samples in this session")
+    slowest = _slowest_step(charts)
+    return {
+        "session": {**header, "ranks": sorted(extents), "steps": max((b + 1 for _, b in extents.values()), default=0),
+                    "step_rows": step_rows},
+        "t0_ns": t0,
+        "diagnosis": _diagnosis(store, session_id, run_dir, header["status"], step_rows),
+        **charts,
+        "memory": {"unit": "MiB", "series": memory,
+                   "markers": [{**m, "t": _r((m["ts_ns"] - (t0 or 0)) / 1e9)}
+                               for m in _markers(store, session_id, alerts, verdicts, epochs)]},
+        "marks": _marks(store, session_id, t0),
+        "alerts": alerts,
+        "stacks": _stack_files(run_dir),
+        "verdicts": verdicts,
+        "epochs": epochs,
+        "slowest_step": slowest,
+        "summary": _summary_numbers(summary),
+        "cursor": {"steps": {str(rank): b for rank, (_, b) in extents.items()}, "memory_ns": memory_last,
+                   "alerts": len(alerts), "verdicts": len(verdicts)},
+        "problems": problems,
+    }
+
+
+def _slowest_step(charts: dict[str, Any]) -> int | None:
+    """The step with the highest step time drawn (the one whose spans the page shows first)."""
+    best: tuple[float, int] | None = None
+    for series in charts["step_time"]["series"]:
+        for x, y in zip(series["x"], series["y"]):
+            if best is None or y > best[0]:
+                best = (y, x)
+    return best[1] if best is not None else None
+
+
+def _summary_numbers(summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    if summary is None:
+        return None
+    overall = summary.get("overall") or {}
+    return {"steps": overall.get("steps"), "step_ms": overall.get("step_ms"),
+            "throughput_steps_per_s": overall.get("throughput_steps_per_s"), "phase_share": overall.get("phase_share"),
+            "memory_peaks": summary.get("memory_peaks"), "exit_code": summary.get("exit_code")}
+
+
+def run_updates(store: HistoryStore, session_id: str, run_dir: Path | None, cursor: dict[str, Any]) -> dict[str, Any]:
+    """What came after ``cursor`` (``run_page``'s ``cursor``): each rank's new steps, the new
+    memory samples, alerts and verdict changes, and the status. ``reload`` is true when more
+    steps came than one poll hands over (the page then fetches its downsampled data again)."""
+    known = {int(k): int(v) for k, v in (cursor.get("steps") or {}).items()}
+    extents = last_steps(store, session_id)
+    status_rows = store.query("SELECT status FROM sessions WHERE session_id = ?", (session_id,))
+    status = status_rows[0]["status"] if status_rows else None
+    new_rows = sum(max(0, last - known.get(rank, first - 1)) for rank, (first, last) in extents.items())
+    out: dict[str, Any] = {"status": status, "reload": new_rows > UPDATE_LIMIT, "steps": [], "memory": [],
+                           "alerts": [], "verdicts": []}
+    if out["reload"]:
+        return out
+    for rank, (first, last) in sorted(extents.items()):
+        after = known.get(rank, first - 1)
+        if last <= after:
+            continue
+        rows = _tuples(store, "SELECT step, step_ns FROM steps WHERE session_id = ? AND rank = ? AND step > ? "
+                                  "AND step_ns IS NOT NULL ORDER BY step", (session_id, rank, after))
+        out["steps"].append({"rank": rank, "x": [r[0] for r in rows], "y": [_r(r[1] / 1e6) for r in rows]})
+    since = cursor.get("memory_ns")
+    header = store.query("SELECT started_at_ns FROM sessions WHERE session_id = ?", (session_id,))
+    t0 = header[0]["started_at_ns"] if header else None
+    memory, last_ns = _memory(store, session_id, t0, since_ns=int(since) if since is not None else None)
+    out["memory"] = memory
+    alerts = _alerts(store, session_id, run_dir)
+    out["alerts"] = alerts[int(cursor.get("alerts") or 0):]
+    out["verdicts"] = _verdict_changes(store, session_id, int(cursor.get("verdicts") or 0))
+    out["cursor"] = {"steps": {str(rank): b for rank, (_, b) in extents.items()}, "memory_ns": last_ns,
+                     "alerts": len(alerts), "verdicts": int(cursor.get("verdicts") or 0) + len(out["verdicts"])}
+    return out
+
+
+def step_spans(store: HistoryStore, session_id: str, step: int) -> dict[str, Any]:
+    """The spans of step ``step`` on every rank (its phases and anything else recorded inside its
+    interval), in ms from the earliest rank's start of it: the timeline across ranks."""
+    bounds = store.query("SELECT rank, start_ns, end_ns FROM steps WHERE session_id = ? AND step = ? ORDER BY rank",
+                         (session_id, step))
+    if not bounds:
+        return {"step": step, "t0_ns": None, "spans": []}
+    t0 = min(b["start_ns"] for b in bounds)
+    spans = []
+    for bound in bounds:
+        rows = store.query("SELECT name, start_ns, end_ns FROM spans WHERE session_id = ? AND rank = ? "
+                           "AND start_ns >= ? AND end_ns <= ? AND name NOT IN ('epoch', 'stepwatch.session') "
+                           "ORDER BY start_ns LIMIT 500", (session_id, bound["rank"], bound["start_ns"], bound["end_ns"]))
+        if not rows:  # no span recorded (a step row imported without its spans): the step itself
+            rows = [{"name": "step", "start_ns": bound["start_ns"], "end_ns": bound["end_ns"]}]
+        for row in rows:
+            spans.append({"rank": bound["rank"], "name": row["name"], "start_ms": _r((row["start_ns"] - t0) / 1e6),
+                          "ms": _r((row["end_ns"] - row["start_ns"]) / 1e6)})
+    return {"step": step, "t0_ns": t0, "spans": spans}
