@@ -6,7 +6,8 @@ by rank and bucket of steps (``downsample.bucket_width``) and gives each bucket'
 highest step time with the step each came from (the step packed under the time, so one scan
 finds both), its phase sums (the stacked phase shares) and its slowest step (the heatmap). A
 64-rank x 20,000-step run comes back as about 40,000 step-time points (bench/bench_dashboard.py).
-Memory samples and marks are cut down the same way (``downsample.minmax``) after a range read.
+Memory samples are cut down the same way in SQL (the lowest and highest sample per bucket of
+time), marks by ``downsample.minmax`` after a range read.
 
 Live growth (``run_updates``): the rows after the page's cursors (each rank's last step, the last
 sample's time, the alerts and verdict changes it has), read by index seeks, so a poll costs what
@@ -30,9 +31,10 @@ PHASE_BUCKETS = 200  # columns of the stacked phase-share chart
 HEATMAP_CELLS = 20_000  # ranks x step buckets of the heatmap
 UPDATE_LIMIT = 5_000  # new step rows one live poll hands over; past it the page reloads its data
 FULL_DIAGNOSIS_ROWS = 200_000  # step rows above which a run with no summary is diagnosed on a window
-DIAGNOSIS_WINDOW = 2_000
+DIAGNOSIS_WINDOW = 500
 MIB = 2**20
-_OUTSIDE = tuple(p.column for p in PHASES if not p.in_residual)
+_OUTSIDE_AT = tuple(STEP_COLUMNS.index(p.column) for p in PHASES if not p.in_residual)
+_WAIT = STEP_COLUMNS.index(RESIDUAL.column)
 # each rank's last step, by seeks down steps_unique (session, rank, step) (as analysis/verdicts/inputs.py)
 _LAST_STEPS = """
 WITH RECURSIVE ranks(rank) AS (
@@ -123,11 +125,10 @@ def _step_buckets(store: HistoryStore, session_id: str, first: int, width: int) 
     offset``) so one MIN and one MAX find each point; a time too large to pack comes back as a
     float and the point is put at its bucket's first step."""
     pack = 1 << max(1, (width - 1).bit_length())
-    residual = " - ".join(["wait_ns", *_OUTSIDE])
     sums = ", ".join(f"SUM({c})" for c in STEP_COLUMNS if c != RESIDUAL.column)
     sql = (f"SELECT rank, (step - ?2) / ?3 AS b, COUNT(*) AS n, "
            f"MIN(step_ns * ?4 + (step - ?2) % ?3) AS lo, MAX(step_ns * ?4 + (step - ?2) % ?3) AS hi, "
-           f"SUM(step_ns) AS total, {sums}, SUM(MAX(0, {residual})) AS wait "
+           f"SUM(step_ns) AS total, {sums}, SUM(wait_ns) AS wait "
            f"FROM steps WHERE session_id = ?1 AND step >= ?2 AND step_ns IS NOT NULL GROUP BY rank, b ORDER BY rank, b")
     rows = _tuples(store, sql, (session_id, first, width, pack))
     out = []
@@ -181,7 +182,10 @@ def _step_charts(store: HistoryStore, session_id: str, extents: dict[int, tuple[
     for key in phase_x:
         sums = coarse[key]
         total = sums[-1]
-        for name, value in zip(SHARES, sums[:-1]):
+        values = list(sums[:-1])
+        # the residual still holds the step's own fetch: its share leaves that out (as the summary's)
+        values[_WAIT] = max(0.0, values[_WAIT] - sum(values[i] for i in _OUTSIDE_AT))
+        for name, value in zip(SHARES, values):
             shares[name].append(_r(value / total, 4) if total > 0 else None)
     heat_x = [first + b * width for b in range(n_buckets)]
     return {
@@ -193,33 +197,48 @@ def _step_charts(store: HistoryStore, session_id: str, extents: dict[int, tuple[
     }
 
 
+_MEMORY_VALUE = "MAX(COALESCE(allocated, 0), COALESCE(used, 0))"
+
+
 def _memory(store: HistoryStore, session_id: str, t0: int | None, since_ns: int | None = None,
             budget_total: int = CHART_POINTS) -> tuple[list[dict[str, Any]], int | None]:
     """Memory per rank (and device) over time, in MiB against seconds from ``t0``: the larger of
-    allocated and used bytes (a CPU rank's RSS, a GPU's allocator), cut down per series."""
-    after = "AND timestamp_ns > ?" if since_ns is not None else ""
+    allocated and used bytes (a CPU rank's RSS, a GPU's allocator). Few samples come as they are;
+    more are cut down in SQL, per series and bucket of time, to the lowest and highest sample
+    (SQLite gives a bare column the row of the one MIN or MAX of its query: two scans, no row
+    fetched that is not drawn)."""
+    after = "AND timestamp_ns > ?2" if since_ns is not None else ""
     params: tuple[Any, ...] = (session_id, since_ns) if since_ns is not None else (session_id,)
-    rows = _tuples(store, 
-        f"SELECT rank, device_id, collector, timestamp_ns, MAX(COALESCE(allocated, 0), COALESCE(used, 0)) "
-        f"FROM telemetry WHERE session_id = ? AND event_type = 'sample' {after} ORDER BY rank, device_id, timestamp_ns",
-        params)
-    grouped: dict[tuple[int, int, str], tuple[list[int], list[float]]] = {}
-    last = since_ns
-    for rank, device, collector, ts, value in rows:
-        if ts is None or value is None:
-            continue
-        xs, ys = grouped.setdefault((rank, device if device is not None else -1, collector), ([], []))
-        xs.append(ts)
-        ys.append(value)
-        last = ts if last is None else max(last, ts)
-    base = t0 if t0 is not None else min((xs[0] for xs, _ in grouped.values()), default=0)
-    buckets = points_budget(len(grouped), budget_total)
+    where = f"session_id = ?1 AND event_type = 'sample' {after}"
+    extents = _tuples(store, f"SELECT rank, device_id, collector, MIN(timestamp_ns), MAX(timestamp_ns), COUNT(*) "
+                             f"FROM telemetry WHERE {where} GROUP BY rank, device_id, collector", params)
+    if not extents:
+        return [], since_ns
+    buckets = points_budget(len(extents), budget_total)
+    first = min(e[3] for e in extents)
+    last = max(e[4] for e in extents)
+    grouped: dict[tuple[int, int, str], list[tuple[int, float]]] = {}
+    if max(e[5] for e in extents) <= 2 * buckets:
+        rows = _tuples(store, f"SELECT rank, device_id, collector, timestamp_ns, {_MEMORY_VALUE} FROM telemetry "
+                              f"WHERE {where} ORDER BY rank, device_id, collector, timestamp_ns", params)
+        for rank, device, collector, ts, value in rows:
+            grouped.setdefault((rank, -1 if device is None else device, collector), []).append((ts, value))
+    else:
+        width = bucket_width(first, last, buckets)
+        n = len(params)
+        for pick in ("MIN", "MAX"):
+            rows = _tuples(store, f"SELECT rank, device_id, collector, (timestamp_ns - ?{n + 1}) / ?{n + 2} AS b, "
+                                  f"timestamp_ns, {pick}({_MEMORY_VALUE}) FROM telemetry WHERE {where} "
+                                  f"GROUP BY rank, device_id, collector, b", (*params, first, width))
+            for rank, device, collector, _b, ts, value in rows:
+                grouped.setdefault((rank, -1 if device is None else device, collector), []).append((ts, value))
+    base = t0 if t0 is not None else first
     out = []
-    for (rank, device, collector), (xs, ys) in sorted(grouped.items()):
-        dx, dy = minmax(xs, ys, buckets)
+    for (rank, device, collector), points in sorted(grouped.items()):
+        points = sorted(set(points))
         out.append({"rank": rank, "device": device, "collector": collector,
-                    "t": [_r((x - base) / 1e9) for x in dx], "y": [_r(y / MIB, 2) for y in dy]})
-    return out, last
+                    "t": [_r((x - base) / 1e9) for x, _ in points], "y": [_r((y or 0) / MIB, 2) for _, y in points]})
+    return out, last if since_ns is None else max(last, since_ns)
 
 
 def _markers(store: HistoryStore, session_id: str, alerts: list[dict[str, Any]], verdicts: list[dict[str, Any]],
