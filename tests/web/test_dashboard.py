@@ -76,6 +76,7 @@ def test_straggler_run_page_draws_every_rank_and_names_the_slow_one(browser: Any
     assert page.inner_text("#verdict-message") == primary["message"]
     assert "STRAGGLER" in primary["name"] and primary["ranks"] == [1]
     page.screenshot(path=str(shots / "run-straggler.png"), full_page=True)
+    page.screenshot(path=str(shots / "dashboard.png"))  # the top of the page: the README's picture
     # another step's spans on demand
     page.fill("#spans-step", "3")
     page.click("#spans-go")
