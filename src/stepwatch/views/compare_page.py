@@ -43,7 +43,7 @@ def compare_page(catalog: Catalog, a: str, b: str) -> dict[str, Any]:
     for name, session_id in (("a", a), ("b", b)):
         with catalog.open_session(session_id) as (store, run_dir):
             summary = summary_of(store, session_id, run_dir)
-            charts = _step_charts(store, session_id, last_steps(store, session_id))
+            charts, _ = _step_charts(store, session_id, last_steps(store, session_id))
             sides[name] = {"session": session_header(store, session_id, run_dir), "step_time": charts["step_time"],
                            "primary": ((summary.get("diagnosis") or {}).get("primary") or {}).get("name")}
             summaries.append(summary)
