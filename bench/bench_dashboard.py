@@ -11,6 +11,8 @@ of ``K``:
 
   * ``run page data``: ``GET /api/run/<session>``: time to the first byte, time to the whole body,
     and the payload's size (targets: the page loads in < 2 s, its data < 2 MB);
+  * ``run page data: server CPU time``: the CPU seconds the server spent on that request (user +
+    system, all its threads): on a busy machine the wall time stretches, this much less;
   * ``run page data, cached``: the same request again on the same server (a finished run is read once);
   * ``run page in Chromium``: from navigation to every chart drawn (the app's ``data-ready``),
     Plotly's parse included (Debian's chromium under Playwright; skipped without it);
@@ -126,12 +128,17 @@ def main() -> None:
     built = build_history(history, options.ranks, options.steps)
     if built:
         print(f"history written in {built:.1f} s ({history.stat().st_size / 2**20:.0f} MiB)")
-    cold_ttfb, cold_total, warm_total, browser = [], [], [], []
+    import psutil
+
+    cold_ttfb, cold_total, cold_cpu, warm_total, browser = [], [], [], [], []
     payload = 0
     for _ in range(options.repeat):
         proc, url = _start_ui(history)
         try:
+            server = psutil.Process(proc.pid)
+            before = sum(server.cpu_times()[:2])
             ttfb, total, payload = _get(f"{url}api/run/{SESSION}")
+            cold_cpu.append(sum(server.cpu_times()[:2]) - before)
             cold_ttfb.append(ttfb)
             cold_total.append(total)
             warm_total.append(_get(f"{url}api/run/{SESSION}")[1])
@@ -159,6 +166,8 @@ def main() -> None:
         ["run page data: first byte (cold)", f"{_stats(cold_ttfb)['best']:.2f} s", f"{_stats(cold_ttfb)['median']:.2f} s", ""],
         ["run page data: whole body (cold)", f"{_stats(cold_total)['best']:.2f} s", f"{_stats(cold_total)['median']:.2f} s",
          f"{payload / 1e6:.2f} MB"],
+        ["run page data: server CPU time (cold)", f"{_stats(cold_cpu)['best']:.2f} s", f"{_stats(cold_cpu)['median']:.2f} s",
+         ""],
         ["run page data (cached)", f"{_stats(warm_total)['best']:.3f} s", f"{_stats(warm_total)['median']:.3f} s", ""],
     ]
     if browser:
@@ -170,7 +179,7 @@ def main() -> None:
     print(f"load average after: {load_average()}")
     path = write_results("bench_dashboard", {
         "header": header, "ranks": options.ranks, "steps": options.steps, "repeat": options.repeat,
-        "payload_bytes": payload, "cold_ttfb_s": cold_ttfb, "cold_total_s": cold_total, "cached_s": warm_total,
+        "payload_bytes": payload, "cold_ttfb_s": cold_ttfb, "cold_total_s": cold_total, "cold_cpu_s": cold_cpu, "cached_s": warm_total,
         "browser_s": browser, "report_s": report_s, "report_bytes": report_bytes})
     print(f"results: {path}")
 
