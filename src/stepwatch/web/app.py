@@ -377,6 +377,8 @@ def serve_ui(path: Path, *, host: str = "127.0.0.1", port: int = 0, token: str |
         out.write(json.dumps({"event": "ready", "url": f"http://{shown}:{bound}/", "pid": os.getpid(),
                               "path": str(path), "at": time.time()}) + "\n")
         out.flush()
+        print(f"[stepwatch] dashboard of {path} on http://{shown}:{bound}/ (Ctrl-C stops it)", file=sys.stderr,
+              flush=True)
         await stop.wait()
         await runner.cleanup()
 
