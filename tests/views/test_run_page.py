@@ -120,3 +120,20 @@ def test_a_damaged_store_is_a_problem_line_not_a_traceback(tmp_path: Path) -> No
 def test_session_ids_are_checked_as_the_ingestion_path_checks_them(bad: str) -> None:
     with pytest.raises(ValueError, match="session id"):
         check_session_id(bad)
+
+
+def test_a_history_from_before_the_verdict_and_alert_tables_still_draws(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "history.sqlite"
+    with SqliteStore(path) as store:
+        _write_run(store, "old", 2, 30)
+    with sqlite3.connect(path) as db:  # as an older stepwatch wrote it: no verdicts, no alerts
+        for table in ("verdicts", "alerts"):
+            db.execute(f"DROP VIEW {table}")
+            db.execute(f"DROP TABLE {table}_rows")
+    with SqliteStore(path, read_only=True) as store:
+        page = run_page(store, "old", None)
+    assert [len(s["x"]) for s in page["step_time"]["series"]] == [30, 30]
+    assert page["verdicts"] == [] and page["alerts"] == []
+    assert [r["session_id"] for r in runs_list(Catalog(tmp_path))["runs"]] == ["old"]

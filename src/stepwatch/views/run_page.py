@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import StoreError
 from ..phases import PHASES, RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
 from .downsample import CHART_POINTS, bucket_width, minmax, points_budget
@@ -99,7 +100,10 @@ def _diagnosis(store: HistoryStore, session_id: str, run_dir: Path | None, statu
     if summary is not None and isinstance(summary.get("diagnosis"), dict):
         return {**summary["diagnosis"], "source": "the final summary (final_summary.json)"}
     if status == "running":
-        rows = store.query("SELECT * FROM verdicts WHERE session_id = ? ORDER BY ts_ns DESC LIMIT 1", (session_id,))
+        try:
+            rows = store.query("SELECT * FROM verdicts WHERE session_id = ? ORDER BY ts_ns DESC LIMIT 1", (session_id,))
+        except StoreError:  # a history written before the verdicts table
+            rows = []
         if rows:
             row = rows[0]
             primary = {"name": row["name"], "severity": row["severity"], "score": row["score"],
@@ -354,8 +358,12 @@ def _marks(store: HistoryStore, session_id: str, t0: int | None) -> list[dict[st
 
 
 def _verdict_changes(store: HistoryStore, session_id: str, offset: int = 0) -> list[dict[str, Any]]:
-    rows = store.query("SELECT ts_ns, step, window_steps, name, severity, ranks, message FROM verdicts "
-                       "WHERE session_id = ? ORDER BY ts_ns LIMIT -1 OFFSET ?", (session_id, offset))
+    """The live verdict's stored changes ([] from a history written before the verdicts table)."""
+    try:
+        rows = store.query("SELECT ts_ns, step, window_steps, name, severity, ranks, message FROM verdicts "
+                           "WHERE session_id = ? ORDER BY ts_ns LIMIT -1 OFFSET ?", (session_id, offset))
+    except StoreError:
+        return []
     return [{**r, "ranks": json.loads(r["ranks"] or "[]")} for r in rows]
 
 

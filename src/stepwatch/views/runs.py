@@ -54,7 +54,11 @@ def _row(store: Any, session: dict[str, Any], run_dir: Any) -> dict[str, Any]:
         found = (summary.get("diagnosis") or {}).get("primary")
         primary = found.get("name") if isinstance(found, dict) else None
     if primary is None:
-        latest = store.query("SELECT name FROM verdicts WHERE session_id = ? ORDER BY ts_ns DESC LIMIT 1", (session_id,))
+        try:
+            latest = store.query("SELECT name FROM verdicts WHERE session_id = ? ORDER BY ts_ns DESC LIMIT 1",
+                                 (session_id,))
+        except StepwatchError:  # a history written before the verdicts table
+            latest = []
         primary = latest[0]["name"] if latest else None
     try:
         alerts = store.count("alerts", session_id)
