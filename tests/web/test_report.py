@@ -48,6 +48,7 @@ def test_the_report_opens_as_a_file_and_draws_the_run(browser: Any, report: Path
     assert page.inner_text("#verdict-name") == summary["diagnosis"]["primary"]["name"]
     assert summary["session_id"] in page.inner_text("#environment")
     assert page.inner_text("#outcome") == "succeeded"
+    assert f"stepwatch summary  session {summary['session_id']}" in page.inner_text("#summary")
     assert log.errors == []
     assert log.requests == [report.as_uri()]
     page.screenshot(path=str(shots / "report.png"), full_page=True)

@@ -423,6 +423,7 @@ def run_page(store: HistoryStore, session_id: str, run_dir: Path | None) -> dict
         "epochs": epochs,
         "slowest_step": slowest,
         "summary": _summary_numbers(summary),
+        "summary_text": _summary_text(summary),
         "cursor": {"steps": {str(rank): b for rank, (_, b) in extents.items()}, "memory_ns": memory_last,
                    "alerts": len(alerts), "verdicts": len(verdicts)},
         "problems": problems,
@@ -437,6 +438,18 @@ def _slowest_step(charts: dict[str, Any]) -> int | None:
             if best is None or y > best[0]:
                 best = (y, x)
     return best[1] if best is not None else None
+
+
+def _summary_text(summary: dict[str, Any] | None) -> str | None:
+    """The final summary as ``stepwatch summary`` prints it (None when the run has none yet)."""
+    if summary is None:
+        return None
+    from ..analysis.summary import render_summary_text
+
+    try:
+        return render_summary_text(summary)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a summary of another shape: the charts still come
+        return None
 
 
 def _summary_numbers(summary: dict[str, Any] | None) -> dict[str, Any] | None:

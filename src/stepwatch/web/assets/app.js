@@ -309,6 +309,7 @@
     content.appendChild(alertsCard(page));
     content.appendChild(section("verdicts", "Verdict changes (live)", page.verdicts.length ? null : el("p", { class: "note" }, "none stored (the live verdict thread stores a change of the primary verdict while a run trains)"), el("table", {}, el("thead", {}, el("tr", {}, ["time", "step", "verdict", "severity", "message"].map((t) => el("th", {}, t)))), el("tbody", { id: "verdicts-body" }, verdictRows(page.verdicts)))));
     content.appendChild(epochsCard(page.epochs));
+    if (page.summary_text) content.appendChild(section("summary", "Final summary (stepwatch summary)", el("pre", { class: "json" }, page.summary_text)));
     if (page.environment) content.appendChild(section("environment", "Environment (run.json)", el("pre", { class: "json" }, JSON.stringify(page.environment, null, 2))));
     if (!window.Plotly) { message(window.STEPWATCH_PLOTLY_MISSING || "the charting library did not load", "error"); return; }
     drawStepTime(page); drawHeatmap(page); drawPhases(page); drawMemory(page); drawMarks(page);
