@@ -128,12 +128,16 @@ def test_a_history_from_before_the_verdict_and_alert_tables_still_draws(tmp_path
     path = tmp_path / "history.sqlite"
     with SqliteStore(path) as store:
         _write_run(store, "old", 2, 30)
-    with sqlite3.connect(path) as db:  # as an older stepwatch wrote it: no verdicts, no alerts
+    with sqlite3.connect(path) as db:  # as an older stepwatch wrote it: no verdicts, no alerts, no recompute_ns
         for table in ("verdicts", "alerts"):
             db.execute(f"DROP VIEW {table}")
             db.execute(f"DROP TABLE {table}_rows")
+        (view,) = db.execute("SELECT sql FROM sqlite_master WHERE name = 'steps'").fetchone()
+        db.execute("DROP VIEW steps")
+        db.execute(view.replace(" recompute_ns,", "").replace(" r.recompute_ns,", ""))
     with SqliteStore(path, read_only=True) as store:
         page = run_page(store, "old", None)
     assert [len(s["x"]) for s in page["step_time"]["series"]] == [30, 30]
     assert page["verdicts"] == [] and page["alerts"] == []
+    assert page["phases"]["shares"]["recompute"] == [0.0] * len(page["phases"]["x"])
     assert [r["session_id"] for r in runs_list(Catalog(tmp_path))["runs"]] == ["old"]

@@ -170,7 +170,16 @@ def _step_buckets(store: HistoryStore, session_id: str, ranks: list[int], first:
 
 
 PHASE_RANKS = 8  # ranks the phase shares are summed over (spread across the run's ranks)
-_PHASE_SUMS = ", ".join(f"SUM(s.{c})" for c in STEP_COLUMNS)
+
+
+def _phase_sums(store: HistoryStore) -> str:
+    """``SUM(s.<column>)`` of each phase column, ``0`` for a column a history written before it
+    was declared does not have (``recompute_ns``; such a store is opened read-only, not migrated)."""
+    try:
+        present = {row["name"] for row in store.query("PRAGMA table_info(steps)")}
+    except StoreError:
+        present = set(STEP_COLUMNS)
+    return ", ".join(f"SUM(s.{c})" if c in present or not present else "0" for c in STEP_COLUMNS)
 
 
 def _phase_buckets(store: HistoryStore, session_id: str, ranks: list[int], first: int, width: int,
@@ -178,7 +187,7 @@ def _phase_buckets(store: HistoryStore, session_id: str, ranks: list[int], first
     """bucket -> [each phase column's sum..., the step times' sum] over ``ranks``."""
     out: dict[int, list[float]] = {}
     for _rank, b, total, *sums in _bucket_rows(store, session_id, ranks, first, width, n_buckets,
-                                               f"SUM(s.step_ns), {_PHASE_SUMS}"):
+                                               f"SUM(s.step_ns), {_phase_sums(store)}"):
         if total is None:
             continue
         into = out.setdefault(b, [0.0] * (len(sums) + 1))
