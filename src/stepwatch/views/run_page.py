@@ -120,7 +120,11 @@ def _diagnosis(store: HistoryStore, session_id: str, run_dir: Path | None, statu
         except Exception as exc:  # noqa: BLE001 - the page shows why, the charts still come
             return {"primary": None, "error": f"{type(exc).__name__}: {exc}"}
         return {**found, "source": f"computed now over the last {DIAGNOSIS_WINDOW} steps of every rank"}
-    return {**summary_diagnosis(store, session_id), "source": "computed now over every step"}
+    try:
+        found = summary_diagnosis(store, session_id)
+    except StoreError as exc:  # a history the engine cannot read (an older one): the charts still come
+        return {"primary": None, "error": str(exc)}
+    return {**found, "source": "computed now over every step"}
 
 
 def _bucket_rows(store: HistoryStore, session_id: str, ranks: list[int], first: int, width: int, n_buckets: int,
