@@ -31,3 +31,14 @@ def test_serve_with_a_ui_port_answers_the_dashboard(tmp_path: Path) -> None:
         proc.terminate()
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_run_with_a_remote_aggregator_has_no_dashboard_to_serve(tmp_path: Path) -> None:
+    from tests.support import run_stepwatch
+
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    proc = run_stepwatch("run", "--aggregator", "127.0.0.1:9", "--ui-port", "0", "--out", str(tmp_path / "run"),
+                         "train.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--ui-port" in proc.stderr and "--aggregator" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -53,6 +53,14 @@ def test_runs_page_lists_every_run_sortable_and_filterable(browser: Any, dashboa
     page.click("th[data-key='steps']")
     descending = [int(t) for t in page.locator("#runs tbody td.c-steps").all_inner_texts()]
     assert descending == sorted(ascending, reverse=True)
+    # tick two runs: the compare link names both
+    clean = summary_of(web_runs["clean"])["session_id"]
+    assert page.is_hidden("#compare-link")
+    for session in (clean, straggler["session_id"]):
+        page.check(f"#runs tbody input[data-session='{session}']")
+    assert page.get_attribute("#compare-link", "href") == f"/compare?a={clean}&b={straggler['session_id']}"
+    page.click("#compare-link")
+    page.wait_for_selector("#compare-verdict")
     _clean(log)
 
 

@@ -63,6 +63,9 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, write_html:
             parse_duration(retention)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--retention") from None
+    if options.get("aggregator") and options.get("ui_port") is not None:
+        raise click.UsageError("--ui-port serves the dashboard from this node's aggregator, and with --aggregator "
+                               "there is none here: run it where the history is (or stepwatch ui there)")
     _check_script(click.get_current_context(), script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
