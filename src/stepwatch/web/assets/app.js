@@ -32,8 +32,8 @@
     box.hidden = false;
   }
 
-  async function getJSON(url) {
-    const response = await fetch(url, { credentials: "same-origin" });
+  async function getJSON(url, started) {
+    const response = await (started || fetch(url, { credentials: "same-origin" }));
     let body = null;
     try { body = await response.json(); } catch (e) { body = null; }
     if (!response.ok) throw new Error((body && body.error) || ("HTTP " + response.status + " from " + url));
@@ -62,8 +62,9 @@
 
   function plot(id, traces, layout) {
     if (!window.Plotly) return;
+    // past 16 series a legend is a wall of names (the hover names each line): left out, and drawn faster
     const base = { margin: { l: 60, r: 20, t: 10, b: 45 }, height: 320, hovermode: "closest",
-      legend: { orientation: "h", y: -0.25 }, font: { size: 11 } };
+      legend: { orientation: "h", y: -0.25 }, font: { size: 11 }, showlegend: traces.length <= 16 ? undefined : false };
     window.Plotly.newPlot(id, traces, Object.assign(base, layout || {}), PLOT_CONFIG);
   }
 
@@ -325,7 +326,7 @@
   async function runPage() {
     const sid = SW.session;
     const url = "/api/run/" + encodeURIComponent(sid);
-    let page = await getJSON(url);
+    let page = await getJSON(url, SW.preload);
     renderRun(page, null);
     document.body.dataset.ready = "1";
     if (page.slowest_step !== null && page.slowest_step !== undefined) await loadSpans(sid, page.slowest_step);
