@@ -224,7 +224,24 @@ class Dashboard:
 
     async def _api_run(self, request: Any) -> Any:
         session = _session_param(request.match_info["session"])
-        return _json(await self._run(self._run_page, session))
+        try:
+            return _json(await self._run(self._run_page, session))
+        except NoSuchSession:
+            if session != self._starting_session():
+                raise
+            # the run this dashboard serves (run --ui-port), before its ranks sent anything
+            return _json({"pending": True, "message": f"session {session} has sent no data yet"})
+
+    def _starting_session(self) -> str | None:
+        """The session of the run directory this dashboard serves (its run.json), if it is one."""
+        path = self.catalog.path
+        if not path.is_dir():
+            return None
+        try:
+            value = json.loads((path / "run.json").read_text()).get("session_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, str) else None
 
     async def _api_updates(self, request: Any) -> Any:
         from ..views.run_page import run_updates

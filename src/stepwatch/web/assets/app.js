@@ -36,7 +36,11 @@
     const response = await (started || fetch(url, { credentials: "same-origin" }));
     let body = null;
     try { body = await response.json(); } catch (e) { body = null; }
-    if (!response.ok) throw new Error((body && body.error) || ("HTTP " + response.status + " from " + url));
+    if (!response.ok) {
+      const error = new Error((body && body.error) || ("HTTP " + response.status + " from " + url));
+      error.status = response.status;
+      throw error;
+    }
     return body;
   }
 
@@ -326,13 +330,22 @@
   async function runPage() {
     const sid = SW.session;
     const url = "/api/run/" + encodeURIComponent(sid);
-    let page = await getJSON(url, SW.preload);
+    let page = null;
+    // a run just started (the URL printed by run --ui-port) may have sent nothing yet: wait for it
+    for (let attempt = 0; page === null; attempt++) {
+      const answer = await getJSON(url, attempt === 0 ? SW.preload : null);
+      if (!answer.pending) { page = answer; break; }
+      message(answer.message + ": waiting for its first steps", "warn");
+      await new Promise((done) => setTimeout(done, SW.poll_ms || 1000));
+    }
+    $("message").hidden = true;
     renderRun(page, null);
+    const running = page.session.status === "running";
+    $("live").hidden = !running;
     document.body.dataset.ready = "1";
     if (page.slowest_step !== null && page.slowest_step !== undefined) await loadSpans(sid, page.slowest_step);
-    if (page.session.status !== "running") return;
+    if (!running) return;
     // live: ask for what is new; extend the traces in place
-    $("live").hidden = false;
     let cursor = page.cursor;
     let busy = false;
     const timer = setInterval(async () => {
