@@ -5,53 +5,23 @@ the live cursor handing over only what is new, the runs list over a store of man
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from stepwatch.phases import STEP_COLUMNS
 from stepwatch.store.sqlite import SqliteStore
 from stepwatch.views.downsample import points_budget
 from stepwatch.views.run_page import UPDATE_LIMIT, run_page, run_updates, step_spans
 from stepwatch.views.runs import runs_list
 from stepwatch.views.sources import Catalog, NoSuchSession, check_session_id
-
-T0 = 1_790_000_000_000_000_000
-MS = 1_000_000
-SPIKE = (5, 2_345)  # (rank, step) ten times slower than the rest
-
-
-def _write_run(store: SqliteStore, session_id: str, ranks: int, steps: int, *, status: str = "completed") -> None:
-    store.upsert_session({"session_id": session_id, "status": status, "started_at_ns": T0, "ended_at_ns": None,
-                          "host": "test", "world_size": ranks, "source": "test", "command_line": ["train.py"]})
-    rng = random.Random(0)
-    rows: list[dict[str, Any]] = []
-    samples: list[dict[str, Any]] = []
-    for rank in range(ranks):
-        t = T0
-        for step in range(steps):
-            step_ns = 10 * MS + rng.randrange(MS) + (90 * MS if (rank, step) == SPIKE else 0)
-            phases = dict.fromkeys(STEP_COLUMNS, 0)
-            phases.update(forward_ns=step_ns // 3, backward_ns=step_ns // 2, data_load_ns=step_ns // 10,
-                          wait_ns=step_ns - step_ns // 3 - step_ns // 2)
-            rows.append({"session_id": session_id, "rank": rank, "step": step, "start_ns": t, "end_ns": t + step_ns,
-                         "step_ns": step_ns, **phases})
-            if step % 10 == 0:
-                samples.append({"session_id": session_id, "rank": rank, "timestamp_ns": t, "event_type": "sample",
-                                "collector": "stepwatch.cpu_tracker", "device_id": -1, "allocated": (1 << 30) + step,
-                                "reserved": 1 << 30, "active": None, "inactive": None, "change": 0, "used": 1 << 30,
-                                "free": None, "total": None, "pid": 1, "host": "test", "context": None, "metadata": {}})
-            t += step_ns
-    store.append_many({"steps": rows, "telemetry": samples})
+from tests.support.history import SPIKE, write_run
 
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     path = tmp_path_factory.mktemp("big") / "history.sqlite"
     with SqliteStore(path) as store:
-        _write_run(store, "big-run", 64, 3_000)
+        write_run(store, "big-run", 64, 3_000)
     return path, "big-run"
 
 
@@ -79,7 +49,7 @@ def test_a_64_rank_run_page_stays_within_budget_and_keeps_the_spike(big: tuple[P
 def test_updates_hand_over_only_what_is_new(tmp_path: Path) -> None:
     path = tmp_path / "history.sqlite"
     with SqliteStore(path) as store:
-        _write_run(store, "live", 2, 50, status="running")
+        write_run(store, "live", 2, 50, status="running")
     with SqliteStore(path, read_only=True) as store:
         page = run_page(store, "live", None)
         assert page["cursor"]["steps"] == {"0": 49, "1": 49}
@@ -89,7 +59,7 @@ def test_updates_hand_over_only_what_is_new(tmp_path: Path) -> None:
         assert [(s["rank"], s["x"]) for s in partial["steps"]] == [(0, list(range(40, 50))), (1, list(range(45, 50)))]
         assert partial["status"] == "running"
     with SqliteStore(path) as store:  # more steps than one poll hands over: the page reloads
-        _write_run(store, "live2", 1, UPDATE_LIMIT + 10, status="running")
+        write_run(store, "live2", 1, UPDATE_LIMIT + 10, status="running")
     with SqliteStore(path, read_only=True) as store:
         assert run_updates(store, "live2", None, {"steps": {"0": 5}})["reload"] is True
         spans = step_spans(store, "live", 3)  # no spans stored: each rank's step itself
@@ -99,7 +69,7 @@ def test_updates_hand_over_only_what_is_new(tmp_path: Path) -> None:
 def test_runs_list_over_a_store_of_many_sessions(tmp_path: Path) -> None:
     with SqliteStore(tmp_path / "history.sqlite") as store:
         for i in range(3):
-            _write_run(store, f"session-{i}", 1 + i, 20 + i)
+            write_run(store, f"session-{i}", 1 + i, 20 + i)
     catalog = Catalog(tmp_path)
     listed = runs_list(catalog)
     assert listed["problems"] == []
@@ -127,7 +97,7 @@ def test_a_history_from_before_the_verdict_and_alert_tables_still_draws(tmp_path
 
     path = tmp_path / "history.sqlite"
     with SqliteStore(path) as store:
-        _write_run(store, "old", 2, 30)
+        write_run(store, "old", 2, 30)
     with sqlite3.connect(path) as db:  # as an older stepwatch wrote it: no verdicts, no alerts, no recompute_ns
         for table in ("verdicts", "alerts"):
             db.execute(f"DROP VIEW {table}")

@@ -191,3 +191,29 @@ def test_a_network_bind_without_a_token_is_refused(runs_root: Path) -> None:
     proc = run_stepwatch("ui", str(runs_root), "--host", "0.0.0.0", "--port", "0", cwd=runs_root)
     assert proc.returncode == 2
     assert "needs a token" in proc.stderr
+
+
+def test_a_64_rank_run_draws_every_rank_downsampled(browser: Any, tmp_path: Path, shots: Path) -> None:
+    from stepwatch.store.sqlite import SqliteStore
+    from tests.support.history import SPIKE, write_run
+
+    with SqliteStore(tmp_path / "history.sqlite") as store:
+        write_run(store, "wide-run", 64, 3_000)
+    server = Server(tmp_path)
+    try:
+        status, data = _get(f"{server.url}api/run/wide-run")
+        assert status == 200
+        page, log = open_page(browser, f"{server.url}run/wide-run")
+        drawn = charts(page)
+        # what the server sent is what is drawn: a trace per rank, each downsampled the same way
+        sent = {f"rank {s['rank']}": len(s["x"]) for s in data["step_time"]["series"]}
+        assert {t["name"]: t["points"] for t in drawn["chart-step"]} == sent
+        assert len(sent) == 64 and all(n < 3_000 for n in sent.values())
+        assert drawn["chart-heatmap"][0]["rows"] == 64
+        spike = next(s for s in data["step_time"]["series"] if s["rank"] == SPIKE[0])
+        assert spike["x"][spike["y"].index(max(spike["y"]))] == SPIKE[1]  # the slow step survives
+        assert f"each bucket of {data['step_time']['width']} steps" in page.inner_text("#step-note")
+        page.screenshot(path=str(shots / "run-64-ranks.png"), full_page=True)
+        _clean(log)
+    finally:
+        server.stop()
