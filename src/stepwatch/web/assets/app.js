@@ -182,7 +182,7 @@
     const outcome = s.outcome || s.status || "unknown";
     const duration = s.ended_at_ns && s.started_at_ns ? (s.ended_at_ns - s.started_at_ns) / 1e9 : null;
     const facts = [["status", s.status], ["outcome", s.outcome], ["started", fmt.time(s.started_at_ns)],
-      ["duration", fmt.dur(duration)], ["ranks", s.ranks.length ? s.ranks.join(", ") : "-"], ["steps", s.steps],
+      ["duration", fmt.dur(duration)], ["ranks", !s.ranks.length ? "-" : s.ranks.length > 8 ? s.ranks.length + " (" + s.ranks[0] + "–" + s.ranks[s.ranks.length - 1] + ")" : s.ranks.join(", ")], ["steps", s.steps],
       ["world size", s.world_size], ["host", s.host], ["exit code", s.exit_code]];
     if (page.summary && page.summary.step_ms) {
       facts.push(["median step", fmt.ms(page.summary.step_ms.median)], ["p99 step", fmt.ms(page.summary.step_ms.p99)],
@@ -240,6 +240,7 @@
   }
 
   function drawMarks(page) {
+    if (!page.marks.length) { $("chart-marks").hidden = true; return; }
     const traces = page.marks.map((m, i) => ({ type: "scatter", mode: "lines", x: m.t, y: m.y,
       name: m.name + (m.inferred ? " (inferred)" : "") + " rank " + m.rank, line: { width: 1, color: COLORS[i % COLORS.length] } }));
     plot("chart-marks", traces, { xaxis: { title: { text: "seconds since start" } }, yaxis: { title: { text: "value" } } });
