@@ -56,6 +56,11 @@ def test_a_live_run_page_grows_without_a_reload(browser: Any, tmp_path: Path, sh
             page.wait_for_selector("#alerts-body tr", timeout=60_000)
             assert "NONFINITE" in page.inner_text("#alerts-body")
             page.screenshot(path=str(shots / "run-live.png"), full_page=True)
+            # the run ends: the page takes its final data once and stops polling
+            page.wait_for_selector("#live", state="hidden", timeout=90_000)
+            page.wait_for_function("() => document.getElementById('outcome').textContent !== 'running'",
+                                   timeout=30_000)
+            assert page.evaluate("() => window.loadedOnce") == "yes"
             assert log.errors == [] and log.off_machine() == []
         finally:
             proc.wait(timeout=120)

@@ -80,8 +80,11 @@ def session_header(store: HistoryStore, session_id: str, run_dir: Path | None) -
             command = json.loads(row["command_line"])
         except ValueError:
             command = None
+    outcome = run.get("outcome")
+    if outcome == "running" and row.get("status") not in (None, "running"):
+        outcome = None  # the capture ended; the launcher writes how the training ended after it
     return {
-        "session_id": session_id, "status": row.get("status"), "outcome": run.get("outcome"),
+        "session_id": session_id, "status": row.get("status"), "outcome": outcome,
         "error": run.get("error") if isinstance(run.get("error"), dict) else None,
         "exit_code": run.get("exit_code"), "command": command if isinstance(command, list) else None,
         "started_at_ns": row.get("started_at_ns") or run.get("started_at_ns"),
