@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # wait on their processes, so more workers than cores keep both cores busy.
 TEST_WORKERS ?= 4
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench clean browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,14 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed
+# the dashboard's browser tests (tests/web) drive Debian's chromium through Playwright, with no
+# browser download: installed here when missing and this user may (root, as on CI); elsewhere
+# those tests are skipped and say why
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
+
+test: $(VENV)/.installed browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out), and
@@ -37,6 +44,7 @@ bench: $(VENV)/.installed
 	$(PY) bench/bench_snapshot_spool.py
 	$(PY) bench/bench_ingest.py
 	$(PY) bench/bench_launcher.py
+	$(PY) bench/bench_dashboard.py
 
 clean:
 	rm -rf $(VENV) stepwatch_runs .pytest_cache .hypothesis

@@ -69,6 +69,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -769,11 +770,12 @@ def split(ranks: list[int], parts: int) -> list[list[int]]:
 class StepwatchServer:
     """``python -c BOOT --out DIR --http-port 0``: ``python -m stepwatch.server`` with richer stats."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, dashboard: bool = False) -> None:
         self.out = out
         self.err = (out.parent / f"{out.name}.stderr").open("w")
         started = time.perf_counter()
-        self.proc = subprocess.Popen([PYTHON, "-c", BOOT, "--out", str(out), "--http-port", "0"],
+        extra = ["--ui-port", "0"] if dashboard else []
+        self.proc = subprocess.Popen([PYTHON, "-c", BOOT, "--out", str(out), "--http-port", "0", *extra],
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO_ROOT)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -968,9 +970,12 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
     out = work / f"{fmt}-tcp"
     session = str(uuid.uuid4()) if fmt == "stepwatch" else "bench"
     server: StepwatchServer | TracemlServer
+    poller: DashboardPoller | None = None
     if fmt == "stepwatch":
-        server = StepwatchServer(out)
+        server = StepwatchServer(out, dashboard=args.dashboard)
         counter = StoreCounter(server.db_path, STEPWATCH_TABLES)
+        if args.dashboard:
+            poller = DashboardPoller(server.ready["ui"], session)
     else:
         server = TracemlServer(out, session, args.ranks)
         counter = StoreCounter(server.db_path, TRACEML_TABLES)
@@ -996,10 +1001,14 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
             expected = steps_expected * TRACEML_ROWS_PER_STEP
             count_of = lambda c: sum(c.values())  # noqa: E731
         t_go = time.time()
+        if poller is not None:
+            poller.start()
         for worker in workers:
             worker.go()
         mon = monitor(server.pid, counter, count_of, expected, t_go, args.timeout,
                       health=server.health if fmt == "stepwatch" else None, senders=workers)
+        if poller is not None:
+            poller.stop()
         results = [w.result(60) for w in workers]
         counter.close()
         if fmt == "stepwatch":
@@ -1022,6 +1031,8 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
     }
     if mon["reached"] < expected:
         out_stats["lost_rows"] = expected - mon["reached"]
+    if poller is not None:
+        out_stats["dashboard"] = poller.figures()
     if fmt == "traceml":  # its reader threads decode every frame into an unbounded queue as it arrives
         out_stats["intake_all_s"] = sent_done - t_go
     if fmt == "stepwatch":
@@ -1036,6 +1047,61 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
                                         h.get("bench_pending_rows"), h["last_batch_rows"],
                                         round(h["mean_batch_seconds"], 4)) for t, h in mon["healths"]]
     return out_stats
+
+
+class DashboardPoller:
+    """A dashboard page open on the run while it ingests (``--dashboard``): it loads the run page's
+    data once it exists, then asks for what is new every second, as the page does (reloading the
+    data when the page would: too many new steps at once)."""
+
+    def __init__(self, url: str, session: str) -> None:
+        parsed = urllib.parse.urlparse(url)
+        self.address = (parsed.hostname, parsed.port)
+        self.session = session
+        self.done = threading.Event()
+        self.loads: list[float] = []
+        self.polls: list[float] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(*self.address, timeout=120)
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+        conn.close()
+        return response.status, body
+
+    def _run(self) -> None:
+        cursor: dict[str, Any] | None = None
+        while not self.done.wait(1.0):
+            started = time.perf_counter()
+            try:
+                if cursor is None:
+                    status, body = self._get(f"/api/run/{self.session}")
+                    if status == 200:
+                        cursor = json.loads(body)["cursor"]
+                        self.loads.append(time.perf_counter() - started)
+                    continue
+                query = urllib.parse.quote(json.dumps(cursor))
+                status, body = self._get(f"/api/run/{self.session}/updates?cursor={query}")
+                update = json.loads(body)
+                self.polls.append(time.perf_counter() - started)
+                cursor = None if update.get("reload") else update.get("cursor", cursor)
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                self.errors.append(str(exc)[:200])
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(180)
+
+    def figures(self) -> dict[str, Any]:
+        return {"page_loads": len(self.loads), "load_s_p50": pct(self.loads, 50) if self.loads else None,
+                "polls": len(self.polls), "poll_s_p50": pct(self.polls, 50) if self.polls else None,
+                "errors": self.errors[:5]}
 
 
 def batch_stats(batches: list[list[float]]) -> dict[str, Any]:
@@ -1257,6 +1323,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                      "all stored s",
                      "max commit gap s", "CPU %core", "RSS idle MiB", "RSS max MiB", "ready s", "stop s"], rows)
         print()
+    dashboard = (results.get("tcp") or {}).get("dashboard")
+    if dashboard:
+        print(f"dashboard open during the TCP phase: {dashboard['page_loads']} page loads (median "
+              f"{dashboard['load_s_p50'] or 0:.2f} s), {dashboard['polls']} update polls (median "
+              f"{dashboard['poll_s_p50'] or 0:.3f} s), errors {dashboard['errors'] or 'none'}")
+        print()
     tcp = results.get("tcp")
     if tcp:
         b = tcp["batches"]
@@ -1365,6 +1437,9 @@ def main() -> None:
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--keep-data", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="tcp: serve the dashboard from the aggregator (--ui-port) with a page open on the run, "
+                             "loading its data and polling for updates every second")
     args = parser.parse_args()
     phases = [p.strip() for p in args.only.split(",") if p.strip()]
     header = machine_header(args.tmp_dir)

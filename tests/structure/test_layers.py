@@ -31,13 +31,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "store": _FOUNDATION | {"artifacts"},
     # reads the history and the artifacts
     "analysis": _FOUNDATION | {"artifacts", "store"},
-    # what the surfaces show (the live view's snapshot, the dashboard's data): below all of them
+    # what the surfaces show, computed once from the history (stepwatch/views)
     "views": _FOUNDATION | {"artifacts", "store", "analysis"},
-    # the aggregator and the launcher: the wire in, the history, the final summary
-    "server": _FOUNDATION | {"artifacts", "transport", "store", "analysis", "views"},
+    # the dashboard and the HTML report: render the views
+    "web": _FOUNDATION | {"artifacts", "store", "analysis", "views"},
+    # the aggregator and the launcher: the wire in, the history, the final summary (and the
+    # dashboard it serves with --ui-port, the report run --report writes)
+    "server": _FOUNDATION | {"artifacts", "transport", "store", "analysis", "views", "web"},
     # surfaces: the public loading facade and the CLI
     "telemetry": _FOUNDATION | {"artifacts", "capture"},
-    "ui": _FOUNDATION | {"artifacts", "capture", "store", "analysis", "server", "views"},
+    "ui": _FOUNDATION | {"artifacts", "capture", "store", "analysis", "server", "views", "web"},
     "__main__": frozenset({"ui"}),
 }
 

@@ -39,7 +39,7 @@ class LaunchOptions:
                  host: str = "127.0.0.1", port: int = 0, http_port: int | None = None, aggregator: str | None = None,
                  session_id: str | None = None, out: Path | None = None, interval_ms: int = 1000,
                  token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
-                 on_stall: str = "dump", on_nonfinite: str = "alert") -> None:
+                 on_stall: str = "dump", on_nonfinite: str = "alert", ui_port: int | None = None) -> None:
         self.script = list(script)
         # the watchdog (docs/watchdog.md): its thresholds go to the aggregator, the actions are ours
         self.stall_after = stall_after
@@ -60,6 +60,7 @@ class LaunchOptions:
         self.out = out
         self.interval_ms = interval_ms
         self.token_env = token_env
+        self.ui_port = ui_port  # the aggregator also serves the dashboard (docs/dashboard.md)
 
 
 def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -71,6 +72,8 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--http-port", str(options.http_port)]
     if options.token_env:
         command += ["--token-env", options.token_env]
+    if options.ui_port is not None:
+        command += ["--ui-port", str(options.ui_port)]
     # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
                                preexec_fn=preexec_die_with_parent())
@@ -398,6 +401,8 @@ def launch(options: LaunchOptions, *, echo: Any = print,
             host, _, port = ready["tcp"].rpartition(":")
             address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             echo(f"[stepwatch] aggregator on {ready['tcp']}" + (f", HTTP on {ready['http']}" if ready.get("http") else ""))
+            if ready.get("ui"):
+                echo(f"[stepwatch] dashboard: {ready['ui']}run/{options.session_id}")
             events = AggregatorEvents(aggregator_process, _echo_event(echo, actions))
     env = dict(os.environ)
     env.update(

@@ -47,7 +47,8 @@ def parse_duration(text: str) -> int:
 
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
-                 say_losses: bool = True, watch: dict[str, Any] | None = None) -> dict[str, Any]:
+                 say_losses: bool = True, watch: dict[str, Any] | None = None,
+                 ui_port: int | None = None) -> dict[str, Any]:
     from ..artifacts.run_manifest import run_session_id
     from ..store.sqlite import SqliteStore
     from .aggregator import Aggregator
@@ -55,8 +56,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     store = SqliteStore(run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=_event_writer(ready), watchdog=_watchdog(run_dir, watch))
-    tcp = runner = None
-    http_bound = None
+    tcp = runner = ui_runner = None
+    http_bound = ui_url = None
     try:
         try:
             tcp = await asyncio.start_server(aggregator.handle_connection, host, port)
@@ -76,7 +77,11 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
             except OSError as exc:
                 raise ListenError(f"cannot listen for HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
             http_bound = runner.addresses[0][1] if runner.addresses else http_port
+        if ui_port is not None:
+            ui_runner, ui_url = await _start_dashboard(run_dir, host, ui_port, token)
     except BaseException:
+        if ui_runner is not None:
+            await ui_runner.cleanup()
         if runner is not None:
             await runner.cleanup()
         if tcp is not None:
@@ -91,7 +96,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     watcher = asyncio.create_task(aggregator.watch_loop())
     live = _start_live_verdicts(aggregator, run_dir, loop)
     ready.write(json.dumps({"event": "ready", "tcp": f"{host}:{tcp_port}",
-                            "http": f"{host}:{http_bound}" if http_bound else None,
+                            "http": f"{host}:{http_bound}" if http_bound else None, "ui": ui_url,
                             "store": str(run_dir / "history.sqlite"), "pid": os.getpid()}) + "\n")
     ready.flush()
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
@@ -103,6 +108,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         await asyncio.to_thread(live.stop)
     if runner is not None:
         await runner.cleanup()
+    if ui_runner is not None:
+        await ui_runner.cleanup()
     await writer
     await watcher
     await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
@@ -117,6 +124,23 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
         logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
     return stats
+
+
+async def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
+    """The dashboard (web/app.py) over this server's directory, a second aiohttp app on this loop:
+    its reads run on threads of its own against read-only connections, so the writer never waits
+    on a page. It binds the aggregator's host when that is loopback or a token is set, else
+    127.0.0.1 (a dashboard is never open to a network without a token)."""
+    from ..views.sources import Catalog
+    from ..web.app import is_loopback, start_ui
+
+    bind = host if token is not None or is_loopback(host) else "127.0.0.1"
+    try:
+        runner, bound = await start_ui(Catalog(run_dir), bind, port, token)
+    except OSError as exc:
+        raise ListenError(f"cannot listen for the dashboard on {bind}:{port}: {exc.strerror or exc}") from None
+    shown = f"[{bind}]" if ":" in bind else bind
+    return runner, f"http://{shown}:{bound}/"
 
 
 def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:
@@ -166,16 +190,17 @@ def _event_writer(stream: Any) -> Any:
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
           token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
           session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True,
-          watch: dict[str, Any] | None = None) -> dict[str, Any]:
+          watch: dict[str, Any] | None = None, ui_port: int | None = None) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
     nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank;
     ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself);
-    ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md)."""
+    ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md); ``ui_port``: also serve
+    the dashboard (docs/dashboard.md) on that port (0: any free)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
     ready = ready or sys.stdout
     stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready, session_id,
-                               retention_ns, say_losses, watch))
+                               retention_ns, say_losses, watch, ui_port))
     _write_stats(run_dir, stats, ready)
     return stats
 
@@ -206,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--http-port", type=int, default=None)
+    parser.add_argument("--ui-port", type=int, default=None, help="also serve the dashboard on this port (0: any free)")
     parser.add_argument("--token-env", default=None)
     parser.add_argument("--session-id", default=None)
     parser.add_argument("--retention", default=os.environ.get(RETENTION_ENV) or None,
@@ -228,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--retention: {exc}")
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
-              session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched,
+              session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched, ui_port=args.ui_port,
               watch={"stall_after_s": args.stall_after, "throughput_window_s": args.throughput_window,
                      "on_stall": args.on_stall, "on_nonfinite": args.on_nonfinite})
     except StepwatchError as exc:

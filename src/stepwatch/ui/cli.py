@@ -18,6 +18,7 @@ from .commands_run import compare, import_command, run, serve, summary
 from .commands_top import top
 from .commands_verdicts import explain
 from .commands_watch import watch
+from .commands_web import report, ui
 
 __all__ = ["cli", "main"]
 
@@ -29,7 +30,7 @@ def cli() -> None:
 
 
 for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command, halt,
-                 dump_stacks_command, memory_snapshot, watch, explain, top):
+                 dump_stacks_command, memory_snapshot, watch, explain, top, ui, report):
     cli.add_command(_command)
 
 

@@ -50,10 +50,13 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
                    "every 10 s; auto: live on a terminal, else plain (docs/live-view.md).")
 @click.option("--view-every", "view_every", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
               help="The view's period (default: 1 s live, 10 s plain).")
+@click.option("--ui-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve the dashboard on this port while the run trains (0: any free; docs/dashboard.md).")
+@click.option("--report", "write_html", is_flag=True, help="Write RUN_DIR/report.html (one self-contained file) at the end.")
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 @_reports_errors
 def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: str, view_every: float | None,
-        **options: Any) -> None:
+        write_html: bool, **options: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank under stepwatch, with the aggregator and final summary.
 
     The training script needs no change. Exits with the training's exit code, or 124 when
@@ -67,6 +70,9 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
             parse_duration(retention)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--retention") from None
+    if options.get("aggregator") and options.get("ui_port") is not None:
+        raise click.UsageError("--ui-port serves the dashboard from this node's aggregator, and with --aggregator "
+                               "there is none here: run it where the history is (or stepwatch ui there)")
     _check_script(click.get_current_context(), script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
@@ -79,6 +85,8 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
         from ..analysis.summary import render_summary_text
 
         sys.stdout.write(render_summary_text(summary))  # from memory: a full disk may not hold the file
+    if write_html:
+        _write_html_report(run_dir, options.get("session_id"), console)
     console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
     console.print(f"[stepwatch] look at: {run_dir}/final_summary.txt, stepwatch inspect {run_dir}", markup=False)
     sys.exit(code)
@@ -93,6 +101,19 @@ def _run_view(console: Any, mode: str, every_s: float | None) -> Any:
 
     live = mode == "live" or (mode == "auto" and console.is_terminal and not console.is_dumb_terminal)
     return RunView(console, live=live, refresh_s=every_s or REFRESH_S, plain_every_s=every_s or PLAIN_EVERY_S)
+
+
+def _write_html_report(run_dir: Path, session_id: str | None, console: Any) -> None:
+    """``run --report``: the run's report.html; a failure is one line, never the run's exit code."""
+    from ..errors import StepwatchError
+    from ..web.report import write_report
+
+    try:
+        target = write_report(run_dir)
+    except (StepwatchError, OSError) as exc:
+        console.print(f"[stepwatch] report not written: {exc}", markup=False, soft_wrap=True)
+        return
+    console.print(f"[stepwatch] report: {target.resolve()}", markup=False, soft_wrap=True)
 
 
 # What may come before the script: python's ``-m MODULE`` (torchrun takes it too).
@@ -126,6 +147,8 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="TCP port for rank frames (0: any free).")
 @click.option("--http-port", type=click.IntRange(0, 65535), default=None, help="HTTP port for trace ingestion.")
+@click.option("--ui-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve the dashboard over --out on this port (0: any free; docs/dashboard.md).")
 @click.option("--token-env", help="Name of the environment variable holding the bearer token.")
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
@@ -133,7 +156,7 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @watchdog_options
 @_reports_errors
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
-          session_id: str | None, stall_after: float, throughput_window: float) -> None:
+          session_id: str | None, stall_after: float, throughput_window: float, ui_port: int | None = None) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
@@ -154,7 +177,7 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
         if not token:
             raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
     stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
-                       retention_ns=retention_ns,
+                       retention_ns=retention_ns, ui_port=ui_port,
                        watch={"stall_after_s": stall_after, "throughput_window_s": throughput_window})
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 

@@ -1,0 +1,188 @@
+"""The dashboard and the report on a big run: 64 ranks x 20,000 steps (1.28M step rows, one memory
+sample every 10 steps per rank) in a real ``history.sqlite``.
+
+Usage::
+
+    .venv/bin/python bench/bench_dashboard.py [--ranks R] [--steps N] [--repeat K] [--tmp-dir DIR]
+                                              [--no-browser]
+
+Measures, each on a fresh ``stepwatch ui`` process (a cold page: nothing cached), best and median
+of ``K``:
+
+  * ``run page data``: ``GET /api/run/<session>``: time to the first byte, time to the whole body,
+    and the payload's size (targets: the page loads in < 2 s, its data < 2 MB);
+  * ``run page data: server CPU time``: the CPU seconds the server spent on that request (user +
+    system, all its threads): on a busy machine the wall time stretches, this much less;
+  * ``run page data, cached``: the same request again on the same server (a finished run is read once);
+  * ``run page in Chromium``: from navigation to every chart drawn (the app's ``data-ready``),
+    Plotly's parse included (Debian's chromium under Playwright; skipped without it);
+  * ``report``: ``stepwatch report``'s build time (in-process, ``write_report``) and the file's size
+    (target < 5 MB).
+
+The history is written once into ``--tmp-dir`` (default: a temporary directory) with the same
+rows as bench/bench_verdicts.py (rank 17 a compute straggler), and reused when it is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO_ROOT, load_average, machine_header, print_header, print_table, write_results
+
+SESSION = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
+
+
+def build_history(path: Path, ranks: int, steps: int) -> float:
+    """Writes the history (bench_verdicts' rows); returns the seconds it took (0 when reused)."""
+    if path.exists():
+        return 0.0
+    from bench_verdicts import worker_sqlite
+
+    started = time.perf_counter()
+    worker_sqlite([str(path), str(ranks), str(steps), "1"])
+    return time.perf_counter() - started
+
+
+def _start_ui(path: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "stepwatch", "ui", str(path), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT / "src")})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"stepwatch ui did not start: {proc.communicate(timeout=10)[1]}")
+    return proc, json.loads(line)["url"]
+
+
+def _get(url: str) -> tuple[float, float, int]:
+    """(seconds to the first byte, seconds to the whole body, body bytes) of one GET."""
+    parsed = urlparse(url)
+    connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=300)
+    started = time.perf_counter()
+    connection.request("GET", parsed.path)
+    response = connection.getresponse()
+    first = response.read(1)
+    ttfb = time.perf_counter() - started
+    body = first + response.read()
+    total = time.perf_counter() - started
+    if response.status != 200:
+        raise SystemExit(f"GET {url}: {response.status} {body[:300]!r}")
+    connection.close()
+    return ttfb, total, len(body)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.communicate(timeout=30)
+
+
+def _browser_load(url: str) -> float | None:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        return None
+    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(chromium), args=args)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        started = time.perf_counter()
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='1']", state="attached", timeout=300_000)
+        took = time.perf_counter() - started
+        browser.close()
+    return took
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"best": min(values), "median": statistics.median(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tmp-dir", type=Path, default=None)
+    parser.add_argument("--no-browser", action="store_true")
+    options = parser.parse_args()
+    tmp = options.tmp_dir or Path(tempfile.mkdtemp(prefix="stepwatch-bench-dashboard-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    header = machine_header(tmp)
+    print_header(f"dashboard: run page and report of {options.ranks} ranks x {options.steps:,} steps", header)
+    history = tmp / f"history-{options.ranks}x{options.steps}.sqlite"
+    built = build_history(history, options.ranks, options.steps)
+    if built:
+        print(f"history written in {built:.1f} s ({history.stat().st_size / 2**20:.0f} MiB)")
+    import psutil
+
+    cold_ttfb, cold_total, cold_cpu, warm_total, browser = [], [], [], [], []
+    payload = 0
+    for _ in range(options.repeat):
+        proc, url = _start_ui(history)
+        try:
+            server = psutil.Process(proc.pid)
+            before = sum(server.cpu_times()[:2])
+            ttfb, total, payload = _get(f"{url}api/run/{SESSION}")
+            cold_cpu.append(sum(server.cpu_times()[:2]) - before)
+            cold_ttfb.append(ttfb)
+            cold_total.append(total)
+            warm_total.append(_get(f"{url}api/run/{SESSION}")[1])
+        finally:
+            _stop(proc)
+        if not options.no_browser:
+            proc, url = _start_ui(history)
+            try:
+                took = _browser_load(f"{url}run/{SESSION}")
+                if took is not None:
+                    browser.append(took)
+            finally:
+                _stop(proc)
+    sys.path.insert(0, str(REPO_ROOT / "src"))
+    from stepwatch.web.report import write_report
+
+    report_s, report_bytes = [], 0
+    for i in range(options.repeat):
+        target = tmp / f"report-{i}.html"
+        started = time.perf_counter()
+        write_report(history, target, SESSION)
+        report_s.append(time.perf_counter() - started)
+        report_bytes = target.stat().st_size
+    rows = [
+        ["run page data: first byte (cold)", f"{_stats(cold_ttfb)['best']:.2f} s", f"{_stats(cold_ttfb)['median']:.2f} s", ""],
+        ["run page data: whole body (cold)", f"{_stats(cold_total)['best']:.2f} s", f"{_stats(cold_total)['median']:.2f} s",
+         f"{payload / 1e6:.2f} MB"],
+        ["run page data: server CPU time (cold)", f"{_stats(cold_cpu)['best']:.2f} s", f"{_stats(cold_cpu)['median']:.2f} s",
+         ""],
+        ["run page data (cached)", f"{_stats(warm_total)['best']:.3f} s", f"{_stats(warm_total)['median']:.3f} s", ""],
+    ]
+    if browser:
+        rows.append(["run page in Chromium (cold server)", f"{_stats(browser)['best']:.2f} s",
+                     f"{_stats(browser)['median']:.2f} s", ""])
+    rows.append(["report build", f"{_stats(report_s)['best']:.2f} s", f"{_stats(report_s)['median']:.2f} s",
+                 f"{report_bytes / 1e6:.2f} MB"])
+    print_table(["measure", "best", "median", "size"], rows)
+    print(f"load average after: {load_average()}")
+    path = write_results("bench_dashboard", {
+        "header": header, "ranks": options.ranks, "steps": options.steps, "repeat": options.repeat,
+        "payload_bytes": payload, "cold_ttfb_s": cold_ttfb, "cold_total_s": cold_total, "cold_cpu_s": cold_cpu, "cached_s": warm_total,
+        "browser_s": browser, "report_s": report_s, "report_bytes": report_bytes})
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""A synthetic run written straight into a history store (no process): the shapes the dashboard's
+views draw, at any size, for the tests that need many ranks or steps fast."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from stepwatch.phases import STEP_COLUMNS
+
+T0 = 1_790_000_000_000_000_000
+MS = 1_000_000
+SPIKE = (5, 2_345)  # (rank, step) ten times slower than the rest
+
+
+def write_run(store: Any, session_id: str, ranks: int, steps: int, *, status: str = "completed") -> None:
+    """``ranks`` x ``steps`` step rows (about 10 ms each; SPIKE's step 100 ms) with their phases,
+    and a memory sample every 10 steps per rank."""
+    store.upsert_session({"session_id": session_id, "status": status, "started_at_ns": T0, "ended_at_ns": None,
+                          "host": "test", "world_size": ranks, "source": "test", "command_line": ["train.py"]})
+    rng = random.Random(0)
+    rows: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
+    for rank in range(ranks):
+        t = T0
+        for step in range(steps):
+            step_ns = 10 * MS + rng.randrange(MS) + (90 * MS if (rank, step) == SPIKE else 0)
+            phases = dict.fromkeys(STEP_COLUMNS, 0)
+            phases.update(forward_ns=step_ns // 3, backward_ns=step_ns // 2, data_load_ns=step_ns // 10,
+                          wait_ns=step_ns - step_ns // 3 - step_ns // 2)
+            rows.append({"session_id": session_id, "rank": rank, "step": step, "start_ns": t, "end_ns": t + step_ns,
+                         "step_ns": step_ns, **phases})
+            if step % 10 == 0:
+                samples.append({"session_id": session_id, "rank": rank, "timestamp_ns": t, "event_type": "sample",
+                                "collector": "stepwatch.cpu_tracker", "device_id": -1, "allocated": (1 << 30) + step,
+                                "reserved": 1 << 30, "active": None, "inactive": None, "change": 0, "used": 1 << 30,
+                                "free": None, "total": None, "pid": 1, "host": "test", "context": None, "metadata": {}})
+            t += step_ns
+    store.append_many({"steps": rows, "telemetry": samples})
