@@ -56,6 +56,18 @@ def test_run_on_a_terminal_draws_the_live_view(terminal: Finished) -> None:
     assert f"step {TOTAL} of {TOTAL} (100%)" in text  # the last frame, with the plan's total
 
 
+# through a pipe, but beside the terminal run's first test: parallel workers take tests in turn, so
+# one builds this run while another builds that one
+@pytest.mark.real
+def test_a_run_shorter_than_the_period_prints_its_final_line_only(tmp_path_factory: pytest.TempPathFactory) -> None:
+    short = short_run(tmp_path_factory)
+    assert short.status == 0, short.output[-3000:]
+    assert "\x1b" not in short.output + short.stdout
+    plain = [line for line in short.output.splitlines() if line.startswith("[stepwatch] step ")]
+    assert len(plain) == 1, short.output[-2000:]  # no period passed: the final line alone
+    _final_line(short.output, short.run_dir)
+
+
 @pytest.mark.real
 def test_the_programs_lines_scroll_above_the_view_whole(terminal: Finished) -> None:
     # each line the program printed reaches the terminal in one piece, never cut by a redraw
@@ -112,16 +124,6 @@ def _final_line(stderr: str, run_dir: Path) -> re.Match[str]:
 @pytest.mark.real
 def test_the_last_plain_line_is_the_final_step_and_verdict(watched: Watched) -> None:
     _final_line(watched.stderr, watched.run_dir)
-
-
-@pytest.mark.real
-def test_a_run_shorter_than_the_period_prints_its_final_line_only(tmp_path_factory: pytest.TempPathFactory) -> None:
-    short = short_run(tmp_path_factory)
-    assert short.status == 0, short.output[-3000:]
-    assert "\x1b" not in short.output + short.stdout
-    plain = [line for line in short.output.splitlines() if line.startswith("[stepwatch] step ")]
-    assert len(plain) == 1, short.output[-2000:]  # no period passed: the final line alone
-    _final_line(short.output, short.run_dir)
 
 
 @pytest.mark.real

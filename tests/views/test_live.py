@@ -47,6 +47,50 @@ def test_the_run_trains_and_ends_well(watched: Watched) -> None:
     assert watched.final.ended
 
 
+# -- a run with no history, killed: ``stepwatch track``, its program SIGKILLed mid-run --------------
+# (second in the file: parallel workers take tests in turn, so one builds this run while another
+# builds the watched one, instead of waiting for it)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Killed:
+    return killed_run(tmp_path_factory)
+
+
+@pytest.mark.real
+def test_a_killed_rank_is_lost_and_its_run_over(killed: Killed) -> None:
+    assert not (killed.run_dir / "history.sqlite").exists()  # track keeps no history
+    later = LiveReader(killed.run_dir, clock=lambda: time.time() + 60)  # its silence, a minute on
+    try:
+        snapshot = later.snapshot()
+    finally:
+        later.close()
+    (rank,) = snapshot.ranks
+    assert rank.state == "lost" and killed.killed_at_step <= (rank.step or 0) < TOTAL
+    assert snapshot.ended
+
+
+@pytest.mark.real
+def test_a_run_with_no_history_gets_the_engines_verdict_on_its_ledger(killed: Killed) -> None:
+    assert any(s.ranks and s.ranks[0].state == "running" for s in killed.during)
+    reader = LiveReader(killed.run_dir)
+    try:
+        verdict = reader.snapshot().verdict
+    finally:
+        reader.close()
+    explained = subprocess.run([*STEPWATCH, "explain", str(killed.run_dir), "--window", "100", "--json"],
+                               env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 0, explained.stderr
+    primary = json.loads(explained.stdout)["diagnosis"]["primary"]
+    if primary["name"] in ("WARMUP", "INSUFFICIENT_STEP_TIME_DATA"):
+        assert verdict is None
+    else:  # the same engine on the same last 100 steps: the same verdict
+        assert verdict is not None and (verdict["name"], verdict["ranks"]) == (primary["name"], primary["ranks"])
+
+
+# -- the watched run, read while it trained and after --------------------------------------------
+
+
 @pytest.mark.real
 def test_a_reader_sees_the_run_while_it_trains(watched: Watched) -> None:
     moving = [s for s in watched.during if len(s.ranks) == 2 and s.ranks[0].state == "running" and s.step]
@@ -236,45 +280,6 @@ def test_the_ledger_window_is_the_last_records_the_ledger_holds(writes: list[int
             if reader is not None:
                 reader.close()
             ledger.close(1)
-
-
-# -- a run with no history, killed: ``stepwatch track``, its program SIGKILLed mid-run --------------
-
-
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory) -> Killed:
-    return killed_run(tmp_path_factory)
-
-
-@pytest.mark.real
-def test_a_killed_rank_is_lost_and_its_run_over(killed: Killed) -> None:
-    assert not (killed.run_dir / "history.sqlite").exists()  # track keeps no history
-    later = LiveReader(killed.run_dir, clock=lambda: time.time() + 60)  # its silence, a minute on
-    try:
-        snapshot = later.snapshot()
-    finally:
-        later.close()
-    (rank,) = snapshot.ranks
-    assert rank.state == "lost" and killed.killed_at_step <= (rank.step or 0) < TOTAL
-    assert snapshot.ended
-
-
-@pytest.mark.real
-def test_a_run_with_no_history_gets_the_engines_verdict_on_its_ledger(killed: Killed) -> None:
-    assert any(s.ranks and s.ranks[0].state == "running" for s in killed.during)
-    reader = LiveReader(killed.run_dir)
-    try:
-        verdict = reader.snapshot().verdict
-    finally:
-        reader.close()
-    explained = subprocess.run([*STEPWATCH, "explain", str(killed.run_dir), "--window", "100", "--json"],
-                               env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert explained.returncode == 0, explained.stderr
-    primary = json.loads(explained.stdout)["diagnosis"]["primary"]
-    if primary["name"] in ("WARMUP", "INSUFFICIENT_STEP_TIME_DATA"):
-        assert verdict is None
-    else:  # the same engine on the same last 100 steps: the same verdict
-        assert verdict is not None and (verdict["name"], verdict["ranks"]) == (primary["name"], primary["ranks"])
 
 
 # -- from the history alone: a ``serve --out`` directory of many sessions ----------------------------
