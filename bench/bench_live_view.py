@@ -34,7 +34,8 @@ from pathlib import Path
 
 from stepwatch.artifacts.heartbeat import HeartbeatWriter, heartbeat_record
 from stepwatch.artifacts.step_ledger import StepLedger
-from stepwatch.ui.live_view import plain_line, render_view
+from stepwatch.ui.live.table import render_view
+from stepwatch.ui.live.text import plain_line
 from stepwatch.views.live import LiveReader
 
 SESSION = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
@@ -159,7 +160,7 @@ def pump_rate(lines: int) -> float:
 
     from rich.console import Console
 
-    from stepwatch.ui.live_view import RunView
+    from stepwatch.ui.live.run_view import RunView
 
     with open(os.devnull, "w") as sink, tempfile.TemporaryDirectory() as tmp:
         view = RunView(Console(file=sink, force_terminal=True, width=140), live=True)

@@ -1,19 +1,16 @@
-"""The live terminal view (``stepwatch.ui.live_view``) on a terminal: ``stepwatch run`` under a
-pseudo-terminal (``pty.fork``), a real training run whose own lines must scroll above the view
-whole, and ``stepwatch top`` under one too; the plain line's form and the folded table drawn from
-snapshots."""
+"""The live terminal view (``stepwatch.ui.live``): ``stepwatch run`` under a pseudo-terminal, a real
+training run whose own lines must scroll above the view whole, and ``stepwatch top`` under one
+too; through a pipe, the plain lines of ``run`` and ``top`` and the last line ``run`` prints when
+the job ends; the plain line's form and the folded table drawn from snapshots. The runs are
+tests/support/live_runs.py's, shared with the data's tests (tests/views/test_live.py)."""
 
 from __future__ import annotations
 
-import fcntl
+import json
 import os
-import pty
 import re
-import select
-import struct
-import termios
+import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,84 +18,58 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from stepwatch.ui.live_view import OutputPump, phase_bar, plain_line, render_view
+from stepwatch.ui.live.pump import OutputPump
+from stepwatch.ui.live.table import phase_bar, render_view
+from stepwatch.ui.live.text import plain_line
 from stepwatch.views.live import SHARE_NAMES, LiveSnapshot, RankLive
 from tests.support import STEPWATCH, clean_env
-from tests.support.live_program import LINE_EVERY, PROGRAM, TOTAL
-
-_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-@dataclass
-class Terminal:
-    output: str  # everything the terminal received
-    status: int
-    run_dir: Path
-
-
-def _in_terminal(argv: list[str], cwd: Path, env: dict[str, str], *, columns: int = 140,
-                 timeout: float = 120, resize: tuple[bytes, int] | None = None) -> tuple[str, int]:
-    """``argv`` with a pseudo-terminal as its stdin, stdout and stderr; what it wrote and its exit
-    status. ``resize``: once the output holds the marker, the terminal becomes that many columns."""
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the terminal is ours now
-        try:
-            os.chdir(cwd)
-            os.execvpe(argv[0], argv, env)
-        finally:
-            os._exit(127)
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 1.0)
-        if not ready:
-            if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                break
-            continue
-        try:
-            data = os.read(fd, 65536)
-        except OSError:  # EIO: the child closed the terminal (it ended)
-            break
-        if not data:
-            break
-        chunks.append(data)
-        if resize is not None and resize[0] in b"".join(chunks[-8:]):
-            fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, resize[1], 0, 0))  # and the kernel's SIGWINCH
-            resize = None
-    try:
-        _, status = os.waitpid(pid, 0)
-    except ChildProcessError:
-        status = 0
-    os.close(fd)
-    return b"".join(chunks).decode("utf-8", "replace"), os.waitstatus_to_exitcode(status)
+from tests.support.live_program import LINE_EVERY, TOTAL
+from tests.support.live_runs import ESCAPE, PLAIN, Finished, Watched, in_terminal, short_run, terminal_run, watched_run
 
 
 @pytest.fixture(scope="module")
-def terminal(tmp_path_factory: pytest.TempPathFactory) -> Terminal:
-    base = tmp_path_factory.mktemp("live_tty")
-    program = base / "train.py"
-    program.write_text(PROGRAM)
-    run_dir = base / "run"
-    env = clean_env(LIVE_SLEEP="0.03", TERM="xterm-256color")
-    output, status = _in_terminal([*STEPWATCH, "run", "--out", str(run_dir), "--view-every", "0.3", str(program)],
-                                  base, env, resize=(b"program line 10:", 120))
-    return Terminal(output, status, run_dir)
+def terminal(tmp_path_factory: pytest.TempPathFactory) -> Finished:
+    return terminal_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
+    return watched_run(tmp_path_factory)
+
+
+def _primary(run_dir: Path) -> dict[str, object]:
+    """The run's final diagnosis's primary verdict (final_summary.json)."""
+    return json.loads((run_dir / "final_summary.json").read_text())["diagnosis"]["primary"]  # type: ignore[no-any-return]
+
+
+# -- on a terminal -----------------------------------------------------------------------------
 
 
 @pytest.mark.real
-def test_run_on_a_terminal_draws_the_live_view(terminal: Terminal) -> None:
+def test_run_on_a_terminal_draws_the_live_view(terminal: Finished) -> None:
     assert terminal.status == 0, terminal.output[-3000:]
-    assert _ESCAPE.search(terminal.output)  # a terminal gets the live view
-    text = _ESCAPE.sub("", terminal.output)
+    assert ESCAPE.search(terminal.output)  # a terminal gets the live view
+    text = ESCAPE.sub("", terminal.output)
     assert "stepwatch summary" in text  # the summary after the view
     frames = text.count("heartbeat")  # one header a frame
     assert frames >= 3, text[-3000:]
     assert f"step {TOTAL} of {TOTAL} (100%)" in text  # the last frame, with the plan's total
 
 
+# through a pipe, but beside the terminal run's first test: parallel workers take tests in turn, so
+# one builds this run while another builds that one
 @pytest.mark.real
-def test_the_programs_lines_scroll_above_the_view_whole(terminal: Terminal) -> None:
+def test_a_run_shorter_than_the_period_prints_its_final_line_only(tmp_path_factory: pytest.TempPathFactory) -> None:
+    short = short_run(tmp_path_factory)
+    assert short.status == 0, short.output[-3000:]
+    assert "\x1b" not in short.output + short.stdout
+    plain = [line for line in short.output.splitlines() if line.startswith("[stepwatch] step ")]
+    assert len(plain) == 1, short.output[-2000:]  # no period passed: the final line alone
+    _final_line(short.output, short.run_dir)
+
+
+@pytest.mark.real
+def test_the_programs_lines_scroll_above_the_view_whole(terminal: Finished) -> None:
     # each line the program printed reaches the terminal in one piece, never cut by a redraw
     lines = re.findall(r"program line (\d+): loss \d+\.\d{4}\r\n", terminal.output)
     assert [int(n) for n in lines] == list(range(LINE_EVERY, TOTAL + 1, LINE_EVERY)), terminal.output[-3000:]
@@ -109,12 +80,85 @@ def test_the_programs_lines_scroll_above_the_view_whole(terminal: Terminal) -> N
 
 
 @pytest.mark.real
-def test_top_on_a_terminal_shows_the_ended_run_and_returns(terminal: Terminal) -> None:
-    output, status = _in_terminal([*STEPWATCH, "top", str(terminal.run_dir)], terminal.run_dir.parent,
+def test_top_on_a_terminal_shows_the_ended_run_and_returns(terminal: Finished) -> None:
+    output, status = in_terminal([*STEPWATCH, "top", str(terminal.run_dir)], terminal.run_dir.parent,
                                   clean_env(TERM="xterm-256color"), timeout=60)
     assert status == 0, output
-    text = _ESCAPE.sub("", output)
-    assert _ESCAPE.search(output) and f"step {TOTAL} of {TOTAL} (100%)" in text and "ended" in text
+    text = ESCAPE.sub("", output)
+    assert ESCAPE.search(output) and f"step {TOTAL} of {TOTAL} (100%)" in text and "ended" in text
+
+
+# -- through a pipe ------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_through_a_pipe_run_prints_plain_lines_and_no_escape_codes(watched: Watched) -> None:
+    assert "\x1b" not in watched.stdout + watched.stderr
+    plain = [line for line in watched.stderr.splitlines() if line.startswith("[stepwatch] step ")]
+    assert plain, watched.stderr[-2000:]
+    for line in plain:
+        assert PLAIN.match(line), line
+    numbers = [int(m.group(1)) for line in plain if (m := PLAIN.match(line)) and m.group(1) != "-"]
+    assert numbers == sorted(numbers) and max(numbers) <= TOTAL
+    assert any(f"(of {TOTAL})" in line for line in plain)
+    # the program's own lines pass through untouched (stdout is its own, not the view's)
+    assert f"program line {TOTAL}: loss" in watched.stdout
+    assert "program stdout is a tty: False" in watched.stdout
+
+
+def _final_line(stderr: str, run_dir: Path) -> re.Match[str]:
+    """The last plain line: the final step of the total, a rate and a step time, the diagnosis's
+    primary verdict; after it, only ``run``'s closing lines."""
+    lines = stderr.splitlines()
+    last = max(i for i, line in enumerate(lines) if line.startswith("[stepwatch] step "))
+    assert [line.split(";")[0] for line in lines[last + 1:]][:1] == ["[stepwatch] exit code 0"], lines[last:]
+    found = PLAIN.match(lines[last])
+    assert found is not None, lines[last]
+    step, total, rate, step_time, verdict = found.groups()
+    assert (step, total) == (str(TOTAL), str(TOTAL))
+    assert float(rate.replace(",", "")) > 0 and re.fullmatch(r"[\d.]+ m?s", step_time), lines[last]
+    assert verdict.startswith(f"{_primary(run_dir)['name']} ("), verdict
+    return found
+
+
+@pytest.mark.real
+def test_the_last_plain_line_is_the_final_step_and_verdict(watched: Watched) -> None:
+    _final_line(watched.stderr, watched.run_dir)
+
+
+@pytest.mark.real
+def test_top_from_another_terminal_follows_the_run_to_its_end(watched: Watched) -> None:
+    assert watched.top_returncode == 0, watched.top_stdout
+    assert "\x1b" not in watched.top_stdout
+    lines = [line for line in watched.top_stdout.splitlines() if line.strip()]
+    assert len(lines) >= 2 and all(PLAIN.match(line) for line in lines), lines
+    last = PLAIN.match(lines[-1])
+    assert last is not None and (last.group(1), last.group(2)) == (str(TOTAL), str(TOTAL))
+    assert last.group(5).startswith(watched.final.verdict["name"])  # type: ignore[index]
+
+
+@pytest.mark.real
+def test_top_once_prints_the_table(watched: Watched) -> None:
+    shown = subprocess.run([*STEPWATCH, "top", str(watched.run_dir), "--once"], env=clean_env(), capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout
+    header, *rows = shown.stdout.splitlines()[1:4]
+    assert header.split()[:4] == ["rank", "step", "step", "time"]
+    assert [row.split()[:2] for row in rows] == [["0", str(TOTAL)], ["1", str(TOTAL)]]
+    assert all("stopped" in row for row in rows)
+    assert f"step {TOTAL} of {TOTAL} (100%)" in shown.stdout
+    assert f"verdict {watched.final.verdict['name']}" in shown.stdout  # type: ignore[index]
+
+
+@pytest.mark.real
+def test_top_refuses_what_is_no_run_directory(tmp_path: Path) -> None:
+    shown = subprocess.run([*STEPWATCH, "top", str(tmp_path), "--once"], env=clean_env(), capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 2 and "not a run directory" in shown.stderr and "Traceback" not in shown.stderr
+
+
+# -- the job's output through the pump -----------------------------------------------------------
 
 
 def test_the_pump_passes_whole_lines_and_keeps_the_partial_one() -> None:

@@ -1,21 +1,19 @@
-"""The live view's data (``stepwatch.views.live``): one real 2-rank run under ``stepwatch run`` through a
-pipe, watched while it trains by a ``LiveReader`` in this process and by ``stepwatch top`` in
-another; what they show agrees with the history the aggregator wrote. The folding rule and the
-readers of damaged files are property-tested."""
+"""The live view's data (``stepwatch.views.live``): one real 2-rank run under ``stepwatch run``,
+watched while it trains by a ``LiveReader`` in this process (tests/support/live_runs.py, shared
+with the drawing's tests); what the reader shows agrees with the history the aggregator wrote. A
+``track`` run killed mid-run, with no history, is lost and gets the engine's own verdict. The
+folding rule and the readers of damaged files are property-tested."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sqlite3
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,60 +23,13 @@ from hypothesis import strategies as st
 from stepwatch.artifacts.alerts_log import AlertLog
 from stepwatch.views.live import FOLD_ABOVE, LiveReader, LiveSnapshot, RankLive, fold_ranks, named_ranks
 from tests.support import STEPWATCH, clean_env
-from tests.support.live_program import PROGRAM, TOTAL
-
-PLAIN = re.compile(r"^\[stepwatch\] step (\d+|-)(?: \(of (\d+)\))? · (\S+) steps/s · step time (\S+(?: m?s)?) · (.+)$")
-
-
-@dataclass
-class Watched:
-    run_dir: Path
-    stdout: str
-    stderr: str
-    returncode: int
-    during: list[LiveSnapshot]  # this process's reader, while the run trained
-    top_stdout: str
-    top_returncode: int
-    final: LiveSnapshot
+from tests.support.live_program import TOTAL
+from tests.support.live_runs import Killed, Watched, killed_run, watched_run
 
 
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
-    base = tmp_path_factory.mktemp("live")
-    program = base / "train.py"
-    program.write_text(PROGRAM)
-    run_dir = base / "run"
-    env = clean_env(LIVE_SLEEP="0.04")
-    job = subprocess.Popen([*STEPWATCH, "run", "--nproc-per-node", "2", "--out", str(run_dir), "--view-every", "0.5",
-                            str(program)],
-                           cwd=base, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    top = None
-    during: list[LiveSnapshot] = []
-    reader = LiveReader(run_dir)
-    deadline = time.monotonic() + 120
-    try:
-        while job.poll() is None and time.monotonic() < deadline:
-            if top is None and (run_dir / "run.json").is_file():
-                # ``stepwatch top`` from "another terminal": a pipe, so the plain form
-                top = subprocess.Popen([*STEPWATCH, "top", str(run_dir), "--every", "0.5"], cwd=base, env=clean_env(),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            if (run_dir / "ledger").is_dir():
-                during.append(reader.snapshot())
-            time.sleep(0.25)  # sampling a live state: there is no event to await
-        stdout, stderr = job.communicate(timeout=120)
-        assert top is not None
-        top_stdout, top_stderr = top.communicate(timeout=60)
-    finally:
-        reader.close()
-        for process in (job, top):
-            if process is not None and process.poll() is None:
-                process.kill()
-    final_reader = LiveReader(run_dir)
-    try:
-        final = final_reader.snapshot()
-    finally:
-        final_reader.close()
-    return Watched(run_dir, stdout, stderr, job.returncode, during, top_stdout + top_stderr, top.returncode, final)
+    return watched_run(tmp_path_factory)
 
 
 def _history_steps(run_dir: Path, rank: int) -> list[dict[str, int]]:
@@ -94,6 +45,50 @@ def _history_steps(run_dir: Path, rank: int) -> list[dict[str, int]]:
 def test_the_run_trains_and_ends_well(watched: Watched) -> None:
     assert watched.returncode == 0, watched.stderr[-3000:]
     assert watched.final.ended
+
+
+# -- a run with no history, killed: ``stepwatch track``, its program SIGKILLed mid-run --------------
+# (second in the file: parallel workers take tests in turn, so one builds this run while another
+# builds the watched one, instead of waiting for it)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Killed:
+    return killed_run(tmp_path_factory)
+
+
+@pytest.mark.real
+def test_a_killed_rank_is_lost_and_its_run_over(killed: Killed) -> None:
+    assert not (killed.run_dir / "history.sqlite").exists()  # track keeps no history
+    later = LiveReader(killed.run_dir, clock=lambda: time.time() + 60)  # its silence, a minute on
+    try:
+        snapshot = later.snapshot()
+    finally:
+        later.close()
+    (rank,) = snapshot.ranks
+    assert rank.state == "lost" and killed.killed_at_step <= (rank.step or 0) < TOTAL
+    assert snapshot.ended
+
+
+@pytest.mark.real
+def test_a_run_with_no_history_gets_the_engines_verdict_on_its_ledger(killed: Killed) -> None:
+    assert any(s.ranks and s.ranks[0].state == "running" for s in killed.during)
+    reader = LiveReader(killed.run_dir)
+    try:
+        verdict = reader.snapshot().verdict
+    finally:
+        reader.close()
+    explained = subprocess.run([*STEPWATCH, "explain", str(killed.run_dir), "--window", "100", "--json"],
+                               env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 0, explained.stderr
+    primary = json.loads(explained.stdout)["diagnosis"]["primary"]
+    if primary["name"] in ("WARMUP", "INSUFFICIENT_STEP_TIME_DATA"):
+        assert verdict is None
+    else:  # the same engine on the same last 100 steps: the same verdict
+        assert verdict is not None and (verdict["name"], verdict["ranks"]) == (primary["name"], primary["ranks"])
+
+
+# -- the watched run, read while it trained and after --------------------------------------------
 
 
 @pytest.mark.real
@@ -150,53 +145,6 @@ def test_the_ended_runs_verdict_is_its_diagnosis(watched: Watched) -> None:
     primary = summary["diagnosis"]["primary"]
     assert watched.final.verdict is not None
     assert (watched.final.verdict["name"], watched.final.verdict["message"]) == (primary["name"], primary["message"])
-
-
-@pytest.mark.real
-def test_through_a_pipe_run_prints_plain_lines_and_no_escape_codes(watched: Watched) -> None:
-    assert "\x1b" not in watched.stdout + watched.stderr
-    plain = [line for line in watched.stderr.splitlines() if line.startswith("[stepwatch] step ")]
-    assert plain, watched.stderr[-2000:]
-    for line in plain:
-        assert PLAIN.match(line), line
-    numbers = [int(m.group(1)) for line in plain if (m := PLAIN.match(line)) and m.group(1) != "-"]
-    assert numbers == sorted(numbers) and max(numbers) <= TOTAL
-    assert any(f"(of {TOTAL})" in line for line in plain)
-    # the program's own lines pass through untouched (stdout is its own, not the view's)
-    assert f"program line {TOTAL}: loss" in watched.stdout
-    assert "program stdout is a tty: False" in watched.stdout
-
-
-@pytest.mark.real
-def test_top_from_another_terminal_follows_the_run_to_its_end(watched: Watched) -> None:
-    assert watched.top_returncode == 0, watched.top_stdout
-    assert "\x1b" not in watched.top_stdout
-    lines = [line for line in watched.top_stdout.splitlines() if line.strip()]
-    assert len(lines) >= 2 and all(PLAIN.match(line) for line in lines), lines
-    last = PLAIN.match(lines[-1])
-    assert last is not None and (last.group(1), last.group(2)) == (str(TOTAL), str(TOTAL))
-    assert last.group(5).startswith(watched.final.verdict["name"])  # type: ignore[index]
-
-
-@pytest.mark.real
-def test_top_once_prints_the_table(watched: Watched) -> None:
-    shown = subprocess.run([*STEPWATCH, "top", str(watched.run_dir), "--once"], env=clean_env(), capture_output=True,
-                           text=True, timeout=60)
-    assert shown.returncode == 0, shown.stderr
-    assert "\x1b" not in shown.stdout
-    header, *rows = shown.stdout.splitlines()[1:4]
-    assert header.split()[:4] == ["rank", "step", "step", "time"]
-    assert [row.split()[:2] for row in rows] == [["0", str(TOTAL)], ["1", str(TOTAL)]]
-    assert all("stopped" in row for row in rows)
-    assert f"step {TOTAL} of {TOTAL} (100%)" in shown.stdout
-    assert f"verdict {watched.final.verdict['name']}" in shown.stdout  # type: ignore[index]
-
-
-@pytest.mark.real
-def test_top_refuses_what_is_no_run_directory(tmp_path: Path) -> None:
-    shown = subprocess.run([*STEPWATCH, "top", str(tmp_path), "--once"], env=clean_env(), capture_output=True,
-                           text=True, timeout=60)
-    assert shown.returncode == 2 and "not a run directory" in shown.stderr and "Traceback" not in shown.stderr
 
 
 @pytest.mark.real
@@ -310,7 +258,7 @@ def test_damaged_files_never_raise(ledger: bytes, alerts: bytes, segment: bytes,
        size=st.integers(1, 100))
 def test_the_ledger_window_is_the_last_records_the_ledger_holds(writes: list[int], capacity: int, size: int) -> None:
     from stepwatch.artifacts.step_ledger import StepLedger, read_ledger
-    from stepwatch.views.live import _Ledger
+    from stepwatch.views.live.ledger import MappedLedger
 
     with tempfile.TemporaryDirectory() as tmp:
         ledger = StepLedger.create(Path(tmp), "s", rank=0, capacity=capacity)
@@ -322,7 +270,7 @@ def test_the_ledger_window_is_the_last_records_the_ledger_holds(writes: list[int
                     ledger.write(step, 10 + step * 100, 60 + step * 100, {"forward": 7, "backward": step})
                     step += 1
                 if reader is None:
-                    reader = _Ledger(next((Path(tmp) / "ledger").iterdir()))
+                    reader = MappedLedger(next((Path(tmp) / "ledger").iterdir()))
                 window = reader.window(size)
                 expected = read_ledger(reader.path).records[-size:]
                 assert [int(i) for i in window["index"]] == [r.index for r in expected]
@@ -332,81 +280,6 @@ def test_the_ledger_window_is_the_last_records_the_ledger_holds(writes: list[int
             if reader is not None:
                 reader.close()
             ledger.close(1)
-
-
-# -- a run with no history, killed: ``stepwatch track``, its program SIGKILLed mid-run --------------
-
-
-@dataclass
-class Killed:
-    run_dir: Path
-    during: list[LiveSnapshot]
-    killed_at_step: int
-
-
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory) -> Killed:
-    import os
-    import signal
-
-    base = tmp_path_factory.mktemp("live_killed")
-    program = base / "train.py"
-    program.write_text(PROGRAM)
-    run_dir = base / "run"
-    job = subprocess.Popen([*STEPWATCH, "track", "--out", str(run_dir), sys.executable, str(program)], cwd=base,
-                           env=clean_env(LIVE_SLEEP="0.03"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    reader = LiveReader(run_dir)
-    during: list[LiveSnapshot] = []
-    step = 0
-    try:
-        deadline = time.monotonic() + 120
-        while job.poll() is None and time.monotonic() < deadline:
-            snapshot = reader.snapshot()
-            during.append(snapshot)
-            if (snapshot.step or 0) >= 60:
-                (ledger,) = (run_dir / "ledger").iterdir()
-                os.kill(int(ledger.stem.split("-")[1]), signal.SIGKILL)  # the training process: rank<R>-<pid>
-                step = snapshot.step or 0
-                break
-            time.sleep(0.2)  # sampling a live state: there is no event to await
-        job.communicate(timeout=120)
-    finally:
-        reader.close()
-        if job.poll() is None:
-            job.kill()
-    assert step, [s.step for s in during]
-    return Killed(run_dir, during, step)
-
-
-@pytest.mark.real
-def test_a_killed_rank_is_lost_and_its_run_over(killed: Killed) -> None:
-    assert not (killed.run_dir / "history.sqlite").exists()  # track keeps no history
-    later = LiveReader(killed.run_dir, clock=lambda: time.time() + 60)  # its silence, a minute on
-    try:
-        snapshot = later.snapshot()
-    finally:
-        later.close()
-    (rank,) = snapshot.ranks
-    assert rank.state == "lost" and killed.killed_at_step <= (rank.step or 0) < TOTAL
-    assert snapshot.ended
-
-
-@pytest.mark.real
-def test_a_run_with_no_history_gets_the_engines_verdict_on_its_ledger(killed: Killed) -> None:
-    assert any(s.ranks and s.ranks[0].state == "running" for s in killed.during)
-    reader = LiveReader(killed.run_dir)
-    try:
-        verdict = reader.snapshot().verdict
-    finally:
-        reader.close()
-    explained = subprocess.run([*STEPWATCH, "explain", str(killed.run_dir), "--window", "100", "--json"],
-                               env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert explained.returncode == 0, explained.stderr
-    primary = json.loads(explained.stdout)["diagnosis"]["primary"]
-    if primary["name"] in ("WARMUP", "INSUFFICIENT_STEP_TIME_DATA"):
-        assert verdict is None
-    else:  # the same engine on the same last 100 steps: the same verdict
-        assert verdict is not None and (verdict["name"], verdict["ranks"]) == (primary["name"], primary["ranks"])
 
 
 # -- from the history alone: a ``serve --out`` directory of many sessions ----------------------------

@@ -139,7 +139,7 @@ def _start_job(command: list[str], env: dict[str, str], stdout: int | None = Non
 
 
 class JobView(Protocol):
-    """What ``launch`` asks of a view of the running job (the live terminal view, ui/live_view.py):
+    """What ``launch`` asks of a view of the running job (the live terminal view, ui/live/run_view.py):
     ``begin`` once the run directory and the aggregator exist; ``streams``, the file descriptors
     the job's stdout and stderr go to (None: inherited); ``job_started`` once the job runs;
     ``end`` once it has ended, before the summary is built. The view runs on threads of its own

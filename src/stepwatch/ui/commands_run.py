@@ -81,6 +81,8 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     view = _run_view(console, view_mode, view_every)
     echo = view.print if view is not None else (lambda line: console.print(line, markup=False, soft_wrap=True))
     code, run_dir, summary = launch(LaunchOptions(script=list(script), **options), echo=echo, view=view)
+    if view is not None:
+        view.finish()  # the plain line's last word: the final figures and the diagnosis's verdict
     if summary is not None and not quiet:
         from ..analysis.summary import render_summary_text
 
@@ -97,7 +99,9 @@ def _run_view(console: Any, mode: str, every_s: float | None) -> Any:
     a dumb one), else the plain line; None for ``off``."""
     if mode == "off":
         return None
-    from .live_view import PLAIN_EVERY_S, REFRESH_S, RunView
+    from .live.run_view import RunView
+    from .live.table import REFRESH_S
+    from .live.text import PLAIN_EVERY_S
 
     live = mode == "live" or (mode == "auto" and console.is_terminal and not console.is_dumb_terminal)
     return RunView(console, live=live, refresh_s=every_s or REFRESH_S, plain_every_s=every_s or PLAIN_EVERY_S)

@@ -30,7 +30,9 @@ def top(run_dir: Path, session_id: str | None, once: bool, plain: bool, every_s:
     Ends once the run has ended (or on Ctrl-C). Not on a terminal (or with --plain): one plain
     line every 10 s, no escape codes."""
     from ..artifacts.live_ranks import require_run_dir
-    from .live_view import PLAIN_EVERY_S, REFRESH_S, watch_run
+    from .live.table import REFRESH_S
+    from .live.text import PLAIN_EVERY_S
+    from .live.top import watch_run
 
     if not any((run_dir / name).exists() for name in ("ledger", "run.json", "history.sqlite")):
         require_run_dir(run_dir)  # no run.json, ledger or history: a heartbeat file at least, else a clear error
