@@ -21,7 +21,8 @@ from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
-__all__ = ["SPOOL_SCHEMA_VERSION", "LoadedSpool", "SpoolWriter", "find_spool_dir", "is_spool_batch", "read_spool"]
+__all__ = ["SPOOL_SCHEMA_VERSION", "LoadedSpool", "SpoolWriter", "find_spool_dir", "is_spool_batch", "read_spool",
+           "valid_text"]
 
 SPOOL_SCHEMA_VERSION = 1
 _BATCH_GLOB = "[0-9]*-*.json"  # <created_ns, 20 digits>-<batch_id>.json
@@ -79,7 +80,7 @@ class SpoolWriter:
         try:
             body = _encoder.encode(batch)
         except UnicodeEncodeError:  # a lone surrogate in some attr must not cost the whole batch
-            body = _encoder.encode(_valid_text(msgspec.to_builtins(batch)))
+            body = _encoder.encode(valid_text(msgspec.to_builtins(batch)))
         records = len(spans) + len(marks) + len(snapshots)
         if len(body) > self.max_bytes:
             if records == 1:
@@ -109,14 +110,14 @@ class SpoolWriter:
             self.evicted_records += records
 
 
-def _valid_text(value: Any) -> Any:
+def valid_text(value: Any) -> Any:
     """``value`` with every string made encodable as UTF-8 (lone surrogates become "?")."""
     if isinstance(value, str):
         return value.encode("utf-8", "replace").decode("utf-8")
     if isinstance(value, dict):
-        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_valid_text(v) for v in value]
+        return [valid_text(v) for v in value]
     return value
 
 

@@ -16,17 +16,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
 from ..artifacts.heartbeat import json_safe
+from ..artifacts.spool import valid_text
 from ..phases import PHASES as PHASES_TABLE
 from ..phases import RESIDUAL, SPAN_NAMES
 from .tables import BoundedTable
 
-__all__ = ["MarkRow", "OpenSpan", "SpanRecorder", "SpoolMark", "SpoolSpan", "clean_attrs", "cut_utf8",
-           "mark_value", "step_attrs"]
+__all__ = ["MarkRow", "MarkWireRow", "OpenSpan", "SpanRecorder", "SpanWireRow", "SpoolMark", "SpoolSpan", "clean_attrs",
+           "cut_utf8", "json_text", "mark_value", "step_attrs"]
 
 MAX_DEPTH = 64
 MAX_STRING_BYTES = 256
@@ -41,15 +42,16 @@ _NO_ATTRS: dict[str, Any] = {}
 
 
 def _breakdown_function() -> Any:
-    """``breakdown(times, step_ns)``: a step's ``step_ns``, ``<phase>_ns`` and residual, written
-    out from the phase table once at import, so that closing a step costs what the dict spelled
-    out by hand did (a loop over the table took about twice as long per step)."""
+    """``breakdown(attrs, times, step_ns)``: a step's attrs followed by its ``step_ns``,
+    ``<phase>_ns`` and residual, as one dict, written out from the phase table once at import,
+    so that closing a step costs what the dict spelled out by hand did (a loop over the table
+    took about twice as long per step, and a second dict merged into the first one more)."""
     phases = ", ".join(f"{p.attr!r}: times[{p.span!r}]" for p in PHASES_TABLE)
     spent = " - ".join(f"times[{p.span!r}]" for p in PHASES_TABLE if p.in_residual)
     # the residual's floor at 0 as a conditional, not max(): max allocates an iterator, which
     # counts towards the cyclic GC's next collection
-    source = (f"def breakdown(times, step_ns):\n"
-              f"    return {{'step_ns': step_ns, {phases}, "
+    source = (f"def breakdown(attrs, times, step_ns):\n"
+              f"    return {{**attrs, 'step_ns': step_ns, {phases}, "
               f"{RESIDUAL.attr!r}: wait if (wait := step_ns - {spent}) > 0 else 0}}\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, "<stepwatch.phases breakdown>", "exec"), namespace)
@@ -124,7 +126,11 @@ class OpenSpan(msgspec.Struct, gc=False):
     end_ns: int = 0
 
 
-class MarkRow(NamedTuple):
+class MarkRow(msgspec.Struct, gc=False):
+    """A mark as the training thread (or the sampler, for an inferred value) records it; the
+    background thread turns it into a ``SpoolMark``. An untracked Struct: made in C, and
+    nothing for the cyclic GC to count or scan while it waits for the seal."""
+
     id: int | str
     span_id: int | str
     name: str
@@ -172,6 +178,37 @@ class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
     value_nonfinite: str | None = None
 
 
+class SpanWireRow(msgspec.Struct, array_like=True, gc=False):
+    """A span's row of the aggregator's columnar ``spans`` table (``transport.frames.COLUMNAR``:
+    the store's column order, attrs as JSON text): encoded as the array a tuple of these values
+    would be, and made in C, untracked."""
+
+    id: str
+    parent_id: str | None
+    name: str
+    index: int | None
+    start_ns: int
+    end_ns: int
+    gpu_ns: int | None
+    thread_id: int
+    pid: int
+    attrs: str
+
+
+class MarkWireRow(msgspec.Struct, array_like=True, gc=False):
+    """A mark's row of the columnar ``marks`` table (``transport.frames.COLUMNAR``)."""
+
+    id: str
+    span_id: str
+    name: str
+    value_type: str
+    value: Any
+    value_nonfinite: str | None
+    ts_ns: int
+    kind: str
+    attrs: str
+
+
 class SpanTable(BoundedTable[OpenSpan]):
     """The closed-span table: a ``BoundedTable`` whose append the training thread makes inline.
 
@@ -207,10 +244,8 @@ class SpanTable(BoundedTable[OpenSpan]):
 def step_attrs(span: OpenSpan, end_ns: int) -> dict[str, Any]:
     """A step's attrs with its breakdown: ``step_ns``, ``<phase>_ns`` and ``wait_ns``, the
     residual (aggregator-architecture.md), after the attrs it was opened with (cleaned)."""
-    times = span.phase_ns or _NO_TIMES
-    step_ns = end_ns - span.start_ns
-    breakdown = _breakdown(times, step_ns)
-    return {**clean_attrs(span.attrs), **breakdown} if span.attrs else breakdown
+    attrs = span.attrs
+    return _breakdown(clean_attrs(attrs) if attrs else _NO_ATTRS, span.phase_ns or _NO_TIMES, end_ns - span.start_ns)
 
 
 class SpanRecorder:
@@ -227,6 +262,7 @@ class SpanRecorder:
         self.max_depth = max_depth
         self._prefix = os.urandom(8).hex()
         self._base = int(self._prefix, 16) << 64  # an id is base | counter, written as 32 hex digits
+        self._hex: dict[Any, Any] = {}  # ids the last span_records formatted, for mark_records
         self._counter = itertools.count(1)
         self.new_id = self._counter.__next__  # a plain counter on the hot path, formatted by ``format_id`` later
         self._local = threading.local()
@@ -362,26 +398,42 @@ class SpanRecorder:
         return left
 
     # -- background thread: closed spans and marks to spool records ------------------------------
+    #
+    # One pass builds both what the spool writes (``SpoolSpan``, ``SpoolMark``) and, when ``rows``
+    # is given, what the aggregator gets (``SpanWireRow``, ``MarkWireRow``: the columnar wire rows).
+    # Column by column: each field is read once for all records (a comprehension, whose attribute
+    # reads the interpreter specialises), the ids are written as hex in one C pass for the whole
+    # batch (``hex_ids``), and the records are made by ``map`` over the columns, in C. Python runs
+    # per record only where one needs it: a step's breakdown, attrs to clean, mark ids, a GPU time
+    # still pending. Both kinds of record are untracked Structs: a batch of thousands sets off no
+    # collection of the cyclic GC, whose cost the whole process would pay.
 
-    def span_records(self, timer: Any = None, *, final: bool = False) -> list[SpoolSpan]:
-        """Spool records of the spans closed since the last call, oldest first.
+    def span_records(self, timer: Any = None, *, final: bool = False,
+                     rows: list[SpanWireRow] | None = None) -> list[SpoolSpan]:
+        """Spool records of the spans closed since the last call, oldest first; ``rows``, when
+        given, is extended with their wire rows.
 
         A span whose GPU events ``timer`` has not resolved yet is held for a later call (every
         span is written once); ``final`` writes them all.
         """
         if timer is not None:
             timer.resolve()
-        rows = self.closed.drain()
+        spans = self.closed.drain()
         if self._deferred:
-            rows = [*self._deferred, *rows]
+            spans = [*self._deferred, *spans]
             self._deferred = []
+        if not spans:
+            return []
         base, pid, rank = self._base, self.pid, self.rank
         # Parents close after their children, so a step's id is formatted once for its first
-        # child and found here for the other children and for the step itself.
-        parents: dict[int, str] = {}
+        # child and found here for the other children and for the step itself. The ids stay for
+        # ``mark_records``: a step's mark ids, formatted here, are the marks' own.
+        parents: dict[Any, str] = {}
+        self._hex = parents
         out: list[SpoolSpan] = []
         append = out.append
-        for span in rows:
+        wire = rows.append if rows is not None else None
+        for span in spans:
             gpu = span.gpu
             if gpu is not None and type(gpu) is not int:
                 if not final and timer is not None and timer.outstanding(span):
@@ -401,18 +453,71 @@ class SpanRecorder:
                 if parent_hex is None:
                     parent_hex = parents[parent] = (base | parent).to_bytes(16, "big").hex()
             else:
-                parent_hex = parent  # type: ignore[assignment]
+                parent_hex = parent
             marks = span.mark_ids
+            if marks:
+                listed: list[str] | tuple[()] = [(base | m).to_bytes(16, "big").hex() for m in marks]
+                parents.update(zip(marks, listed))
+            else:
+                listed = ()
             append(SpoolSpan(own, span.name, parent_hex, span.index, span.start_ns, span.end_ns, None, gpu, None,
-                             span.thread_id, pid, rank, attrs,
-                             [(base | m).to_bytes(16, "big").hex() for m in marks] if marks else ()))
+                             span.thread_id, pid, rank, attrs, listed))
+            if wire is not None:
+                wire(SpanWireRow(own, parent_hex, span.name, span.index, span.start_ns, span.end_ns, gpu,
+                                 span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
         return out
 
-    def mark_records(self) -> list[SpoolMark]:
-        """Spool records of the marks made since the last call, oldest first."""
+    def mark_records(self, rows: list[MarkWireRow] | None = None) -> list[SpoolMark]:
+        """Spool records of the marks made since the last call, oldest first; ``rows``, when
+        given, is extended with their wire rows. The ids the last ``span_records`` formatted
+        (a step's marks, the step itself) are not formatted again."""
         if self.before_marks is not None:
             self.before_marks()
-        fmt = self.format_id
-        return [SpoolMark(fmt(row.id), fmt(row.span_id), row.name, row.value_type, row.value,  # type: ignore[arg-type]
-                          clean_attrs(row.attrs), row.ts_ns, row.kind, row.nonfinite)
-                for row in self.marks.drain()]
+        known, self._hex = self._hex, {}
+        drained = self.marks.drain()
+        if not drained:
+            return []
+        base = self._base
+        get = known.get
+        # Marks share their attrs (the inferred loss's are one dict): each distinct one is cleaned,
+        # and encoded for the wire, once.
+        cleaned: dict[int, tuple[dict[str, Any], str | None]] = {}
+        out: list[SpoolMark] = []
+        append = out.append
+        wire = rows.append if rows is not None else None
+        for row in drained:
+            mark_id = row.id
+            own = get(mark_id)
+            if own is None:
+                own = (base | mark_id).to_bytes(16, "big").hex() if type(mark_id) is int else mark_id
+            span_id = row.span_id
+            span_hex = get(span_id)
+            if span_hex is None:
+                span_hex = known[span_id] = (base | span_id).to_bytes(16, "big").hex() if type(span_id) is int else span_id
+            raw = row.attrs
+            seen = cleaned.get(id(raw))
+            if seen is None:
+                attrs = clean_attrs(raw) if raw else _NO_ATTRS
+                seen = cleaned[id(raw)] = (attrs, json_text(attrs) if wire is not None else None)
+            attrs = seen[0]
+            append(SpoolMark(own, span_hex, row.name, row.value_type, row.value, attrs, row.ts_ns, row.kind,
+                             row.nonfinite))
+            if wire is not None:
+                wire(MarkWireRow(own, span_hex, row.name, row.value_type, row.value, row.nonfinite, row.ts_ns,
+                                 row.kind, seen[1]))
+        return out
+
+
+_EMPTY_TEXT = "{}"
+_json_encoder = msgspec.json.Encoder()
+
+
+def json_text(value: dict[str, Any]) -> str:
+    """``value`` as the JSON text the aggregator stores (the wire's JSON field); a string no
+    UTF-8 can hold (a lone surrogate) is replaced, as the spool writer replaces it."""
+    if not value:
+        return _EMPTY_TEXT
+    try:
+        return _json_encoder.encode(value).decode()
+    except UnicodeEncodeError:
+        return _json_encoder.encode(valid_text(value)).decode()
