@@ -117,9 +117,17 @@ class Message(msgspec.Struct, frozen=True):
         return sum(len(rows) for rows in self.tables.values())
 
 
-def encode_frame(meta: Mapping[str, Any], tables: Mapping[str, list[Any]]) -> bytes:
-    body = _encoder.encode({"meta": meta, "body": {"tables": tables}})
-    return len(body).to_bytes(4, "big") + body
+def encode_frame(meta: Mapping[str, Any], tables: Mapping[str, Any], buffer: bytearray | None = None) -> bytes:
+    """One frame: the length prefix and the msgpack body. ``buffer``: a bytearray the caller
+    keeps from frame to frame, encoded into after its first 4 bytes and copied out once (a
+    frame of a second's rows grown by reallocation, then prefixed, was copied three times)."""
+    payload = {"meta": meta, "body": {"tables": tables}}
+    if buffer is None:
+        body = _encoder.encode(payload)
+        return len(body).to_bytes(4, "big") + body
+    _encoder.encode_into(payload, buffer, 4)
+    buffer[:4] = (len(buffer) - 4).to_bytes(4, "big")
+    return bytes(buffer)
 
 
 def _sender(meta: dict[str, Any], default_session: str | None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class FrameSender:
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
         self._queue: deque[tuple[bytes, int]] = deque()
+        self._buffer = bytearray()  # each frame is encoded here, then copied into the queue
         self.max_frames = max_frames
         self._sock: socket.socket | None = None
         self._seq = itertools.count()
@@ -56,7 +57,8 @@ class FrameSender:
             # telemetry, spans and marks go columnar (frames.columnar_table): half the bytes, and
             # the aggregator decodes them into the tuples it stores with no per-row work
             tables = {k: v if type(v) is dict else columnar_table(k, v) or v for k, v in tables.items()}
-            frame = encode_frame({**self.meta, "seq": next(self._seq), "sent_ns": time.time_ns()}, tables)
+            frame = encode_frame({**self.meta, "seq": next(self._seq), "sent_ns": time.time_ns()}, tables,
+                                 self._buffer)
             if len(self._queue) >= self.max_frames:
                 _, lost = self._queue.popleft()
                 self.frames_dropped += 1
