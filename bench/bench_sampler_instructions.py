@@ -5,8 +5,8 @@ one connected as under ``stepwatch run``.
 
 Usage::
 
-    .venv/bin/python bench/bench_sampler_instructions.py [--modes init run] [--train 5 15] [--idle 10]
-        [--annotate] [--profile] [--tmp-dir DIR] [--keep]
+    .venv/bin/python bench/bench_sampler_instructions.py [--modes init run] [--ticks 5 15] [--rate R]
+        [--per-step N] [--annotate] [--profile] [--tmp-dir DIR] [--keep]
 
 Why instructions: the sampler is time-driven (a tick a second) and competes with the training
 thread for the GIL, which on a 2-core machine is a core's share that training does not get.
@@ -45,6 +45,12 @@ names). Modes:
 The loop: ``bench_training_overhead.Workload`` (a ReLU MLP 16 -> 64 x 2 -> 10, batch 16,
 ``DataLoader`` over an in-memory ``TensorDataset``, SGD momentum, cross-entropy, one torch
 thread), steps inferred by the patches (no ``trace_step``: a program with no stepwatch code).
+
+``--per-step N``: the per-step part alone, with no timing in it (``_ticks_by_hand``): one process
+a mode under callgrind stops the sampler thread and runs its tick itself, on the training thread,
+after N steps (a tick that ships to the aggregator) and after N more (a tick that seals the spool
+batch), and the same two ticks with no step between them, which are taken off. The timed runs
+above need the machine quiet enough that valgrind makes tens of steps a run; this does not.
 
 ``--annotate``: for the sampler thread, the C functions with the largest inclusive
 instructions per second of training (``callgrind_annotate --inclusive=yes`` of the long and the

@@ -7,8 +7,10 @@ to the rows appended since the last frame. The receiver also accepts the legacy 
 A table is either a list of row maps, or columnar: ``{"columns": [name, ...], "rows": [[value,
 ...], ...]}``, which means the row maps ``dict(zip(columns, row))``, except that the JSON-typed
 field of telemetry, spans and marks (``JSON_FIELD``) is carried as its JSON text. The sender
-ships telemetry, spans and marks columnar in the store's column order (``columnar_table``), so
-the aggregator decodes them into the tuples it binds, with no map or Struct per row.
+ships telemetry, spans and marks columnar in the store's column order, so the aggregator decodes
+them into the tuples it binds, with no map or Struct per row: telemetry through
+``columnar_table``, spans and marks as the rows the rank's span recorder built in the same pass as
+their spool records (``capture.spans.SpanWireRow``, ``MarkWireRow``).
 """
 
 from __future__ import annotations
