@@ -5,8 +5,8 @@ one connected as under ``stepwatch run``.
 
 Usage::
 
-    .venv/bin/python bench/bench_sampler_instructions.py [--modes init run] [--train 5 15] [--idle 10]
-        [--annotate] [--profile] [--tmp-dir DIR] [--keep]
+    .venv/bin/python bench/bench_sampler_instructions.py [--modes init run] [--ticks 5 15] [--rate R]
+        [--per-step N] [--annotate] [--profile] [--tmp-dir DIR] [--keep]
 
 Why instructions: the sampler is time-driven (a tick a second) and competes with the training
 thread for the GIL, which on a 2-core machine is a core's share that training does not get.
@@ -45,6 +45,12 @@ names). Modes:
 The loop: ``bench_training_overhead.Workload`` (a ReLU MLP 16 -> 64 x 2 -> 10, batch 16,
 ``DataLoader`` over an in-memory ``TensorDataset``, SGD momentum, cross-entropy, one torch
 thread), steps inferred by the patches (no ``trace_step``: a program with no stepwatch code).
+
+``--per-step N``: the per-step part alone, with no timing in it (``_ticks_by_hand``): one process
+a mode under callgrind stops the sampler thread and runs its tick itself, on the training thread,
+after N steps (a tick that ships to the aggregator) and after N more (a tick that seals the spool
+batch), and the same two ticks with no step between them, which are taken off. The timed runs
+above need the machine quiet enough that valgrind makes tens of steps a run; this does not.
 
 ``--annotate``: for the sampler thread, the C functions with the largest inclusive
 instructions per second of training (``callgrind_annotate --inclusive=yes`` of the long and the
@@ -228,9 +234,71 @@ def _one_run(mode: str, train_ticks: int, idle_ticks: int, out: Path, requests: 
             "seconds": seconds, "threads": list(_THREAD_NAMES), "rows_sent": sent}
 
 
+PER_STEP_WORKERS = tuple(f"per-step-{mode}" for mode in MODES)
+PER_STEP_PARTS = ("idle ship", "idle seal", "train", "ship", "train", "seal")
+
+
+def _ticks_by_hand(mode: str, steps: int, out: Path, requests: Any) -> dict[str, Any]:
+    """The per-step part alone, exactly: capture on as ``mode`` says, the sampler thread stopped,
+    and its tick run here, on the training thread, between known numbers of steps: a tick that
+    ships (what the aggregator gets), ``steps`` steps, a tick that ships, ``steps`` more, a tick
+    that seals the spool batch; and the same two ticks with no step between them first. One
+    callgrind dump each (``PER_STEP_PARTS``): nothing else runs in them, and no tick's timing
+    decides what it finds, so the count is the same from run to run."""
+    import stepwatch
+
+    aggregator = _start_aggregator(out) if mode == "run" else None
+    try:
+        runtime = stepwatch.init(out=out)
+        if mode == "run" and runtime.sender is None:
+            raise SystemExit("no aggregator connection: STEPWATCH_AGGREGATOR was not taken")
+        runtime.sampler.stopping.set()  # no tick of its own from here on: this thread runs them
+        runtime.sampler.thread.join()
+        work = _workload()
+        batches: Any = iter(())
+
+        def train(count: int) -> None:
+            nonlocal batches
+            model, optimizer, loss_fn = work.model, work.optimizer, work.loss_fn
+            for _ in range(count):
+                batch = next(batches, None)
+                if batch is None:
+                    batches = iter(work.loader)
+                    batch = next(batches)
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(batch[0]), batch[1]).backward()
+                optimizer.step()
+
+        def tick(seal: bool) -> None:  # each with a sample and a heartbeat, whatever time it is
+            runtime._next_seal = 0.0 if seal else time.monotonic() + 3600.0
+            runtime._next_sample = runtime._next_heartbeat = 0.0
+            runtime.tick()
+
+        for index in range(4):  # warm-up: every lazy set-up done, a spool batch and frames written
+            train(steps)
+            tick(index % 2 == 1)
+        gc.freeze()
+        requests.start_instrumentation()
+        requests.dump("warm")
+        tick(False)
+        requests.dump(PER_STEP_PARTS[0])
+        tick(True)
+        requests.dump(PER_STEP_PARTS[1])
+        for seal in (False, True):
+            train(steps)
+            requests.dump("train")
+            tick(seal)
+            requests.dump("seal" if seal else "ship")
+        stepwatch.shutdown()
+    finally:
+        if aggregator is not None:
+            _stop_aggregator(aggregator)
+    return {"pid": os.getpid(), "steps": steps, "mode": mode}
+
+
 def _worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", required=True, choices=(*MODES, "native", "profile"))
+    parser.add_argument("--worker", required=True, choices=(*MODES, "native", "profile", *PER_STEP_WORKERS))
     parser.add_argument("--runs", nargs="+", required=True, help="TRAIN:IDLE ticks, one child each")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -256,6 +324,10 @@ def _worker(argv: list[str]) -> None:
     requests = _ClientRequests()
     if not requests.running_on_valgrind():
         raise SystemExit("the worker must run under valgrind --tool=callgrind (the parent starts it so)")
+    if args.worker in PER_STEP_WORKERS:
+        print(json.dumps(_ticks_by_hand(args.worker.removeprefix("per-step-"), runs[0][0], args.out / "per-step",
+                                        requests)))
+        return
     results = []
     for index, (train_ticks, idle_ticks) in enumerate(runs):
         result_file = args.out / f"run{index}.json"
@@ -423,6 +495,36 @@ def native_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def per_step(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``_ticks_by_hand`` under callgrind: the sampler's instructions per training step, from
+    the dumps of the main thread (where the ticks ran)."""
+    out = work / f"per-step-{mode}"
+    out.mkdir(parents=True)
+    command = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--instr-atstart=no",
+               f"--callgrind-out-file={out}/callgrind.out.%p", f"--log-file={out}/valgrind.%p.log",
+               sys.executable, str(SCRIPT), "--worker", f"per-step-{mode}", "--runs", f"{args.per_step}:0",
+               "--out", str(out)]
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    for name in [k for k in env if k.startswith("STEPWATCH_")]:
+        env.pop(name)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=3600, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"per-step worker {mode} failed with exit status {proc.returncode}")
+    pid = json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])["pid"]
+    parts: dict[str, int] = {}
+    for path in out.glob(f"callgrind.out.{pid}.*-01"):  # the main thread's dumps, by their label
+        text = path.read_text(errors="replace")
+        label = re.search(r"^desc: Trigger: Client Request: (.*)$", text, re.M)
+        if label is not None and label.group(1) in PER_STEP_PARTS and label.group(1) != "train":
+            parts[label.group(1)] = parts.get(label.group(1), 0) + total_instructions(path)
+    if set(parts) != {"idle ship", "idle seal", "ship", "seal"}:
+        raise SystemExit(f"per-step worker {mode}: dumps {sorted(parts)} in {out}")
+    steps = 2 * args.per_step
+    return {"parts": parts, "steps": steps,
+            "per_step": (parts["ship"] + parts["seal"] - parts["idle ship"] - parts["idle seal"]) / steps}
+
+
 def print_annotation(mode: str, result: dict[str, Any], rows: int = 25) -> None:
     sampler = next((e for name, e in result["threads"].items() if name.startswith("stepwatch-sampler")), None)
     if sampler is None or None in sampler["files"][:2]:
@@ -449,6 +551,9 @@ def main() -> None:
                         help="steps per second of native training to project to (default: measured; give the "
                              "same one to compare two versions)")
     parser.add_argument("--annotate", action="store_true", help="the sampler's largest C functions per second")
+    parser.add_argument("--per-step", type=int, default=0, metavar="N",
+                        help="also the per-step part exactly: the ticks run by hand between N and N steps "
+                             "(callgrind, no timing involved; N=300 takes a few minutes a mode)")
     parser.add_argument("--profile", action="store_true", help="cProfile of stepwatch's threads, natively")
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where callgrind's files and the run directories go (default: the temp dir)")
@@ -472,6 +577,7 @@ def main() -> None:
           f"ticks + idle {k2 - k1} ticks (a tick: about 1 s); {header['valgrind']} --separate-threads=yes\n")
     work = Path(tempfile.mkdtemp(prefix="bench-sampler-instructions-", dir=args.tmp_dir))
     results: dict[str, Any] = {}
+    exact: dict[str, Any] = {}
     try:
         print(f"native step rate ... (load average {load_average()})", flush=True)
         native = native_rate(args, work / "native")
@@ -485,6 +591,13 @@ def main() -> None:
                 print(f"  train {run['train_ticks']} + idle {run['idle_ticks']} ticks: {run['steps']} steps in "
                       f"{run['trained_s']:.1f} s ({run['steps'] / run['trained_s']:.0f}/s), {run['seconds']:.1f} s "
                       f"in all; Python threads {run['threads']}")
+        if args.per_step:
+            for mode in args.modes:
+                print(f"running {mode} with the ticks by hand ... (load average {load_average()})", flush=True)
+                try:
+                    exact[mode] = per_step(mode, args, work)
+                except SystemExit as failure:  # the timed modes' figures still get printed
+                    print(f"  the ticks by hand failed: {failure}", flush=True)
         if args.annotate:
             for mode, result in results.items():
                 print_annotation(mode, result)
@@ -519,10 +632,16 @@ def main() -> None:
     print("\nI = a * seconds + b * steps + c per thread, solved through the three runs; 'of training' = a + b * "
           "(native steps/s with capture on, or --rate). The training thread's a and b are the program's own work and the "
           "patches' (bench_step_instructions.py measures those).")
+    if exact:
+        print(f"\nthe per-step part exactly (ticks run by hand on the training thread, {args.per_step} steps "
+              "between them): instructions a step, the ticks' own cost without steps taken off")
+        print_table(["mode", "ship tick", "seal tick", "instr/step", f"x {rate:,.0f} steps/s"],
+                    [[mode, f"{e['parts']['ship']:,}", f"{e['parts']['seal']:,}", f"{e['per_step']:,.0f}",
+                      f"{e['per_step'] * rate:,.0f}"] for mode, e in exact.items()])
     header["load_average_at_end"] = load_average()
     path = write_results("sampler_instructions", {"header": header, "args": vars(args) | {"tmp_dir": str(args.tmp_dir)},
                                                   "native": {k: v for k, v in native.items() if k != "listing"},
-                                                  "results": results})
+                                                  "results": results, "per_step": exact})
     print(f"raw results: {path}")
 
 

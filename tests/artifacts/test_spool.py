@@ -187,6 +187,31 @@ def test_a_record_bigger_than_the_cap_is_dropped_and_counted(tmp_path: Path) -> 
     assert writer.dropped_records == 2 and writer.evicted_records == 0
 
 
+def test_the_writers_reused_buffer_survives_a_write_the_disk_refused(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches are encoded into one buffer the writer keeps; a write that fails half way (a full
+    disk) must leave it usable, while the failure's traceback still holds the write's frame."""
+    writer = SpoolWriter(tmp_path, sdk_version="1")
+    big = [span(i, pad=2000) for i in range(20)]
+    writer.write(big, [mark(0)], [])
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as refused:
+        writer.write([span(100)], [], [])
+    monkeypatch.undo()
+    small = [span(i) for i in range(200, 203)]
+    bigger = [*big, span(300, pad=50_000)]
+    writer.write(small, [], [])  # the buffer shrinks
+    writer.write(bigger, [], [])  # and grows again
+    assert refused.value.errno == 28
+    batches = [json.loads(p.read_bytes()) for p in batch_files(tmp_path)]
+    assert [b["spans"] for b in batches] == [big, small, bigger]
+    assert batches[0]["marks"] == [mark(0)]
+
+
 def test_writer_rejects_a_cap_below_one_kib(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         SpoolWriter(tmp_path, sdk_version="1", max_bytes=1023)

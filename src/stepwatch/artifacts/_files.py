@@ -25,18 +25,22 @@ __all__ = [
 ]
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
+def atomic_write_bytes(path: Path, data: bytes | bytearray, *, fsync: bool = True) -> None:
     """Replaces ``path`` so a reader sees the old or the new content, never a mix.
 
     Write to a temp file beside it, fsync it, rename over, then fsync the directory so the
-    rename itself survives a power cut.
+    rename itself survives a power cut. ``data`` may be a caller's reused ``bytearray``: no view
+    of it outlives the call, even one that fails, so the caller can resize it afterwards.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            view.release()
         if fsync:
             os.fsync(fd)
     finally:

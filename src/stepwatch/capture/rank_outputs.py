@@ -15,10 +15,12 @@ from ..artifacts.heartbeat import HeartbeatWriter
 from ..artifacts.sink import RecordNotEncodable, TelemetrySink
 from ..guard import Site, guarded, report_internal
 from ..schema import TelemetryEventV3
+from ..transport.frames import COLUMNAR
 
-__all__ = ["WIRE_KINDS", "RankOutputs"]
+__all__ = ["BUILT_COLUMNAR", "WIRE_KINDS", "RankOutputs"]
 
 WIRE_KINDS = ("telemetry", "spans", "marks", "snapshots", "heartbeat")
+BUILT_COLUMNAR = ("spans", "marks")  # queued as columnar rows already (``wire``)
 
 
 class RankOutputs:
@@ -74,7 +76,9 @@ class RankOutputs:
             self._wire["heartbeat"].append(record)
 
     def wire(self, kind: str, rows: list[Any]) -> None:
-        """Rows of ``kind`` (``WIRE_KINDS``) for the aggregator's next frame."""
+        """Rows of ``kind`` (``WIRE_KINDS``) for the aggregator's next frame: spans and marks as
+        the columnar rows the span recorder built with their spool records (``spans.SpanWireRow``,
+        ``MarkWireRow``), the others as records."""
         self._wire[kind].extend(rows)
 
     def ship(self) -> None:
@@ -82,5 +86,9 @@ class RankOutputs:
         if self.sender is None:
             return
         wire, self._wire = self._wire, {kind: [] for kind in WIRE_KINDS}
+        for kind in BUILT_COLUMNAR:
+            rows = wire.pop(kind)
+            if rows:
+                wire[kind] = {"columns": COLUMNAR[kind], "rows": rows}  # type: ignore[assignment]
         with guarded:
             self.sender.ship(wire)

@@ -23,7 +23,8 @@ __all__ = ["SpoolSealer"]
 class SpoolSealer:
     """Seals one rank's spool batches. ``gpu_timer`` returns the training state's GPU timer (set
     late, once CUDA is in use); ``wire(kind, rows)`` queues rows for the aggregator (None: no
-    aggregator); ``exporter`` submits each written batch over HTTP (None: no exporter)."""
+    aggregator): spans and marks as their wire rows (``spans.SpanWireRow``, ``MarkWireRow``),
+    snapshots as records; ``exporter`` submits each written batch over HTTP (None: no exporter)."""
 
     def __init__(self, spans: SpanRecorder, snapshot_rows: BoundedTable[tuple[list[dict[str, Any]], Any]],
                  spool: SpoolWriter, run_dir: Path, *, gpu_timer: Callable[[], Any],
@@ -44,18 +45,22 @@ class SpoolSealer:
         spool batch holds them too."""
         if self._wire is None:
             return
-        spans = self.spans.span_records(self._gpu_timer(), final=False)
-        marks = self.spans.mark_records()
-        self._shipped_spans.extend(spans)
-        self._shipped_marks.extend(marks)
-        self._wire("spans", spans)
-        self._wire("marks", marks)
+        span_rows: list[Any] = []
+        mark_rows: list[Any] = []
+        self._shipped_spans.extend(self.spans.span_records(self._gpu_timer(), final=False, rows=span_rows))
+        self._shipped_marks.extend(self.spans.mark_records(rows=mark_rows))
+        self._wire("spans", span_rows)
+        self._wire("marks", mark_rows)
 
     def seal(self, final: bool = False) -> None:
         """Writes closed spans (those whose GPU time is resolved), marks and snapshots as a batch."""
-        # Records (msgspec Structs) are built here, on this thread, by the recorder (spans.py).
-        fresh_spans: list[Any] = self.spans.span_records(self._gpu_timer(), final=final)
-        fresh_marks: list[Any] = self.spans.mark_records()
+        # Records (msgspec Structs) are built here, on this thread, by the recorder (spans.py), in
+        # one pass with their wire rows when there is an aggregator.
+        wire = self._wire is not None
+        span_rows: list[Any] | None = [] if wire else None
+        mark_rows: list[Any] | None = [] if wire else None
+        fresh_spans: list[Any] = self.spans.span_records(self._gpu_timer(), final=final, rows=span_rows)
+        fresh_marks: list[Any] = self.spans.mark_records(rows=mark_rows)
         spans = self._shipped_spans + fresh_spans
         marks = self._shipped_marks + fresh_marks
         self._shipped_spans, self._shipped_marks = [], []
@@ -68,8 +73,8 @@ class SpoolSealer:
                 with guarded:
                     write_blobs(job, self.run_dir / "snapshots" / job.span_id)
         if self._wire is not None:
-            self._wire("spans", fresh_spans)
-            self._wire("marks", fresh_marks)
+            self._wire("spans", span_rows)
+            self._wire("marks", mark_rows)
             self._wire("snapshots", snapshots)
         roots: list[Any] = []
         if final:

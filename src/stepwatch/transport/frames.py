@@ -7,8 +7,10 @@ to the rows appended since the last frame. The receiver also accepts the legacy 
 A table is either a list of row maps, or columnar: ``{"columns": [name, ...], "rows": [[value,
 ...], ...]}``, which means the row maps ``dict(zip(columns, row))``, except that the JSON-typed
 field of telemetry, spans and marks (``JSON_FIELD``) is carried as its JSON text. The sender
-ships telemetry, spans and marks columnar in the store's column order (``columnar_table``), so
-the aggregator decodes them into the tuples it binds, with no map or Struct per row.
+ships telemetry, spans and marks columnar in the store's column order, so the aggregator decodes
+them into the tuples it binds, with no map or Struct per row: telemetry through
+``columnar_table``, spans and marks as the rows the rank's span recorder built in the same pass as
+their spool records (``capture.spans.SpanWireRow``, ``MarkWireRow``).
 """
 
 from __future__ import annotations
@@ -117,9 +119,17 @@ class Message(msgspec.Struct, frozen=True):
         return sum(len(rows) for rows in self.tables.values())
 
 
-def encode_frame(meta: Mapping[str, Any], tables: Mapping[str, list[Any]]) -> bytes:
-    body = _encoder.encode({"meta": meta, "body": {"tables": tables}})
-    return len(body).to_bytes(4, "big") + body
+def encode_frame(meta: Mapping[str, Any], tables: Mapping[str, Any], buffer: bytearray | None = None) -> bytes:
+    """One frame: the length prefix and the msgpack body. ``buffer``: a bytearray the caller
+    keeps from frame to frame, encoded into after its first 4 bytes and copied out once (a
+    frame of a second's rows grown by reallocation, then prefixed, was copied three times)."""
+    payload = {"meta": meta, "body": {"tables": tables}}
+    if buffer is None:
+        body = _encoder.encode(payload)
+        return len(body).to_bytes(4, "big") + body
+    _encoder.encode_into(payload, buffer, 4)
+    buffer[:4] = (len(buffer) - 4).to_bytes(4, "big")
+    return bytes(buffer)
 
 
 def _sender(meta: dict[str, Any], default_session: str | None) -> dict[str, Any]:

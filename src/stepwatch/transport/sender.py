@@ -35,6 +35,7 @@ class FrameSender:
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
         self._queue: deque[tuple[bytes, int]] = deque()
+        self._buffer = bytearray()  # each frame is encoded here, then copied into the queue
         self.max_frames = max_frames
         self._sock: socket.socket | None = None
         self._seq = itertools.count()
@@ -47,15 +48,17 @@ class FrameSender:
         self.connects = 0
         self.last_error: str | None = None
 
-    def ship(self, tables: Mapping[str, list[Any]]) -> None:
-        """Queues one frame of the rows new since the last call, then sends what it can."""
+    def ship(self, tables: Mapping[str, list[Any] | dict[str, Any]]) -> None:
+        """Queues one frame of the rows new since the last call, then sends what it can. A table
+        is a list of rows, or a columnar table already built (``{"columns", "rows"}``)."""
         tables = {k: v for k, v in tables.items() if v}
         if tables:
-            rows = sum(len(v) for v in tables.values())
+            rows = sum(len(v["rows"]) if type(v) is dict else len(v) for v in tables.values())
             # telemetry, spans and marks go columnar (frames.columnar_table): half the bytes, and
             # the aggregator decodes them into the tuples it stores with no per-row work
-            tables = {k: columnar_table(k, v) or v for k, v in tables.items()}
-            frame = encode_frame({**self.meta, "seq": next(self._seq), "sent_ns": time.time_ns()}, tables)
+            tables = {k: v if type(v) is dict else columnar_table(k, v) or v for k, v in tables.items()}
+            frame = encode_frame({**self.meta, "seq": next(self._seq), "sent_ns": time.time_ns()}, tables,
+                                 self._buffer)
             if len(self._queue) >= self.max_frames:
                 _, lost = self._queue.popleft()
                 self.frames_dropped += 1
