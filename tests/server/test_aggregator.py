@@ -199,6 +199,31 @@ def test_sigterm_stops_promptly_with_clients_still_connected(aggregator: Aggrega
         sender.close(0.1)
 
 
+def test_sigterm_stops_promptly_when_nobody_reads_its_event_lines(aggregator: Aggregator) -> None:
+    """A reader that takes the ready line and then reads no more (a benchmark, a stuck launcher):
+    the alert lines fill the pipe, and the aggregator must still write every row it received and
+    stop on SIGTERM. Before, its event loop blocked in write(): no flush, no SIGTERM handled."""
+    import fcntl
+
+    assert aggregator.proc.stdout is not None
+    fcntl.fcntl(aggregator.proc.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a 4 KiB pipe, the least
+    ranks = 8  # each hangs up without a stop record: 8 RANK_LOST alerts, about 1.5 KiB of line each
+    for rank in range(ranks):
+        sender = FrameSender(aggregator.tcp, {**rank_meta(rank), "world_size": ranks})
+        sender.ship(rank_tables(rank, 0))
+        assert sender.frames_sent == 1
+        sender.close(0.1)
+    store = aggregator.out / "history.sqlite"
+    assert wait_for(lambda: store.exists() and query(store, "SELECT COUNT(*) FROM marks")[0][0] == ranks * STEPS_PER_FRAME)
+    started = time.monotonic()
+    stats = aggregator.stop(timeout=15)  # its last check calls the 8 ranks lost: 8 lines at once
+    assert time.monotonic() - started < 10
+    assert query(store, "SELECT COUNT(*) FROM marks")[0][0] == ranks * STEPS_PER_FRAME
+    assert query(store, "SELECT COUNT(*) FROM alerts WHERE kind = 'RANK_LOST'")[0][0] == ranks
+    assert stats["rows_written"] == stats["rows_accepted"] + ranks
+    assert stats["event_lines_dropped"] == 0  # queued, not dropped: only a pipe nobody reads kept them
+
+
 def test_writer_outlives_a_failed_write(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A write SQLite refuses (here a trigger) loses that tick's rows, counted; later ticks land."""
     import asyncio

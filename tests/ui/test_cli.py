@@ -34,8 +34,10 @@ class Result(msgspec.Struct):
         return json.loads(self.out)
 
 
-def stepwatch(*args: str, cwd: Path) -> Result:
+def stepwatch(*args: str, cwd: Path, columns: int | None = None) -> Result:
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE")}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
     proc = subprocess.run([*COMMAND, *args], cwd=cwd, capture_output=True, timeout=60, env=env)
     return Result(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 
@@ -196,6 +198,22 @@ def test_sessions_table(two_sessions: tuple, tmp_path: Path) -> None:
     assert "*" in rows[newer] and "*" not in rows[older]
     assert "completed" in rows[newer] and "│ 6 " in rows[newer] and "│ 5 " in rows[older]
     assert "default session" in result.out
+
+
+def test_sessions_table_fits_an_80_column_terminal(two_sessions: tuple, tmp_path: Path) -> None:
+    """At 80 columns the table folds to the narrow layout: nothing cut, each id whole on a line."""
+    root, older, newer = two_sessions
+    result = stepwatch("sessions", "sink", cwd=tmp_path, columns=80)
+    assert result.code == 0, result
+    assert max(map(len, result.out.splitlines())) <= 80, result.out
+    assert "…" not in result.out
+    for sid, events in ((older, 5), (newer, 6)):
+        assert any(sid in line for line in result.out.splitlines()), result.out
+        assert f"{events} events" in result.out
+    assert sum(line.count("│ completed ") for line in result.out.splitlines()) == 2
+    # wide enough, the one-row table stays
+    wide = stepwatch("sessions", "sink", cwd=tmp_path, columns=200)
+    assert any(newer in line and "completed" in line for line in wide.out.splitlines()), wide.out
 
 
 def test_sessions_json(two_sessions: tuple, tmp_path: Path) -> None:

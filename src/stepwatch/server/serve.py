@@ -14,10 +14,12 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import sqlite3
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
 
     store = SqliteStore(run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
-                            retention_ns=retention_ns, emit=_event_writer(ready), watchdog=_watchdog(run_dir, watch))
+                            retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
     tcp = runner = ui_runner = None
     http_bound = ui_url = None
     try:
@@ -95,10 +97,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     writer = asyncio.create_task(aggregator.write_loop())
     watcher = asyncio.create_task(aggregator.watch_loop())
     live = _start_live_verdicts(aggregator, run_dir, loop)
-    ready.write(json.dumps({"event": "ready", "tcp": f"{host}:{tcp_port}",
-                            "http": f"{host}:{http_bound}" if http_bound else None, "ui": ui_url,
-                            "store": str(run_dir / "history.sqlite"), "pid": os.getpid()}) + "\n")
-    ready.flush()
+    ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
+                 "ui": ui_url, "store": str(run_dir / "history.sqlite"), "pid": os.getpid()})
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
     assert tcp is not None
     tcp.close()
@@ -175,16 +175,67 @@ def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractE
     return live
 
 
-def _event_writer(stream: Any) -> Any:
-    """Writes one live event as a JSON line after the ready line (see ``Aggregator.emit``)."""
-    def emit(message: dict[str, Any]) -> None:
-        try:
-            stream.write(json.dumps(message, default=str) + "\n")
-            stream.flush()
-        except (OSError, ValueError):  # nobody reads it any more
-            pass
+class EventLines:
+    """The aggregator's stdout: the ready line, each live event (``Aggregator.emit``: alerts,
+    verdicts) and the stopped line, as JSON lines written on a thread of their own.
 
-    return emit
+    Why a thread: a reader that stops reading (a pipe nobody drains once it has the ready line,
+    a stuck launcher) made ``write`` block once the pipe's 64 KiB were full, and it blocked the
+    event loop: ingestion stalled, SIGTERM was never handled and the rows waiting were never
+    written (64 RANK_LOST alerts are 96 KiB). Now the loop only queues a line; past
+    ``max_lines`` waiting, a line is dropped and counted (``event_lines_dropped``). The thread
+    writes to a duplicate of the stream's descriptor with ``os.write``, so one blocked in a full
+    pipe holds no lock of ``sys.stdout`` that the interpreter's exit would wait on."""
+
+    def __init__(self, stream: Any, max_lines: int = 10_000) -> None:
+        self._stream = stream
+        self._fd: int | None = None
+        try:
+            stream.flush()
+            self._fd = os.dup(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # a stream with no descriptor (a test's StringIO)
+            self._fd = None
+        self._queue: queue.Queue[str | None] = queue.Queue(max_lines)
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="stepwatch-event-lines", daemon=True)
+        self._thread.start()
+
+    def write(self, message: dict[str, Any]) -> None:
+        """Queues one line; never blocks (any thread: the loop, the live verdicts' thread)."""
+        try:
+            self._queue.put_nowait(json.dumps(message, default=str) + "\n")
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        broken = False
+        while (line := self._queue.get()) is not None:
+            if broken:
+                continue
+            try:
+                if self._fd is None:
+                    self._stream.write(line)
+                    self._stream.flush()
+                    continue
+                data = line.encode()
+                while data:
+                    data = data[os.write(self._fd, data):]
+            except (OSError, ValueError):  # nobody reads it any more
+                broken = True
+
+    def close(self, timeout: float = 2.0) -> bool:
+        """Waits up to ``timeout`` for the queued lines to be written; False when a reader that
+        does not read kept them (the process exits anyway, the stats file holds the counters)."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        if self._fd is not None:
+            os.close(self._fd)
+        return True
 
 
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
@@ -198,14 +249,18 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
     the dashboard (docs/dashboard.md) on that port (0: any free)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
-    ready = ready or sys.stdout
-    stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, ready, session_id,
-                               retention_ns, say_losses, watch, ui_port))
-    _write_stats(run_dir, stats, ready)
+    lines = EventLines(ready or sys.stdout)
+    try:
+        stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, lines, session_id,
+                                   retention_ns, say_losses, watch, ui_port))
+        stats["event_lines_dropped"] = lines.dropped
+        _write_stats(run_dir, stats, lines)
+    finally:
+        lines.close()
     return stats
 
 
-def _write_stats(run_dir: Path, stats: dict[str, Any], ready: Any) -> None:
+def _write_stats(run_dir: Path, stats: dict[str, Any], ready: EventLines) -> None:
     """``aggregator_stats.json``, and the same counters as a last JSON line after the ready line,
     so a launcher learns them even when the disk is too full to hold the file."""
     from ..artifacts._files import atomic_write_bytes
@@ -214,11 +269,7 @@ def _write_stats(run_dir: Path, stats: dict[str, Any], ready: Any) -> None:
         atomic_write_bytes(run_dir / "aggregator_stats.json", json.dumps(stats, indent=2).encode(), fsync=False)
     except OSError as exc:
         stats["stats_file_error"] = f"{exc.strerror or exc}"
-    try:
-        ready.write(json.dumps({"event": "stopped", "stats": stats}) + "\n")
-        ready.flush()
-    except (OSError, ValueError):  # nobody reads it any more (stdout closed)
-        pass
+    ready.write({"event": "stopped", "stats": stats})
 
 
 def main(argv: list[str] | None = None) -> None:

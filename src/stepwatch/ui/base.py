@@ -3,7 +3,10 @@ turning of stepwatch's own errors into one line on stderr."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import textwrap
 from collections.abc import Callable
 from functools import wraps
 from typing import Any, TypeVar
@@ -20,12 +23,49 @@ EXIT_INVALID = 1
 EXIT_UNREADABLE = 2
 
 
+PIPED_WIDTH = 160
+
+
+def _columns(stderr: bool = False) -> int | None:
+    """The width to fit the output to: the terminal's; on a pipe, ``COLUMNS`` where it is set
+    (a wrapper that shows the output in a terminal of that width, a test); else None."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return shutil.get_terminal_size().columns
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
+def _soft_wrap(stderr: bool = False) -> bool:
+    """Whether a long line may stay one line: only on a pipe nobody gave a width (a wide log)."""
+    return _columns(stderr) is None
+
+
 def _console(stderr: bool = False) -> Any:
     from rich.console import Console
 
-    stream = sys.stderr if stderr else sys.stdout
-    # Piped output is read by people in wide logs: do not wrap ids at 80 columns.
-    return Console(stderr=stderr, highlight=False, width=None if stream.isatty() else 160)
+    # Piped output is read by people in wide logs: do not wrap ids at 80 columns, unless COLUMNS
+    # says how wide the reader is.
+    columns = _columns(stderr)
+    tty = (sys.stderr if stderr else sys.stdout).isatty()
+    return Console(stderr=stderr, highlight=False, width=None if tty else (columns or PIPED_WIDTH))
+
+
+def _fit_text(text: str, stderr: bool = False) -> str:
+    """Plain text (a summary, an explanation) folded to the reader's width, each folded line
+    indented under its own start plus two, so nothing a terminal shows is cut; unchanged on a
+    pipe with no width (the files and logs keep one line per fact)."""
+    width = _columns(stderr)
+    if width is None:
+        return text
+    out: list[str] = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
+        out += textwrap.wrap(line, width=width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 def _print_json(value: Any) -> None:

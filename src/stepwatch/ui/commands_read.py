@@ -79,19 +79,30 @@ def sessions(path: str, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=f"Sessions in {path}", title_justify="left")
-    for column in ("", "session", "status", "ranks", "events", "first", "duration", "host", "source"):
-        table.add_column(column, no_wrap=column in ("session", "status", "first"))
+    console = _console()
     colours = {"completed": "green", "interrupted": "yellow", "incomplete": "red", "running": "cyan"}
+    rows = []
     for i, s in enumerate(loaded):
         m = s.summary
         span = (m.last_timestamp_ns - m.first_timestamp_ns) / 1e9 if m.first_timestamp_ns and m.last_timestamp_ns else None
-        table.add_row(
-            "*" if i == 0 else "", m.session_id, f"[{colours.get(m.status, 'white')}]{m.status}[/]",
-            ",".join(map(str, m.ranks)) or "-", str(m.event_count), fmt_ns(m.first_timestamp_ns),
-            fmt_duration(span), m.host, m.source,
-        )
-    console = _console()
+        rows.append(("*" if i == 0 else "", m.session_id, f"[{colours.get(m.status, 'white')}]{m.status}[/]",
+                     ",".join(map(str, m.ranks)) or "-", str(m.event_count), fmt_ns(m.first_timestamp_ns),
+                     fmt_duration(span), m.host, m.source))
+    table = Table(title=f"Sessions in {path}", title_justify="left")
+    for column in ("", "session", "status", "ranks", "events", "first", "duration", "host", "source"):
+        table.add_column(column, no_wrap=column in ("session", "status", "first"))
+    for row in rows:
+        table.add_row(*row)
+    if console.measure(table, options=console.options.update_width(10_000)).maximum > console.width:
+        # A narrow terminal (80 columns): one column of facts beside the session id, so nothing
+        # is cut and the id stays whole (people copy it into --session).
+        table = Table(title=f"Sessions in {path}", title_justify="left")
+        table.add_column("")
+        table.add_column("session", no_wrap=True)
+        table.add_column("ranks, events, first, duration, host, source", overflow="fold")
+        for mark, sid, status, ranks, events, first, duration, host, source in rows:
+            table.add_row(mark, f"{sid}\n{status}",
+                          f"ranks {ranks}, {events} events\nfirst {first}\n{duration}, host {host}\n{source}")
     console.print(table)
     console.print("* default session: newest completed, then interrupted, then incomplete")
     for s in loaded:

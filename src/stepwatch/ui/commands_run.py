@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from .base import _console, _print_json, _reports_errors
+from .base import _console, _fit_text, _print_json, _reports_errors, _soft_wrap
 from .commands_verdicts import load_cli_policy, policy_options
 from .commands_watch import watchdog_options
 
@@ -79,14 +79,15 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
 
     console = _console(stderr=True)
     view = _run_view(console, view_mode, view_every)
-    echo = view.print if view is not None else (lambda line: console.print(line, markup=False, soft_wrap=True))
+    soft = _soft_wrap(stderr=True)
+    echo = view.print if view is not None else (lambda line: console.print(line, markup=False, soft_wrap=soft))
     code, run_dir, summary = launch(LaunchOptions(script=list(script), **options), echo=echo, view=view)
     if view is not None:
         view.finish()  # the plain line's last word: the final figures and the diagnosis's verdict
     if summary is not None and not quiet:
         from ..analysis.summary import render_summary_text
 
-        sys.stdout.write(render_summary_text(summary))  # from memory: a full disk may not hold the file
+        sys.stdout.write(_fit_text(render_summary_text(summary)))  # from memory: a full disk may not hold the file
     if write_html:
         _write_html_report(run_dir, options.get("session_id"), console)
     console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
@@ -115,9 +116,9 @@ def _write_html_report(run_dir: Path, session_id: str | None, console: Any) -> N
     try:
         target = write_report(run_dir)
     except (StepwatchError, OSError) as exc:
-        console.print(f"[stepwatch] report not written: {exc}", markup=False, soft_wrap=True)
+        console.print(f"[stepwatch] report not written: {exc}", markup=False, soft_wrap=_soft_wrap(stderr=True))
         return
-    console.print(f"[stepwatch] report: {target.resolve()}", markup=False, soft_wrap=True)
+    console.print(f"[stepwatch] report: {target.resolve()}", markup=False, soft_wrap=_soft_wrap(stderr=True))
 
 
 # What may come before the script: python's ``-m MODULE`` (torchrun takes it too).

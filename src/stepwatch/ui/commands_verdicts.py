@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .base import _print_json, _reports_errors
+from .base import _fit_text, _print_json, _reports_errors
 
 __all__ = ["explain", "load_cli_policy", "open_run_history", "policy_options"]
 
@@ -129,7 +129,7 @@ def explain(run_dir: Path, session_id: str | None, window: int | None, as_json: 
     if as_json:
         _print_json(result)
         return
-    sys.stdout.write(render_explain_text(result))
+    sys.stdout.write(_fit_text(render_explain_text(result)))
 
 
 def render_explain_text(result: Mapping[str, Any]) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .base import _console, _reports_errors
+from .base import _console, _reports_errors, _soft_wrap
 
 __all__ = ["report", "ui", "ui_token"]
 
@@ -73,5 +73,5 @@ def report(run_dir: Path, out: Path | None, session_id: str | None) -> None:
             raise click.BadParameter(str(exc), param_hint="--session") from None
     target = write_report(run_dir, out, session_id)
     _console(stderr=True).print(f"[stepwatch] report: {target.resolve()} ({target.stat().st_size / 2**20:.1f} MiB)",
-                                markup=False, soft_wrap=True)
+                                markup=False, soft_wrap=_soft_wrap(stderr=True))
     sys.stdout.write(f"{target}\n")

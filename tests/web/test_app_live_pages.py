@@ -1,0 +1,52 @@
+"""A running run's page while its store changes at every write: the dashboard builds it again at
+most once per few build times (the aggregator's writer shares the process), and never serves a
+page of a run that has ended as running."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from stepwatch.store.sqlite import SqliteStore
+from stepwatch.views.sources import Catalog
+from stepwatch.web import app as web_app
+from tests.support.history import write_run
+
+
+def _stamp(path: Path) -> tuple[object, ...]:
+    return web_app._stamp(path)
+
+
+def test_a_running_page_is_reused_while_young_and_rebuilt_once_the_run_ends(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite"
+    with SqliteStore(path) as store:
+        write_run(store, "live", 2, 50, status="running")
+    dashboard = web_app.Dashboard(Catalog(tmp_path))
+    first = dashboard._run_page("live")
+    assert first["session"]["status"] == "running"
+    before = _stamp(path)
+    with SqliteStore(path) as store:  # the store changes under the open page (another session writes)
+        write_run(store, "other", 1, 20, status="running")
+    assert _stamp(path) != before  # so the stamped cache would build the page again
+    assert dashboard._run_page("live") is first
+    with SqliteStore(path) as store:
+        store.upsert_session({"session_id": "live", "status": "completed", "started_at_ns": None, "ended_at_ns": None,
+                              "host": None, "world_size": None, "source": None, "command_line": None})
+    ended = dashboard._run_page("live")
+    assert ended is not first and ended["session"]["status"] == "completed"
+
+
+def test_an_old_running_page_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "history.sqlite"
+    with SqliteStore(path) as store:
+        write_run(store, "live", 2, 50, status="running")
+    monkeypatch.setattr(web_app, "_LIVE_REUSE_MIN_S", 0.05)
+    monkeypatch.setattr(web_app, "_LIVE_REUSE_FACTOR", 0.0)
+    dashboard = web_app.Dashboard(Catalog(tmp_path))
+    first = dashboard._run_page("live")
+    with SqliteStore(path) as store:
+        write_run(store, "other", 1, 20, status="running")
+    time.sleep(0.1)  # past the (shortened) reuse window: nothing to await, the clock is the rule
+    assert dashboard._run_page("live") is not first
