@@ -258,6 +258,9 @@ def test_openapi_document(server: Aggregator) -> None:
 
 
 def test_healthz_counts(server: Aggregator) -> None:
+    # its own accepted and refused requests: under xdist the module's other tests may run elsewhere
+    assert post(server.http, full_batch(), session_header()).status == 202
+    assert post(server.http, full_batch(), {"Authorization": "Bearer wrong"}).status == 401
     resp = request(server.http, "GET", "/healthz")
     assert resp.status == 200
     health = resp.json()
