@@ -28,14 +28,14 @@ from typing import Any
 from ..guard import Site, report_internal
 from .spans import MarkRow, OpenSpan, SpanRecorder, mark_value
 
-__all__ = ["GRAD_NORM_SOURCE", "LOSS_SOURCE", "InferredMetrics"]
+__all__ = ["GRAD_NORM_SOURCE", "LOSS_ATTRS", "LOSS_SOURCE", "PENDING_MAX", "InferredMetrics"]
 
 LOSS_SOURCE = "backward root"
 GRAD_NORM_SOURCE = "clip_grad_norm_"
-_LOSS_ATTRS = {"source": LOSS_SOURCE, "inferred": True}
+LOSS_ATTRS = {"source": LOSS_SOURCE, "inferred": True}
 _NORM_ATTRS = {"source": GRAD_NORM_SOURCE, "inferred": True}
 _NORM_SCALER_ATTRS = {**_NORM_ATTRS, "scaler": True}
-_PENDING_MAX = 4096  # values not yet read; past it the newest are dropped (counted)
+PENDING_MAX = 4096  # values not yet read; past it the newest are dropped (counted)
 _SLOTS_MAX = 64  # pinned host slots per dtype for device values in flight
 _time_ns = time.time_ns
 
@@ -79,7 +79,7 @@ class InferredMetrics:
         if scaled is not None and scaled[0] is root:
             root = scaled[1]
             self.scaled = None
-        self._note(local, "loss", root, _LOSS_ATTRS)
+        self._note(local, "loss", root, LOSS_ATTRS)
 
     def grad_norm(self, local: Any, norm: Any) -> None:
         """What ``clip_grad_norm_`` returned."""
@@ -90,7 +90,7 @@ class InferredMetrics:
         lands: the running step), except when that is a step whose optimizer step has returned
         (kept open for marks; a loop with no DataLoader holds the next iteration's phases until
         its optimizer step makes their step): then on the step the next optimizer step makes."""
-        if len(self.pending) >= _PENDING_MAX:
+        if len(self.pending) >= PENDING_MAX:
             self.dropped += 1
             return
         value = self._read(tensor)

@@ -83,6 +83,7 @@ class _Forwards(enum.Enum):
 _IDLE, _RUNNING, _DONE = StepState.IDLE, StepState.RUNNING, StepState.DONE
 _UNKNOWN, _OPTIMIZER, _BACKWARD = Mode.UNKNOWN, Mode.OPTIMIZER, Mode.BACKWARD
 _FWD_NONE, _FWD_EVAL, _FWD_GRAD = _Forwards.NONE, _Forwards.EVAL, _Forwards.GRAD
+_IMPLICIT = {"implicit": True}  # an inferred step's attrs, shared (never changed in place: replaced)
 
 
 class ThreadBook(Protocol):
@@ -179,7 +180,8 @@ class StepMachine:
         self.state = _RUNNING
 
     def closed(self) -> int:
-        """The inferred step closed; returns where it ended when it was DONE (else 0)."""
+        """The inferred step closed; returns where it ended when it was DONE (else 0).
+        ``TrainingState.close_step`` does the same inline (one call fewer a step)."""
         done_ns, self.done_ns = self.done_ns, 0
         self.state = _IDLE
         return done_ns
@@ -206,8 +208,15 @@ class StepMachine:
                 self.flush()
             return
         state = self.state
-        if state is _IDLE:
-            if self._open(start_ns=now) is not None and self.watch:
+        if state is _IDLE:  # IDLE -> RUNNING: ``_open`` inline (the first phase of every step)
+            step = host.open_step(None, _IMPLICIT, implicit=True, start_ns=now, local=local, by_machine=True)
+            if step is not None:
+                self.state = _RUNNING
+            self.watch = watch = self.mode is not _OPTIMIZER
+            self.it_fwd, self.it_bwd = _FWD_NONE, False
+            if local.step_opts:
+                local.step_opts = {}
+            if step is not None and watch:
                 self._iteration_phase(name)
             return
         if state is _DONE:  # hold until the next event decides
@@ -230,7 +239,9 @@ class StepMachine:
         self.eval_ids.add(span.id)
 
     def optimizer(self, label: str) -> None:
-        """An optimizer's step begins (before its phase opens); ``label`` names the optimizer."""
+        """An optimizer's step begins (before its phase opens); ``label`` names the optimizer.
+        Not called in OPTIMIZER mode outside DONE, where it changes nothing
+        (``TrainingState.optimizer_pre``)."""
         host, local = self.host, self.local
         if local.step is None:
             self.mode = _OPTIMIZER
@@ -257,7 +268,8 @@ class StepMachine:
         """RUNNING -> DONE: the inferred step's optimizer step returned at ``end_ns``. The step ends
         here but stays open for the marks made after ``optimizer.step()``; the next event decides
         what follows. It is done: numbered and reported now (heartbeat, step ledger), not when it
-        closes, which a killed rank may never reach."""
+        closes, which a killed rank may never reach. ``TrainingState.phase_end`` does the same
+        inline (one call fewer a step): a change here goes there too."""
         host = self.host
         self.local.live = None
         self.state = _DONE
@@ -272,7 +284,7 @@ class StepMachine:
         of gradient accumulation), False when the step closed first."""
         step = self.local.step
         assert step is not None
-        if self.state is _DONE:
+        if self.state is _DONE:  # nothing held: TrainingState.record_fetch closed it inline
             self._resolve_done(reopen=False)
             return False
         times = step.phase_ns
@@ -371,8 +383,9 @@ class StepMachine:
     # -- transitions ---------------------------------------------------------------------------------
 
     def _open(self, start_ns: int | None = None) -> OpenSpan | None:
-        """IDLE -> RUNNING: a step opens at the pending fetch, else at ``start_ns``, else now."""
-        step = self.host.open_step(None, {"implicit": True}, implicit=True, start_ns=start_ns, local=self.local,
+        """IDLE -> RUNNING: a step opens at the pending fetch, else at ``start_ns``, else now.
+        ``phase`` does the same inline: a change here goes there too."""
+        step = self.host.open_step(None, _IMPLICIT, implicit=True, start_ns=start_ns, local=self.local,
                                    by_machine=True)
         if step is not None:
             self.state = _RUNNING

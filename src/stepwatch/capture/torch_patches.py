@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from ..guard import Site, report_internal
-from .inferred_metrics import InferredMetrics
+from .inferred_metrics import LOSS_ATTRS, PENDING_MAX, InferredMetrics
 from .program_settings import ProgramSettings
 from .training import TrainingState
 
@@ -123,6 +123,7 @@ class TorchPatches:
         forward_open = contextvars.ContextVar("stepwatch_forward_open", default=False)
         is_open = _getter(forward_open)
         set_open = forward_open.set
+        direct = _is_torch_dispatch(self.torch, original)
 
         def outer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             """A call with no forward open on this thread (by this wrapper)."""
@@ -151,7 +152,7 @@ class TorchPatches:
             local.in_forward = True
             set_open(True)
             try:
-                return original(module, *args, **kwargs)
+                return original(module, *args, **kwargs)  # torch's own frame stays in a traceback
             finally:
                 set_open(False)
                 local.in_forward = False
@@ -168,9 +169,9 @@ class TorchPatches:
         # cells (each cell is copied into, and cleared from, every frame: the
         # outer call's bookkeeping lives in ``outer``). In a traceback through a submodule this
         # frame stands where torch's ``_wrapped_call_impl`` stood.
-        if _is_torch_dispatch(self.torch, original):
+        if direct:
             def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
-                if is_open():
+                if is_open() or isinstance(module, loss_type):  # a loss module is no forward either
                     if module._compiled_call_impl is None:
                         return module._call_impl(*args, **kwargs)
                     return module._compiled_call_impl(*args, **kwargs)
@@ -192,7 +193,11 @@ class TorchPatches:
         state = self.state
         threads = state.threads
         tensor = self.torch.Tensor
-        loss = self.inferred.loss
+        inferred = self.inferred
+        loss = inferred.loss
+        pending = inferred.pending
+        loss_attrs = LOSS_ATTRS
+        time_ns = time.time_ns
 
         def backward(*args: Any, **kwargs: Any) -> Any:
             local = threads.me
@@ -218,7 +223,15 @@ class TorchPatches:
             root = args[0] if args else kwargs.get("tensors")
             if isinstance(root, tensor) and root.ndim == 0:
                 try:
-                    loss(local, root)
+                    stack = local.stack
+                    if (root.is_cpu and local.live is not None and stack and inferred.scaled is None
+                            and len(pending) < PENDING_MAX):
+                        # The usual backward of a training step, inline (``InferredMetrics.loss``
+                        # without its three calls): a host scalar read at once, onto the
+                        # innermost open span.
+                        pending.append((stack[-1], "loss", root.item(), time_ns(), loss_attrs))
+                    else:
+                        loss(local, root)
                 except Exception as exc:  # noqa: BLE001
                     report_internal(exc, Site.INFERRED_LOSS)
             return result

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from ..guard import Site, report_internal
 from .spans import PHASES, ROOT_SENTINEL, MarkRow, OpenSpan, SpanRecorder, cut_utf8, mark_value, step_attrs
-from .step_inference import StepHost, StepMachine
+from .step_inference import Mode, StepHost, StepMachine, StepState
 
 __all__ = [
     "FRAMEWORK_PRIORITY", "TrainingState", "activate", "batches", "epochs", "inference", "mark",
@@ -59,6 +59,8 @@ FRAMEWORK_PRIORITY = {"transformers": 3, "lightning": 2, "torch": 1}
 _PRE_INIT_MARKS_MAX = 1024
 _NO_PHASE_TIME = dict.fromkeys(PHASES, 0)  # copied for each step: a small dict's copy beats fromkeys
 _time_ns = time.time_ns
+# The step machine's states and mode that the hot paths below test or set inline (a call fewer).
+_IDLE, _DONE, _OPTIMIZER = StepState.IDLE, StepState.DONE, Mode.OPTIMIZER
 
 _state: TrainingState | None = None
 _pre_init_marks: deque[MarkRow] = deque(maxlen=_PRE_INIT_MARKS_MAX)
@@ -233,7 +235,11 @@ class TrainingState:
                     self.on_new_optimizer(optimizer)  # its settings (program_settings.py)
             local.opt_label = label
             local.opt_nested = 0
-            local.machine.optimizer(label)
+            machine = local.machine
+            if machine.mode is not _OPTIMIZER or machine.state is _DONE:
+                # Else (an optimizer loop's every step after its first) the machine would change
+                # nothing: one call fewer a step.
+                machine.optimizer(label)
             local.optimizer_token = self.phase_begin(local, "optimizer_step")
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.PATCH_OPTIMIZER)
@@ -298,8 +304,15 @@ class TrainingState:
                     opts = local.step_opts
                     opts[local.opt_label] = opts.get(local.opt_label, 0) + duration - local.opt_nested
                     local.opt_nested = 0
-                    if local.implicit:  # RUNNING -> DONE (step_inference)
-                        local.machine.optimizer_done(step, end_ns)
+                    if local.implicit:  # RUNNING -> DONE: StepMachine.optimizer_done, inline
+                        local.live = None
+                        machine = local.machine
+                        machine.state = _DONE
+                        machine.done_ns = step.end_ns = end_ns
+                        if step.index is None:
+                            step.index = next(self.steps)
+                        if self.on_step is not None:
+                            self.on_step(step.index + 1, step)
 
     def record_fetch(self, start_ns: int, end_ns: int, source: Any = None) -> None:
         """A batch fetch (from the DataLoader pass ``source``): a child of the open step, else
@@ -311,7 +324,13 @@ class TrainingState:
         step = local.step
         machine = local.machine
         if step is not None:
-            if not local.implicit or machine.fetch(start_ns):
+            if (local.implicit and machine.state is _DONE and not machine.held
+                    and not machine.eval_ids):
+                # StepMachine.fetch's usual case inline (a call fewer a step): the step that ended
+                # at its optimizer step, nothing held since, closes there.
+                machine.holding = False
+                self.close_step(step, None)
+            elif not local.implicit or machine.fetch(start_ns):
                 self._data_load_span(start_ns, end_ns)
                 return
         elif machine.held:
@@ -485,7 +504,10 @@ class TrainingState:
         implicit = local.implicit
         reported = False
         if implicit:
-            done_ns = local.machine.closed()
+            machine = local.machine  # StepMachine.closed(), inline: the step path's one call fewer
+            done_ns = machine.done_ns
+            machine.done_ns = 0
+            machine.state = _IDLE
             if done_ns:  # an inferred step kept open for marks: it ended at its optimizer step
                 end_ns = done_ns
         end_ns = end_ns or _time_ns()
