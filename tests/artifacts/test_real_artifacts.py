@@ -57,6 +57,7 @@ def _stormlog_oom_run(root: Path) -> dict[str, Path]:
     class FlakyDevice(DeviceMemoryCollector):
         def __init__(self) -> None:
             self.reads = 0
+            self.owner = threading.get_ident()  # the program's thread (a worker's own under xdist)
 
         def name(self) -> str:
             return "cuda"
@@ -78,7 +79,7 @@ def _stormlog_oom_run(root: Path) -> dict[str, Path]:
             self.reads += 1
             # the reads made with the program's own calls (its start and its phase) fail always, the
             # tracker thread's every third: which records get null counters does not hang on timing
-            if threading.current_thread() is threading.main_thread() or self.reads % 3 == 1:
+            if threading.get_ident() == self.owner or self.reads % 3 == 1:
                 raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
             rss = psutil.Process().memory_info().rss
             return DeviceMemorySample(allocated_bytes=rss, reserved_bytes=rss, used_bytes=rss, free_bytes=None,

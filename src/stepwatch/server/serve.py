@@ -28,6 +28,9 @@ from ..log import log_to_stderr
 
 __all__ = ["ListenError", "parse_duration", "serve"]
 
+# how long the dashboard (--ui-port) outlives the last flush: two of an open page's polls (one a
+# second), so a page open on the run takes its end instead of finding the server gone
+UI_LAST_POLL_S = 2.0
 RETENTION_ENV = "STEPWATCH_RETENTION"  # how ``stepwatch run --retention`` reaches the aggregator it starts
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -108,12 +111,13 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         await asyncio.to_thread(live.stop)
     if runner is not None:
         await runner.cleanup()
-    if ui_runner is not None:
-        await ui_runner.cleanup()
     await writer
     await watcher
     await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
     await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
+    if ui_runner is not None:  # last: an open page's next poll takes the run's end, then the page stops
+        await asyncio.sleep(UI_LAST_POLL_S)
+        await ui_runner.cleanup()
     if say_losses:
         aggregator.report_losses()
     stats = aggregator.stats()
