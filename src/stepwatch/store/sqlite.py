@@ -33,7 +33,19 @@ from ..schema.tables import TABLES as HISTORY_TABLES
 from .base import COLUMNS
 from .rows import row_tuples
 
-__all__ = ["SqliteStore"]
+__all__ = ["SESSION_RANKS", "SqliteStore"]
+
+# The ranks of session ?1 as the table `ranks(rank)` (a last NULL row ends it), one index seek a
+# rank down steps_unique (session, rank, step): SELECT DISTINCT would read every step row. The
+# prefix of a query that selects FROM ranks.
+SESSION_RANKS = """
+WITH RECURSIVE ranks(rank) AS (
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
+    UNION ALL
+    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
+    FROM ranks WHERE ranks.rank IS NOT NULL
+)
+"""
 
 _SQL_TYPES = {"text": "TEXT", "int": "INTEGER", "real": "REAL", "json": "TEXT"}
 # Every row table is stored as ``<table>_rows`` with an integer ``session_key`` where the others

@@ -23,8 +23,9 @@ from typing import Any
 from ..errors import StoreError
 from ..phases import PHASES, RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
+from ..store.sqlite import SESSION_RANKS
 from .downsample import CHART_POINTS, bucket_width, minmax, points_budget
-from .sources import final_summary_of, run_json_of
+from .sources import command_of, final_summary_of, run_json_of
 
 __all__ = ["UPDATE_LIMIT", "run_page", "run_updates", "step_spans"]
 
@@ -37,14 +38,7 @@ MIB = 2**20
 _OUTSIDE_AT = tuple(STEP_COLUMNS.index(p.column) for p in PHASES if not p.in_residual)
 _WAIT = STEP_COLUMNS.index(RESIDUAL.column)
 # each rank's last step, by seeks down steps_unique (session, rank, step) (as analysis/verdicts/inputs.py)
-_LAST_STEPS = """
-WITH RECURSIVE ranks(rank) AS (
-    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
-    UNION ALL
-    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
-    FROM ranks WHERE ranks.rank IS NOT NULL
-)
-SELECT rank,
+_LAST_STEPS = SESSION_RANKS + """SELECT rank,
        (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step LIMIT 1) AS first,
        (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step DESC LIMIT 1) AS last
 FROM ranks WHERE rank IS NOT NULL
@@ -74,19 +68,14 @@ def session_header(store: HistoryStore, session_id: str, run_dir: Path | None) -
     rows = store.query("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
     row = rows[0] if rows else {"session_id": session_id}
     run = run_json_of(run_dir, session_id)
-    command = run.get("command_line")
-    if command is None and row.get("command_line"):
-        try:
-            command = json.loads(row["command_line"])
-        except ValueError:
-            command = None
+    command = command_of(run, row)
     outcome = run.get("outcome")
     if outcome == "running" and row.get("status") not in (None, "running"):
         outcome = None  # the capture ended; the launcher writes how the training ended after it
     return {
         "session_id": session_id, "status": row.get("status"), "outcome": outcome,
         "error": run.get("error") if isinstance(run.get("error"), dict) else None,
-        "exit_code": run.get("exit_code"), "command": command if isinstance(command, list) else None,
+        "exit_code": run.get("exit_code"), "command": command,
         "started_at_ns": row.get("started_at_ns") or run.get("started_at_ns"),
         "ended_at_ns": row.get("ended_at_ns") or run.get("ended_at_ns"),
         "world_size": row.get("world_size"), "host": row.get("host"), "source": row.get("source"),

@@ -7,11 +7,10 @@ live verdict's last change): a list of many runs never re-diagnoses each one.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..errors import StepwatchError
-from .sources import Catalog, final_summary_of, run_json_of
+from .sources import Catalog, command_of, final_summary_of, run_json_of
 
 __all__ = ["runs_list"]
 
@@ -40,12 +39,7 @@ def _row(store: Any, session: dict[str, Any], run_dir: Any) -> dict[str, Any]:
 
     session_id = session["session_id"]
     run = run_json_of(run_dir, session_id)
-    command = run.get("command_line")
-    if command is None and session.get("command_line"):
-        try:
-            command = json.loads(session["command_line"])
-        except ValueError:
-            command = None
+    command = command_of(run, session)
     extents = last_steps(store, session_id)
     started, ended = session.get("started_at_ns"), session.get("ended_at_ns")
     summary = final_summary_of(run_dir, session_id)
@@ -72,7 +66,7 @@ def _row(store: Any, session: dict[str, Any], run_dir: Any) -> dict[str, Any]:
     else:
         ended_for_duration = ended
     return {
-        "session_id": session_id, "command": " ".join(str(w) for w in command) if isinstance(command, list) else None,
+        "session_id": session_id, "command": " ".join(str(w) for w in command) if command is not None else None,
         "started_at_ns": started, "duration_s": round((ended_for_duration - started) / 1e9, 3)
         if isinstance(started, int) and isinstance(ended_for_duration, int) else None,
         "status": session.get("status"), "outcome": run.get("outcome"),

@@ -22,7 +22,7 @@ from ..errors import ArtifactError, StepwatchError
 from ..schema.limits import id_problem
 from ..store.base import HistoryStore
 
-__all__ = ["Catalog", "Located", "NoSuchSession", "check_session_id", "final_summary_of", "run_json_of"]
+__all__ = ["Catalog", "Located", "NoSuchSession", "check_session_id", "command_of", "final_summary_of", "run_json_of"]
 
 HISTORY = "history.sqlite"
 _STORE_SUFFIXES = (".sqlite", ".db")
@@ -185,6 +185,18 @@ def run_json_of(run_dir: Path | None, session_id: str) -> dict[str, Any]:
     """run.json of ``run_dir`` when it describes ``session_id`` ({} otherwise)."""
     data = _run_json(run_dir)
     return data if data.get("session_id") == session_id else {}
+
+
+def command_of(run: dict[str, Any], session: dict[str, Any]) -> list[str] | None:
+    """The run's command line: run.json's, else the sessions row's JSON text (a run with no
+    run.json, such as a `serve` session's)."""
+    command = run.get("command_line")
+    if command is None and session.get("command_line"):
+        try:
+            command = json.loads(session["command_line"])
+        except ValueError:
+            command = None
+    return command if isinstance(command, list) else None
 
 
 def final_summary_of(run_dir: Path | None, session_id: str) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ...store.base import HistoryStore
+from ...store.sqlite import SESSION_RANKS
 from .model import Diagnosis
 from .policy import DEFAULT_POLICY, VerdictPolicy
 from .step_columns import COLUMNS, StepColumns
@@ -23,14 +24,7 @@ __all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
 _STEP_SELECT = ", ".join(COLUMNS)  # rank, step, clocks, step_ns, then the phases (stepwatch.phases)
 _MEMORY_SELECT = "rank, timestamp_ns, event_type, collector, device_id, allocated, reserved, free, total, host"
 # each rank and its last step, by seeks down steps_unique (session_key, rank, step)
-_LAST_STEPS = """
-WITH RECURSIVE ranks(rank) AS (
-    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
-    UNION ALL
-    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
-    FROM ranks WHERE ranks.rank IS NOT NULL
-)
-SELECT rank, (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step DESC LIMIT 1) AS last
+_LAST_STEPS = SESSION_RANKS + """SELECT rank, (SELECT step FROM steps WHERE session_id = ?1 AND rank = ranks.rank ORDER BY step DESC LIMIT 1) AS last
 FROM ranks WHERE rank IS NOT NULL
 """
 

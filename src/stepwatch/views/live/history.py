@@ -12,6 +12,7 @@ import msgspec
 
 from ..._decode import DECODE_FAILURES
 from ...phases import PHASES
+from ...store.sqlite import SESSION_RANKS
 from .figures import window_figures
 from .model import RankLive, rank_state
 from .tails import MemoryFold
@@ -20,14 +21,7 @@ __all__ = ["HistoryReader"]
 
 _RANKS_EVERY_S = 2.0  # the ranks only the history knows are re-read this often
 # each rank of a session, by a skip-scan down steps_unique (session_key, rank, step)
-_SESSION_RANKS = """
-WITH RECURSIVE ranks(rank) AS (
-    SELECT (SELECT rank FROM steps WHERE session_id = ?1 ORDER BY rank LIMIT 1)
-    UNION ALL
-    SELECT (SELECT rank FROM steps WHERE session_id = ?1 AND rank > ranks.rank ORDER BY rank LIMIT 1)
-    FROM ranks WHERE ranks.rank IS NOT NULL
-)
-SELECT rank FROM ranks
+_SESSION_RANKS = SESSION_RANKS + """SELECT rank FROM ranks
 """
 _STEP_COLUMNS = ", ".join(["step", "start_ns", "end_ns", *(p.column for p in PHASES)])
 _json = msgspec.json.Decoder()
