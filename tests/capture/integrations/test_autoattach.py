@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from tests.support import ROOT, STEPWATCH, clean_env
 from tests.support.lazy import installed, lazy_module
+from tests.support.spool_tree import children, named
 
 torch = pytest.importorskip("torch")
 # imported by the worker that runs a test of this module, not by every worker that collects it
@@ -63,15 +64,6 @@ def frameworks_imported() -> None:
     docstring says: the import hook itself is tested in fresh interpreters."""
     importlib.import_module("transformers")
     importlib.import_module("lightning.pytorch")
-
-
-def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
-    return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
-
-
-def children(spool: LoadedSpool, parent: dict[str, Any], name: str | None = None) -> list[dict[str, Any]]:
-    return sorted((s for s in spool.spans if s["parent_id"] == parent["id"] and name in (None, s["name"])),
-                  key=lambda s: s["start_ns"])
 
 
 def parent_names(spool: LoadedSpool, name: str) -> Counter[str]:

@@ -25,6 +25,7 @@ import pytest
 
 from tests.support.lazy import installed, lazy_module
 from tests.support.marks import own_marks
+from tests.support.spool_tree import children, named
 
 # every test here starts a process or trains a model
 pytestmark = [pytest.mark.real, pytest.mark.skipif(not installed("transformers"), reason="needs transformers")]
@@ -99,14 +100,6 @@ def training_args(tmp_path: Path, **overrides: Any) -> Any:
     }
     options.update(overrides)
     return transformers.TrainingArguments(**options)
-
-
-def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
-    return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
-
-
-def children(spool: LoadedSpool, parent: dict[str, Any], name: str | None = None) -> list[dict[str, Any]]:
-    return [s for s in spool.spans if s["parent_id"] == parent["id"] and (name is None or s["name"] == name)]
 
 
 def assert_canonical(spool: LoadedSpool, *, epochs: int, steps_per_epoch: int, framework: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.lazy import installed, lazy_module
 from tests.support.marks import own_marks
+from tests.support.spool_tree import children, named
 
 torch = pytest.importorskip("torch")
 pl = lazy_module("lightning.pytorch")  # imported by the worker that runs a test of this module
@@ -60,14 +61,6 @@ def make_trainer(callback: Any, **overrides: Any) -> Any:
     }
     options.update(overrides)
     return pl.Trainer(**options)
-
-
-def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
-    return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
-
-
-def children(spool: LoadedSpool, parent: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    return [s for s in spool.spans if s["parent_id"] == parent["id"] and s["name"] == name]
 
 
 def parent_names(spool: LoadedSpool, name: str) -> set[str]:
