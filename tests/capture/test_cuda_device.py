@@ -27,15 +27,12 @@ import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.snapshots import load_snapshot_tensor, tensor_stats
 from stepwatch.telemetry import load_telemetry_sessions
+from tests.support.capture import start
 
 pytestmark = [pytest.mark.real, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.usefixtures("training_test")]
 
 MiB = 1 << 20
 PHASES = ("forward", "backward", "optimizer_step")
-
-
-def start(run_dir: Path, **options: Any) -> Any:
-    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
 
 
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:

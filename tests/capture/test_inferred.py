@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
+from tests.support.capture import finish, start
 from tests.support.marks import own_marks
 
 from .test_torch_patches import _FakeDeviceCopy
@@ -25,19 +26,8 @@ pytestmark = [pytest.mark.real, pytest.mark.usefixtures("training_test")]
 SESSION = "stepwatch.session"
 
 
-def start(run_dir: Path) -> Any:
-    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False)
-
-
-def finish(run_dir: Path) -> LoadedSpool:
-    stepwatch.shutdown()
-    return read_spool(run_dir)
-
-
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
-
-
 
 
 def kids(spool: LoadedSpool) -> dict[str, list[dict[str, Any]]]:

@@ -19,23 +19,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.spans import cut_utf8, mark_value
+from tests.support.capture import finish, start
 from tests.support.marks import own_marks
 
 pytestmark = pytest.mark.usefixtures("training_test")
 
 SESSION = "stepwatch.session"
-
-
-
-def start(run_dir: Path, **options: Any) -> Any:
-    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
-
-
-
-
-def finish(run_dir: Path) -> LoadedSpool:
-    stepwatch.shutdown()
-    return read_spool(run_dir)
 
 
 def span_named(spool: LoadedSpool, name: str) -> dict[str, Any]:

@@ -19,19 +19,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import stepwatch
-from stepwatch.artifacts.spool import LoadedSpool, read_spool
 from stepwatch.capture.snapshots import tensor_stats
+from tests.support.capture import finish, start
 
 pytestmark = pytest.mark.usefixtures("training_test")
-
-
-def start(run_dir: Path, **options: Any) -> Any:
-    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
-
-
-def finish(run_dir: Path) -> LoadedSpool:
-    stepwatch.shutdown()
-    return read_spool(run_dir)
 
 
 # -- statistics ------------------------------------------------------------------------------

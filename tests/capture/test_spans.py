@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch.artifacts.spool import LoadedSpool, read_spool
+from tests.support.capture import finish, start
 from tests.support.marks import own_marks
 
 pytestmark = [pytest.mark.real, pytest.mark.usefixtures("training_test")]
@@ -36,16 +37,6 @@ pytestmark = [pytest.mark.real, pytest.mark.usefixtures("training_test")]
 HEX32 = re.compile(r"[0-9a-f]{32}")
 PHASES = ("data_load", "forward", "backward", "optimizer_step")
 SESSION = "stepwatch.session"
-
-
-
-def start(run_dir: Path, **options: Any) -> Any:
-    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
-
-
-def finish(run_dir: Path) -> LoadedSpool:
-    stepwatch.shutdown()
-    return read_spool(run_dir)
 
 
 def make_training(seed: int = 0, samples: int = 30,
@@ -74,8 +65,6 @@ def children(spool: LoadedSpool) -> dict[str | None, list[dict[str, Any]]]:
 
 def named(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
     return sorted((s for s in spool.spans if s["name"] == name), key=lambda s: s["start_ns"])
-
-
 
 
 def duration(span: dict[str, Any]) -> int:

@@ -20,10 +20,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import stepwatch
 from stepwatch import guard
-from stepwatch.artifacts.spool import LoadedSpool, read_spool
+from stepwatch.artifacts.spool import LoadedSpool
 from stepwatch.capture import torch_patches
 from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
+from tests.support.capture import finish, start
 
 pytestmark = pytest.mark.usefixtures("training_test")
 
@@ -35,16 +36,6 @@ TARGETS = [(nn.Module, "__call__"), (torch.autograd, "backward"),
 OWN_AT_IMPORT = {target: target[1] in vars(target[0]) for target in TARGETS}
 OWN_CALL = nn.Module.__call__
 REAL_ACCELERATOR_CHECK = torch_patches._accelerator_present  # the conftest makes it say yes
-
-
-
-def start(run_dir: Path, **options: Any) -> Any:
-    return stepwatch.init(out=run_dir, handle_signals=False, capture_oom=False, **options)
-
-
-def finish(run_dir: Path) -> LoadedSpool:
-    stepwatch.shutdown()
-    return read_spool(run_dir)
 
 
 def names(spool: LoadedSpool, name: str) -> list[dict[str, Any]]:
