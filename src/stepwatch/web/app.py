@@ -1,7 +1,7 @@
 """The dashboard's HTTP server: an aiohttp app over a ``views.Catalog``, read-only.
 
 Pages: ``/`` (the runs), ``/run/<session id>`` (one run), ``/compare?a=<id>&b=<id>``; their data
-under ``/api/``; the script, style and Plotly's bundle under ``/static/``. Every read of a store
+under ``/api/``; the script, style and the charting library (uPlot) under ``/static/``. Every read of a store
 runs on the app's own two threads, so a slow page never holds the event loop, and in the
 aggregator (``--ui-port``) never holds its writer (that has threads of its own; SQLite in WAL
 mode lets readers and the writer go on together).
@@ -29,13 +29,18 @@ from typing import Any
 
 from ..errors import StepwatchError
 from ..views.sources import Catalog, NoSuchSession, check_session_id
-from .assets import PLOTLY_LICENCE, PlotlyMissing, asset_text, plotly_js, plotly_js_gzip, shell_html
+from .assets import UPLOT_NOTICE, asset_bytes, shell_html
 
 __all__ = ["Dashboard", "is_loopback", "serve_ui"]
 
 POLL_MS = 1000  # how often a live run's page asks for what is new
 _COOKIE = "stepwatch_token"
 _CACHE = 16  # run pages kept (keyed by the store's size and time: a finished run is read once)
+# the page's files: name -> (content type, browser cache seconds); app.js and app.css change with
+# stepwatch (not cached), uPlot's files only with its version
+_STATIC = {"app.js": ("text/javascript", 0), "app.css": ("text/css", 0),
+           "uPlot.iife.min.js": ("text/javascript", 86400), "uPlot.min.css": ("text/css", 86400),
+           "uPlot.LICENSE": ("text/plain", 86400)}
 # A running run's store changes at every write, so its page would be built again for each reload
 # (4-5 s of CPU in the aggregator's process at 64 ranks while it ingests): the page built last is
 # served again while younger than this many times its build time (2 s at least), so a page open
@@ -67,8 +72,14 @@ class Dashboard:
         web.run_app(app, host="127.0.0.1", port=8050)
     """
 
-    def __init__(self, catalog: Catalog, *, token: str | None = None, poll_ms: int = POLL_MS) -> None:
+    def __init__(self, catalog: Catalog, *, token: str | None = None, poll_ms: int = POLL_MS,
+                 page_cache: Path | None | bool = True) -> None:
+        """``page_cache``: the folder finished sessions' pages are kept in across servers
+        (``views.page_cache``), True for the user's (``cache_folder()``), False or None for none."""
+        from ..views.page_cache import PageCache, cache_folder
+
         self.catalog = catalog
+        self.page_cache = PageCache(cache_folder() if page_cache is True else page_cache or None)
         self.token = token
         self.poll_ms = poll_ms
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stepwatch-ui")
@@ -83,9 +94,8 @@ class Dashboard:
         app.router.add_get("/", self._page_runs)
         app.router.add_get("/run/{session}", self._page_run)
         app.router.add_get("/compare", self._page_compare)
-        app.router.add_get("/static/app.js", self._static("app.js", "text/javascript"))
-        app.router.add_get("/static/app.css", self._static("app.css", "text/css"))
-        app.router.add_get("/static/plotly.min.js", self._plotly)
+        for name in _STATIC:
+            app.router.add_get(f"/static/{name}", self._static(name))
         app.router.add_get("/api/runs", self._api_runs)
         app.router.add_get("/api/run/{session}", self._api_run)
         app.router.add_get("/api/run/{session}/updates", self._api_updates)
@@ -98,14 +108,12 @@ class Dashboard:
         return app
 
     async def _warm(self, app: Any) -> None:
-        """Compresses Plotly's bundle on the app's threads as the server starts, so the first
-        browser does not wait for it."""
+        """Reads (and compresses) the page's files on the app's threads as the server starts, so
+        the first browser does not wait for them."""
 
         def warm() -> None:
-            try:
-                plotly_js_gzip()
-            except PlotlyMissing:  # said in the page when asked for
-                pass
+            for name in _STATIC:
+                asset_bytes(name, True)
 
         asyncio.get_running_loop().run_in_executor(self._pool, warm)
 
@@ -173,9 +181,9 @@ class Dashboard:
     def _shell(self, page: str, title: str, **extra: Any) -> Any:
         from aiohttp import web
 
-        head = ('<link rel="stylesheet" href="/static/app.css">'
-                f'<script src="/static/plotly.min.js"></script><!-- {PLOTLY_LICENCE} -->'
-                '<script src="/static/app.js" defer></script>')
+        head = ('<link rel="stylesheet" href="/static/uPlot.min.css"><link rel="stylesheet" href="/static/app.css">'
+                f'<!-- {UPLOT_NOTICE}: /static/uPlot.LICENSE -->'
+                '<script src="/static/uPlot.iife.min.js" defer></script><script src="/static/app.js" defer></script>')
         config = {"mode": "server", "page": page, "poll_ms": self.poll_ms, "path": str(self.catalog.path), **extra}
         return web.Response(text=shell_html(config, title=title, head=head), content_type="text/html")
 
@@ -191,28 +199,23 @@ class Dashboard:
         b = _session_param(request.query.get("b", ""))
         return self._shell("compare", "stepwatch: compare", a=a, b=b)
 
-    def _static(self, name: str, content_type: str) -> Any:
+    def _static(self, name: str) -> Any:
         from aiohttp import web
+
+        content_type, max_age = _STATIC[name]
 
         async def handler(request: Any) -> Any:
-            return web.Response(text=asset_text(name), content_type=content_type)
+            gzipped = "gzip" in request.headers.get("Accept-Encoding", "").lower()
+            # read (and compressed) once, on the app's threads: never on the event loop
+            body = await self._run(asset_bytes, name, gzipped)
+            response = web.Response(body=body, content_type=content_type, charset="utf-8")
+            if max_age:
+                response.headers["Cache-Control"] = f"max-age={max_age}"
+            if gzipped:
+                response.headers["Content-Encoding"] = "gzip"
+            return response
 
         return handler
-
-    async def _plotly(self, request: Any) -> Any:
-        from aiohttp import web
-
-        gzipped = "gzip" in request.headers.get("Accept-Encoding", "").lower()
-        try:  # read (and compressed) once, on the app's threads: never on the event loop
-            body = await self._run(plotly_js_gzip if gzipped else plotly_js)
-        except PlotlyMissing as exc:  # the page says why its charts are missing
-            message = json.dumps(str(exc))
-            return web.Response(text=f"window.STEPWATCH_PLOTLY_MISSING = {message};", content_type="text/javascript")
-        response = web.Response(body=body, content_type="text/javascript")
-        response.headers["Cache-Control"] = "max-age=86400"
-        if gzipped:
-            response.headers["Content-Encoding"] = "gzip"
-        return response
 
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
@@ -227,6 +230,7 @@ class Dashboard:
         return _json(await self._run(runs_list, self.catalog))
 
     def _run_page(self, session: str) -> dict[str, Any]:
+        from ..views.page_cache import page_key
         from ..views.run_page import run_page
 
         located = self.catalog.locate(session)
@@ -238,21 +242,33 @@ class Dashboard:
             return cached
         live = self._live_pages.get(session)
         started = time.monotonic()
+        kept = None
         with self.catalog.open(located) as store:
             if live is not None and started - live[0] < max(_LIVE_REUSE_MIN_S, _LIVE_REUSE_FACTOR * live[1]):
                 # still running (a run that ended is built again at once: its page's end is exact)
                 status = store.query("SELECT status FROM sessions WHERE session_id = ?", (session,))
                 if status and status[0]["status"] == "running":
                     return live[2]
+            if self.page_cache.folder is not None and not self.catalog.imported(located):
+                # a finished session's page, kept on disk by an earlier server (views.page_cache)
+                kept = page_key(store, located.store, session, located.run_dir)
+                page = self.page_cache.get(located.store, session, kept)
+                if page is not None:
+                    self._remember(key, page)
+                    return page
             page = run_page(store, session, located.run_dir)
         if (page.get("session") or {}).get("status") == "running":
             self._live_pages[session] = (time.monotonic(), time.monotonic() - started, page)
         else:
             self._live_pages.pop(session, None)
+            self.page_cache.put(located.store, session, kept, page)
+        self._remember(key, page)
+        return page
+
+    def _remember(self, key: tuple[Any, ...], page: dict[str, Any]) -> None:
         self._pages[key] = page
         while len(self._pages) > _CACHE:
             self._pages.popitem(last=False)
-        return page
 
     async def _api_run(self, request: Any) -> Any:
         session = _session_param(request.match_info["session"])
