@@ -50,3 +50,28 @@ def test_an_old_running_page_is_built_again(tmp_path: Path, monkeypatch: pytest.
         write_run(store, "other", 1, 20, status="running")
     time.sleep(0.1)  # past the (shortened) reuse window: nothing to await, the clock is the rule
     assert dashboard._run_page("live") is not first
+
+
+def test_a_finished_page_built_once_is_served_by_a_cold_dashboard(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite"
+    with SqliteStore(path) as store:
+        write_run(store, "done", 4, 200)
+    pages = tmp_path / "pages"
+    first = web_app.Dashboard(Catalog(tmp_path), page_cache=pages)
+    built = first._run_page("done")
+    assert first.page_cache.misses == 1 and len(list(pages.glob("*.json.gz"))) == 1
+    cold = web_app.Dashboard(Catalog(tmp_path), page_cache=pages)  # a later `stepwatch ui`
+    assert cold._run_page("done") == built and cold.page_cache.hits == 1
+    with SqliteStore(path) as store:  # the session gets more rows: built again, and kept again
+        write_run(store, "done", 4, 50, first_step=200)
+    colder = web_app.Dashboard(Catalog(tmp_path), page_cache=pages)
+    assert colder._run_page("done")["session"]["steps"] == 250 and colder.page_cache.hits == 0
+    assert web_app.Dashboard(Catalog(tmp_path), page_cache=pages)._run_page("done")["session"]["steps"] == 250
+
+
+def test_no_page_cache_keeps_nothing(tmp_path: Path) -> None:
+    with SqliteStore(tmp_path / "history.sqlite") as store:
+        write_run(store, "done", 2, 30)
+    dashboard = web_app.Dashboard(Catalog(tmp_path), page_cache=False)
+    assert dashboard._run_page("done")["session"]["steps"] == 30
+    assert dashboard.page_cache.folder is None and dashboard.page_cache.hits == dashboard.page_cache.misses == 0

@@ -9,11 +9,11 @@ live in a cache folder of the user's, ``$STEPWATCH_CACHE_DIR`` (``off`` turns th
 
 A page is reused only under the key it was built under, taken *before* the build read anything:
 this code's version (stepwatch's version and a digest of the ``views`` package's sources), the
-store's path, the size, time and inode of the store and its WAL (any write to the history
+store's path, the size, time and inode of the store and of its WAL when not empty (any write to the history
 changes them: a session that gets more rows, or loses some to retention, is built again; so is
 every session of a history another session is still writing to), the session's row, and the
-size and time of each file of the run directory and its ``stacks/`` (run.json's outcome, the
-final summary, alerts.jsonl, stack dumps). A running session's page is never kept.
+size and time of the run directory's files a page reads (run.json's outcome, the final
+summary, alerts.jsonl, the stack dumps in ``stacks/``). A running session's page is never kept.
 
 Nothing here raises for a cache that cannot be read or written: the page is built as before.
 """
@@ -28,6 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ..artifacts.alerts_log import ALERTS_FILE
 from ..store.base import HistoryStore
 
 __all__ = ["KEEP", "PageCache", "cache_folder", "page_key"]
@@ -55,38 +56,44 @@ def _code_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def _file_stamp(path: Path) -> list[Any]:
+def _file_stamp(path: Path, *, empty_is_none: bool = False) -> list[Any]:
     try:
         st = path.stat()
     except OSError:
         return [None, None, None]
+    if empty_is_none and st.st_size == 0:
+        return [None, None, None]
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
+# the run directory's files a page reads (views.sources, the alerts log), besides its stacks/
+_RUN_FILES = ("run.json", "final_summary.json", ALERTS_FILE)
+
+
 def _dir_stamp(folder: Path | None) -> list[Any]:
-    """(name, size, time) of each file directly in ``folder`` and in its ``stacks/``."""
+    """(name, size, time) of each file of the run directory a page reads, and of its ``stacks/``."""
     if folder is None:
         return []
-    out: list[Any] = []
-    for where in (folder, folder / "stacks"):
+    out: list[Any] = [[name, *_file_stamp(folder / name)[:2]] for name in _RUN_FILES]
+    try:
+        entries = sorted(os.scandir(folder / "stacks"), key=lambda e: e.name)
+    except OSError:
+        return out
+    for entry in entries:
         try:
-            entries = sorted(os.scandir(where), key=lambda e: e.name)
+            if entry.is_file():
+                st = entry.stat()
+                out.append(["stacks/" + entry.name, st.st_size, st.st_mtime_ns])
         except OSError:
             continue
-        for entry in entries:
-            try:
-                if entry.is_file():
-                    st = entry.stat()
-                    out.append([str(Path(where.name) / entry.name), st.st_size, st.st_mtime_ns])
-            except OSError:
-                continue
     return out
 
 
 def page_key(store: HistoryStore, store_path: Path, session_id: str, run_dir: Path | None) -> list[Any] | None:
     """The key a page built now is kept under, or None (a running session: not kept). Taken
     before the page is built, so a write during the build only makes the next key differ."""
-    files = [_file_stamp(store_path), _file_stamp(store_path.with_name(store_path.name + "-wal"))]
+    # an empty WAL holds nothing: the first reader of a store whose writer has closed makes one
+    files = [_file_stamp(store_path), _file_stamp(store_path.with_name(store_path.name + "-wal"), empty_is_none=True)]
     rows = store.query("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
     if not rows or rows[0].get("status") == "running":
         return None

@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import json
 import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -73,9 +74,11 @@ class Dashboard:
     """
 
     def __init__(self, catalog: Catalog, *, token: str | None = None, poll_ms: int = POLL_MS,
-                 page_cache: Path | None | bool = True) -> None:
+                 page_cache: Path | None | bool = True, prewarm: bool = False) -> None:
         """``page_cache``: the folder finished sessions' pages are kept in across servers
-        (``views.page_cache``), True for the user's (``cache_folder()``), False or None for none."""
+        (``views.page_cache``), True for the user's (``cache_folder()``), False or None for none.
+        ``prewarm``: read the default session's page as the server starts (``stepwatch ui``: the
+        browser opened a moment later finds it built)."""
         from ..views.page_cache import PageCache, cache_folder
 
         self.catalog = catalog
@@ -85,6 +88,9 @@ class Dashboard:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stepwatch-ui")
         self._pages: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
         self._live_pages: dict[str, tuple[float, float, dict[str, Any]]] = {}  # session -> (built at, took, page)
+        self._building: dict[str, threading.Lock] = {}  # one build of a session's page at a time
+        self._building_lock = threading.Lock()
+        self.prewarm = prewarm
         self.requests = 0
 
     def build(self) -> Any:
@@ -114,8 +120,23 @@ class Dashboard:
         def warm() -> None:
             for name in _STATIC:
                 asset_bytes(name, True)
+            if self.prewarm:
+                self._prewarm()
 
         asyncio.get_running_loop().run_in_executor(self._pool, warm)
+
+    def _prewarm(self) -> None:
+        """Builds (or loads from the page cache) the default session's page, unless it is running."""
+        try:
+            session = self.catalog.default_session()
+            if session is None:
+                return
+            with self.catalog.open_session(session) as (store, _):
+                rows = store.query("SELECT status FROM sessions WHERE session_id = ?", (session,))
+            if rows and rows[0]["status"] != "running":
+                self._run_page(session)
+        except StepwatchError:  # a damaged store: the page says so when asked for
+            pass
 
     async def _cleanup(self, app: Any) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -230,6 +251,14 @@ class Dashboard:
         return _json(await self._run(runs_list, self.catalog))
 
     def _run_page(self, session: str) -> dict[str, Any]:
+        """The session's page; a second request while it is being built waits for that build
+        (the prewarm and the browser's first request) instead of building it again."""
+        with self._building_lock:
+            lock = self._building.setdefault(session, threading.Lock())
+        with lock:
+            return self._run_page_once(session)
+
+    def _run_page_once(self, session: str) -> dict[str, Any]:
         from ..views.page_cache import page_key
         from ..views.run_page import run_page
 
@@ -404,14 +433,15 @@ def _error_response(status: int, message: str) -> Any:
     return web.json_response({"error": message}, status=status)
 
 
-async def start_ui(catalog: Catalog, host: str, port: int, token: str | None) -> tuple[Any, int]:
+async def start_ui(catalog: Catalog, host: str, port: int, token: str | None, *,
+                   prewarm: bool = False) -> tuple[Any, int]:
     """Starts the dashboard on the running loop (the aggregator's): (its runner, the bound port).
     Raises ValueError for a non-loopback bind without a token, OSError when it cannot listen."""
     from aiohttp import web
 
     if token is None and not is_loopback(host):
         raise ValueError(f"the dashboard binds {host} (not loopback) only with a token: pass --token-env")
-    runner = web.AppRunner(Dashboard(catalog, token=token).build(), access_log=None)
+    runner = web.AppRunner(Dashboard(catalog, token=token, prewarm=prewarm).build(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -432,7 +462,7 @@ def serve_ui(path: Path, *, host: str = "127.0.0.1", port: int = 0, token: str |
     catalog = Catalog(path)
 
     async def main() -> None:
-        runner, bound = await start_ui(catalog, host, port, token)
+        runner, bound = await start_ui(catalog, host, port, token, prewarm=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
