@@ -75,3 +75,15 @@ def test_no_page_cache_keeps_nothing(tmp_path: Path) -> None:
     dashboard = web_app.Dashboard(Catalog(tmp_path), page_cache=False)
     assert dashboard._run_page("done")["session"]["steps"] == 30
     assert dashboard.page_cache.folder is None and dashboard.page_cache.hits == dashboard.page_cache.misses == 0
+
+
+def test_a_report_keeps_its_page_for_the_next_dashboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepwatch.web.report import write_report
+
+    monkeypatch.setenv("STEPWATCH_CACHE_DIR", str(tmp_path / "cache"))
+    with SqliteStore(tmp_path / "history.sqlite") as store:
+        write_run(store, "done", 2, 40)
+    write_report(tmp_path / "history.sqlite", tmp_path / "report.html", "done")  # as run --report does
+    dashboard = web_app.Dashboard(Catalog(tmp_path))
+    assert dashboard._run_page("done")["session"]["steps"] == 40
+    assert dashboard.page_cache.hits == 1

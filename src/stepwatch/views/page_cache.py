@@ -74,7 +74,8 @@ def _dir_stamp(folder: Path | None) -> list[Any]:
     """(name, size, time) of each file of the run directory a page reads, and of its ``stacks/``."""
     if folder is None:
         return []
-    out: list[Any] = [[name, *_file_stamp(folder / name)[:2]] for name in _RUN_FILES]
+    stamps = [[name, *_file_stamp(folder / name)[:2]] for name in _RUN_FILES]
+    out: list[Any] = [stamp for stamp in stamps if stamp[1] is not None]  # the same for no folder and an empty one
     try:
         entries = sorted(os.scandir(folder / "stacks"), key=lambda e: e.name)
     except OSError:

@@ -30,6 +30,7 @@ def build_report(run_dir: Path, session_id: str | None = None) -> str:
     """The report's HTML for ``run_dir`` (a run directory or a history store) and ``session_id``
     (default: the run's own, else the newest)."""
     from ..errors import ArtifactError
+    from ..views.page_cache import PageCache, cache_folder, page_key
     from ..views.run_page import run_page, step_spans
     from ..views.sources import Catalog, run_json_of
 
@@ -38,8 +39,17 @@ def build_report(run_dir: Path, session_id: str | None = None) -> str:
         chosen = session_id or catalog.default_session()
         if chosen is None:
             raise ArtifactError(run_dir, "holds no session to report on")
-        with catalog.open_session(chosen) as (store, located_dir):
-            page = run_page(store, chosen, located_dir)
+        located = catalog.locate(chosen)
+        # the dashboard's page cache both ways: a page a dashboard kept is not built again, and
+        # the page built here (run --report, at the run's end) is the next `stepwatch ui`'s
+        cache = PageCache(None if catalog.imported(located) else cache_folder())
+        with catalog.open(located) as store:
+            located_dir = located.run_dir
+            key = page_key(store, located.store, chosen, located_dir) if cache.folder is not None else None
+            page = cache.get(located.store, chosen, key)
+            if page is None:
+                page = run_page(store, chosen, located_dir)
+                cache.put(located.store, chosen, key, page)
             page["environment"] = run_json_of(located_dir, chosen) or None
             spans = step_spans(store, chosen, page["slowest_step"]) if page["slowest_step"] is not None else None
     finally:
