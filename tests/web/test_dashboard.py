@@ -76,7 +76,7 @@ def test_straggler_run_page_draws_every_rank_and_names_the_slow_one(browser: Any
     # a series per rank, with one point per step (few steps: no bucketing)
     assert {t["name"]: t["points"] for t in drawn["chart-step"]} == {f"rank {r}": n for r, n in steps.items()}
     assert drawn["chart-heatmap"][0]["rows"] == 2
-    assert len(drawn["chart-memory"]) >= 2
+    assert len([t for t in drawn["chart-memory"] if t["type"] == "line"]) >= 2
     assert any(t["name"].startswith("loss (inferred)") for t in drawn["chart-marks"])
     assert {t["name"] for t in drawn["chart-spans"]} >= {"forward", "backward"}
     assert {t["name"] for t in drawn["chart-phases"]} >= {"forward", "backward"}
@@ -102,6 +102,9 @@ def test_crashed_run_page_says_how_it_ended_and_shows_its_alerts(browser: Any, d
     assert "RuntimeError" in page.inner_text("#run-error")
     drawn = charts(page)
     assert [t["points"] for t in drawn["chart-step"]] == [summary["per_rank"]["0"]["steps"]]
+    # the memory chart marks the alert (and the failure) on its time axis
+    markers = [t for t in drawn["chart-memory"] if t["type"] == "markers"]
+    assert len(markers) == 1 and "alert" in markers[0]["kinds"]
     alerts = summary["alerts"]
     assert any(a["kind"] == "NONFINITE" for a in alerts)
     shown = page.locator("#alerts-body tr").all_inner_texts()
@@ -255,6 +258,23 @@ def test_a_64_rank_run_draws_every_rank_downsampled(browser: Any, tmp_path: Path
         text = _point_at(page, "#chart-step .u-over", 200, 5)
         assert text.startswith("step ") and " · rank " in text and text.endswith(" ms"), text
         page.screenshot(path=str(shots / "run-64-ranks.png"), full_page=True)
+        _clean(log)
+    finally:
+        server.stop()
+
+
+def test_a_run_with_no_steps_yet_says_so_and_draws_empty_charts(browser: Any, tmp_path: Path) -> None:
+    from stepwatch.store.sqlite import SqliteStore
+
+    with SqliteStore(tmp_path / "history.sqlite") as store:  # a run that has sent its session and nothing else
+        store.upsert_session({"session_id": "empty-run", "status": "completed", "started_at_ns": None, "ended_at_ns": None,
+                              "host": "test", "world_size": 1, "source": "test", "command_line": ["train.py"]})
+    server = Server(tmp_path)
+    try:
+        page, log = open_page(browser, f"{server.url}run/empty-run")
+        assert "no steps recorded in this session" in page.inner_text("#message")
+        drawn = charts(page)
+        assert drawn["chart-step"] == [] and drawn["chart-heatmap"][0]["rows"] == 0
         _clean(log)
     finally:
         server.stop()

@@ -331,8 +331,11 @@
         width: boxWidth(box), height: o.height || 300,
         // past 16 series a legend is a wall of names: the line under the chart names the nearest one
         legend: { show: !many && !o.noLegend },
-        cursor: Object.assign({ points: { show: !many && !o.stacked }, focus: { prox: 24 } }, o.stacked ? {} : { dataIdx: nearestPoint }),
-        focus: { alpha: many ? 0.25 : 0.5 },
+        // a few series: the one nearest the pointer is brought forward (each move redraws them
+        // all, which at 64 series of thousands of x would make pointing sluggish)
+        cursor: Object.assign({ points: { show: !many && !o.stacked }, focus: { prox: many || o.stacked ? -1 : 24 } },
+          o.stacked ? {} : { dataIdx: nearestPoint }),
+        focus: { alpha: 0.5 },
         scales: { x: { time: false }, y: o.yRange ? { range: o.yRange } : {} },
         axes: [{ label: o.xLabel, values: (u, ticks) => ticks.map(fmtAxis) },
           { label: o.yLabel, size: 60, values: (u, ticks) => ticks.map(fmtAxis) }],
@@ -344,14 +347,22 @@
         hooks: { setCursor: [read], draw: o.markers && o.markers.length ? [markerDraw] : [] },
       };
       if (o.markers && o.markers.length) {
-        const ts = o.markers.map((m) => m.t);
-        opts.scales.x.range = (u, min, max) => [Math.min(min === null ? Infinity : min, ...ts), Math.max(max === null ? -Infinity : max, ...ts)];
+        // the whole chart (not a zoom into it) spans the markers too
+        const ts = o.markers.map((m) => m.t), first = Math.min(...ts), last = Math.max(...ts);
+        opts.scales.x.range = (u, min, max) => min === chart.bounds[0] && max === chart.bounds[1] ?
+          [Math.min(min === null ? first : min, first), Math.max(max === null ? last : max, last)] : [min, max];
       }
-      let data = align(chart.series);
-      if (o.stacked) data = stack(data);
+      const data = aligned();
       chart.u = new window.uPlot(opts, data, box);
       chart.built = chart.series.length;
     };
+
+    function aligned() {
+      let data = align(chart.series);
+      if (o.stacked) data = stack(data);
+      chart.bounds = data[0].length ? [data[0][0], data[0][data[0].length - 1]] : [null, null];
+      return data;
+    }
 
     // stacked: series i drawn at the sum of itself and the series after it, the first (the
     // whole) first, so each one's fill covers the lower part of the one drawn before it
@@ -374,12 +385,14 @@
     };
     chart.redraw = () => {
       if (chart.series.length !== chart.built || !chart.u) chart.build();
-      else chart.u.setData(align(chart.series));
+      else chart.u.setData(aligned());
     };
     chart.points = () => chart.series.reduce((n, s) => n + s.x.length, 0);
     chart.resize = () => { if (chart.u) chart.u.setSize({ width: boxWidth(box), height: o.height || 300 }); };
     chart.describe = () => chart.series.map((s, i) => ({ name: s.label, type: o.stacked ? "area" : "line",
-      points: chart.u ? defined(o.stacked ? o.raw[i] : chart.u.data[i + 1]) : 0, rows: null }));
+      points: chart.u ? defined(o.stacked ? o.raw[i] : chart.u.data[i + 1]) : 0, rows: null }))
+      .concat(o.markers && o.markers.length ? [{ name: "markers", type: "markers", points: o.markers.length, rows: null,
+        kinds: Array.from(new Set(o.markers.map((m) => m.kind))) }] : []);
     chart.build();
     CHARTS[id] = chart;
     return chart;
@@ -434,7 +447,10 @@
     labels.forEach((label, i) => { if (i % every === 0) ctx.fillText(label, left - 6, top + (i + 0.5) * rowH); });
   }
 
-  function rowHeight(rows, roomy) { return rows <= 16 ? Math.max(roomy, Math.floor(120 / rows)) : Math.max(4, Math.min(10, Math.floor(640 / rows))); }
+  // a row's height: roomy for a few rows (the chart at least 120 px tall), 4-10 px for many
+  function rowHeight(rows, roomy) {
+    return rows <= 16 ? Math.max(roomy, Math.floor(120 / Math.max(1, rows))) : Math.max(4, Math.min(10, Math.floor(640 / rows)));
+  }
 
   // ColorBrewer's YlOrRd: pale yellow for the fastest cells, dark red for the slowest
   const HEAT = [[255, 255, 204], [255, 237, 160], [254, 217, 118], [254, 178, 76], [253, 141, 60], [252, 78, 42],
@@ -683,7 +699,7 @@
     const content = $("content");
     content.textContent = "";
     crumbs(el("span", {}, " / "), el("a", { href: SW.mode === "report" ? "#" : "/" }, "runs"), el("span", {}, " / " + page.session.session_id.slice(0, 8)));
-    for (const problem of page.problems || []) message(problem, "warn");
+    if ((page.problems || []).length) message(page.problems.join("\n"), "warn");  // every one, a line each
     content.appendChild(headerCard(page));
     content.appendChild(diagnosisCard(page.diagnosis));
     content.appendChild(section("step-time", "Step time per rank", el("p", { id: "step-note", class: "note" }), chartBox("chart-step", "point at a line: its rank, step and time")));
