@@ -110,10 +110,13 @@ _TIMINGS_JS = """() => {
 }"""
 
 
-def _browser_load(url: str) -> dict[str, Any] | None:
+def _browser_load(history: Path, cache: Path) -> dict[str, Any] | None:
     """Seconds from navigation to the first view (header, diagnosis and the step-time chart
     drawn: ``body[data-first]``) and to every chart drawn (``body[data-ready]``), with the page's
-    own timings (ms from navigation start): the HTML, the charting library, the data, each chart."""
+    own timings (ms from navigation start): the HTML, the charting library, the data, each chart.
+    The server is started once Chromium is up and the page is asked for at once: it has had no
+    time to build the page before the browser asks (``stepwatch ui`` starts building its default
+    session's page as it starts)."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -126,14 +129,18 @@ def _browser_load(url: str) -> dict[str, Any] | None:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(chromium), args=args)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        started = time.perf_counter()
-        page.goto(url)
-        # (a page from before the first view was marked: its first view is every chart drawn)
-        page.wait_for_selector("body[data-first='1'], body[data-ready='1']", state="attached", timeout=300_000)
-        first = time.perf_counter() - started
-        page.wait_for_selector("body[data-ready='1']", state="attached", timeout=300_000)
-        took = time.perf_counter() - started
-        timings = page.evaluate(_TIMINGS_JS)
+        proc, url = _start_ui(history, cache)
+        try:
+            started = time.perf_counter()
+            page.goto(f"{url}run/{SESSION}")
+            # (a page from before the first view was marked: its first view is every chart drawn)
+            page.wait_for_selector("body[data-first='1'], body[data-ready='1']", state="attached", timeout=300_000)
+            first = time.perf_counter() - started
+            page.wait_for_selector("body[data-ready='1']", state="attached", timeout=300_000)
+            took = time.perf_counter() - started
+            timings = page.evaluate(_TIMINGS_JS)
+        finally:
+            _stop(proc)
         browser.close()
     return {"first_view_s": first, "all_charts_s": took, "page_ms": timings}
 
@@ -187,14 +194,10 @@ def main() -> None:
             _stop(proc)
         if not options.no_browser:
             for cache, into, what in ((empty, browser, "built"), (filled, browser_kept, "kept on disk")):
-                proc, url = _start_ui(history, cache)
-                try:
-                    took = _browser_load(f"{url}run/{SESSION}")
-                    if took is not None:
-                        into.append(took)
-                        print(f"browser ({what}; load {load_average()[0]:.1f}): {json.dumps(took)}", flush=True)
-                finally:
-                    _stop(proc)
+                took = _browser_load(history, cache)
+                if took is not None:
+                    into.append(took)
+                    print(f"browser ({what}; load {load_average()[0]:.1f}): {json.dumps(took)}", flush=True)
     sys.path.insert(0, str(REPO_ROOT / "src"))
     from stepwatch.web.report import write_report
 

@@ -278,7 +278,7 @@
     const box = $(id);
     const readout = $(id + "-readout");
     const chart = { id: id, series: series, u: null, built: 0 };
-    const fmtX = o.fmtX || ((x) => o.xLabel + " " + fmtAxis(x));
+    const fmtX = o.fmtX || ((x) => o.xLabel + " " + fmt.num(x));  // exact (the axis rounds: 12k)
     const fmtY = o.fmtY || ((y) => fmt.num(y));
     const hint = readout ? readout.textContent : "";
 
