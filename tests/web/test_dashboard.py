@@ -189,6 +189,21 @@ def test_a_token_guards_the_dashboard(web_runs: dict[str, Path], runs_root: Path
         server.stop()
 
 
+def test_the_page_loads_uplot_from_the_server_with_its_licence(dashboard: Server) -> None:
+    with urllib.request.urlopen(dashboard.url, timeout=30) as response:
+        page = response.read().decode()
+    assert '<script src="/static/uPlot.iife.min.js" defer></script>' in page and "plotly" not in page.lower()
+    with urllib.request.urlopen(f"{dashboard.url}static/uPlot.iife.min.js", timeout=30) as response:
+        script = response.read()
+    assert script.startswith(b"/*! https://github.com/leeoniya/uPlot (v1.6.32) */") and len(script) < 100_000
+    with urllib.request.urlopen(f"{dashboard.url}static/uPlot.LICENSE", timeout=30) as response:
+        licence = response.read().decode()
+    assert "The MIT License" in licence and "Leon Sorokin" in licence
+    request = urllib.request.Request(f"{dashboard.url}static/uPlot.iife.min.js", headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["Content-Encoding"] == "gzip" and len(response.read()) < len(script) / 2
+
+
 def test_a_network_bind_without_a_token_is_refused(runs_root: Path) -> None:
     from tests.support import run_stepwatch
 

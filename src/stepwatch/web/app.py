@@ -1,10 +1,12 @@
 """The dashboard's HTTP server: an aiohttp app over a ``views.Catalog``, read-only.
 
 Pages: ``/`` (the runs), ``/run/<session id>`` (one run), ``/compare?a=<id>&b=<id>``; their data
-under ``/api/``; the script, style and the charting library (uPlot) under ``/static/``. Every read of a store
-runs on the app's own two threads, so a slow page never holds the event loop, and in the
-aggregator (``--ui-port``) never holds its writer (that has threads of its own; SQLite in WAL
-mode lets readers and the writer go on together).
+under ``/api/``; the script, style and the charting library (uPlot) under ``/static/``, read
+once as the server starts. Every read of a store runs on the app's own two threads (and
+``stepwatch ui``'s first build of its default session's page on one more), so a slow page never
+holds the event loop, and in the aggregator (``--ui-port``) never holds its writer (that has
+threads of its own; SQLite in WAL mode lets readers and the writer go on together). A finished
+session's page is kept in memory and on disk (``views.page_cache``): a later server reads it back.
 
 Security: with no token only loopback clients are answered, and ``serve_ui`` refuses to bind
 anything but loopback without one. A token is compared in constant time (``hmac.compare_digest``)
