@@ -87,3 +87,23 @@ def test_a_report_keeps_its_page_for_the_next_dashboard(tmp_path: Path, monkeypa
     dashboard = web_app.Dashboard(Catalog(tmp_path))
     assert dashboard._run_page("done")["session"]["steps"] == 40
     assert dashboard.page_cache.hits == 1
+
+
+def test_a_page_built_while_the_history_is_written_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepwatch.views import run_page as views_run_page
+
+    path = tmp_path / "history.sqlite"
+    with SqliteStore(path) as store:
+        write_run(store, "done", 2, 30)
+    build = views_run_page.run_page
+
+    def build_while_another_run_writes(store: object, session: str, run_dir: Path | None) -> dict[str, object]:
+        page = build(store, session, run_dir)  # the real build, then a write lands before it is kept
+        with SqliteStore(path) as writer:
+            write_run(writer, "other", 1, 10, status="running")
+        return page
+
+    monkeypatch.setattr(views_run_page, "run_page", build_while_another_run_writes)
+    dashboard = web_app.Dashboard(Catalog(tmp_path), page_cache=tmp_path / "pages")
+    assert dashboard._run_page("done")["session"]["steps"] == 30
+    assert not list((tmp_path / "pages").glob("*.json.gz"))  # its key no longer says what it holds

@@ -284,6 +284,8 @@ class Dashboard:
                     self._remember(key, page)
                     return page
             page = run_page(store, session, located.run_dir)
+            if kept is not None and page_key(store, located.store, session, located.run_dir) != kept:
+                kept = None  # the history was written during the build (another session's run): not kept
         if (page.get("session") or {}).get("status") == "running":
             self._live_pages[session] = (time.monotonic(), time.monotonic() - started, page)
         else:
