@@ -392,6 +392,7 @@ class SqliteStore:
                 if not rows:
                     return
                 yield from rows
+                del rows  # not held while the next batch is fetched
         finally:
             cursor.close()
 
