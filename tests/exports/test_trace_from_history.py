@@ -11,11 +11,14 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.exports.perfetto import TraceSelection, write_trace
 from stepwatch.store.sqlite import SqliteStore
+from tests.support import run_stepwatch
+from tests.support.capture import finish, start
 from tests.support.history import T0, write_run
 from tests.support.trace_format import format_problems, names, nesting_problems
 
@@ -131,3 +134,24 @@ def test_the_export_streams_its_memory_does_not_grow_with_the_run(tmp_path: Path
             store.append_many({"spans": spans})
             peaks.append(_peak_export_bytes(store))
     assert peaks[1] < peaks[0] * 1.25, peaks  # four times the spans, about the same peak
+
+
+@pytest.mark.real
+def test_a_run_with_no_history_exports_from_its_artifacts_to_standard_output(tmp_path: Path) -> None:
+    import stepwatch
+
+    run_dir = tmp_path / "run"
+    start(run_dir)
+    for n in range(3):
+        with stepwatch.scope("work", n=n):
+            stepwatch.mark("score", n)
+    finish(run_dir)
+    files = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    proc = run_stepwatch("export", "perfetto", str(run_dir), "-o", "-", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    trace = json.loads(proc.stdout)
+    assert format_problems(trace) == [] and nesting_problems(trace["traceEvents"]) == []
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "work"]
+    assert sorted(e["args"]["n"] for e in work) == [0, 1, 2] and {e["cat"] for e in work} == {"scope"}
+    assert sorted(e["args"]["value"] for e in trace["traceEvents"] if e.get("cat") == "mark") == [0, 1, 2]
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == files  # nothing written into the run
