@@ -79,7 +79,8 @@ class ExportStats:
     overlap_tracks: int = 0  # thread tracks opened for spans that overlap without nesting
 
     def count(self, event: dict[str, Any]) -> None:
-        self.events[event["ph"]] = self.events.get(event["ph"], 0) + 1
+        phase = event["ph"]
+        self.events[phase] = self.events.get(phase, 0) + 1
 
 
 @dataclass
@@ -91,7 +92,7 @@ class _Rank:
 
 
 def _args(attrs_text: Any) -> dict[str, Any]:
-    if not attrs_text:
+    if not attrs_text or attrs_text == "{}":
         return {}
     try:
         value = _decode(attrs_text)
@@ -229,10 +230,17 @@ def _rank_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats
             stats.overlap_tracks += 1
             yield from thread_metadata(pid, next_tid, f"thread {thread} (overlap {lane + 1})", next_tid)
             next_tid += 1
-        args = {"span_id": span_id, **({"parent_id": parent_id} if parent_id else {}),
-                **({"index": index} if index is not None else {}),
-                **({"gpu_us": gpu / 1000} if isinstance(gpu, int) else {}), **({"os_pid": os_pid} if os_pid else {}),
-                **_args(attrs)}
+        args: dict[str, Any] = {"span_id": span_id}
+        if parent_id:
+            args["parent_id"] = parent_id
+        if index is not None:
+            args["index"] = index
+        if type(gpu) is int:
+            args["gpu_us"] = gpu / 1000
+        if os_pid:
+            args["os_pid"] = os_pid
+        if attrs and attrs != "{}":
+            args.update(_args(attrs))
         event = complete(span_title(name, index), span_category(name), pid, lane_tids[lane], start, end, origin, args)
         yield event
     yield from _gpu_events(store, sid, r, origin, stats, next_tid)
