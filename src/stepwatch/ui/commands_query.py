@@ -78,7 +78,9 @@ def query(path: Path, sql: str | None, fmt: str, named: str | None, slowest_step
     question. Views: sessions, steps, telemetry, spans, marks, alerts, verdicts, heartbeats,
     snapshots (their columns: docs/query.md). Example:
 
-        stepwatch query RUN "SELECT rank, AVG(step_ns) / 1e6 AS ms FROM steps GROUP BY rank"
+    \b
+        stepwatch query RUN "SELECT rank, AVG(step_ns) / 1e6 AS ms
+                             FROM steps GROUP BY rank"
     """
     from ..store.user_query import ask, named_question
 
