@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.exports.perfetto import TraceSelection, write_trace
+from stepwatch.exports.selection import parse_steps
 from stepwatch.store.sqlite import SqliteStore
 from tests.support import run_stepwatch
 from tests.support.capture import finish, start
@@ -95,6 +96,21 @@ def test_spans_that_overlap_without_nesting_get_a_track_of_their_own(tmp_path: P
     tracks = names(events, "thread_name")
     where = {e["name"]: tracks[(e["pid"], e["tid"])] for e in events if e["ph"] == "X"}
     assert where == {"epoch 0": "thread 7", "eval_step 0": "thread 7", "epoch 1": "thread 7 (overlap 2)"}
+
+
+def test_a_step_window_takes_the_spans_in_it_not_those_that_only_touch_it(tmp_path: Path) -> None:
+    with SqliteStore(tmp_path / "history.sqlite") as store:  # steps back to back: one ends where the next starts
+        write_run(store, SID, ranks=2, steps=0)
+        steps = [_span(rank, f"r{rank}s{i}", "step", T0 + i * MS, T0 + (i + 1) * MS, index=i, thread=9 + rank,
+                       attrs={"step_ns": MS}) for rank in (0, 1) for i in range(8)]
+        marks = [_span(0, "m", "marker_scope", T0 + 5 * MS, T0 + 5 * MS, thread=9)]  # of no length, at the start
+        store.append_many({"spans": steps + marks, "steps": [
+            {"session_id": SID, "rank": s["rank"], "step": s["idx"], "start_ns": s["start_ns"], "end_ns": s["end_ns"],
+             "step_ns": MS} for s in steps]})
+        trace = _trace(store, steps=parse_steps("5:7"), ranks=frozenset({0}))
+    spans = sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X")
+    assert spans == ["marker_scope", "step 5", "step 6"]
+    assert trace["otherData"]["origin_unix_ns"] == T0 + 5 * MS
 
 
 span_sets = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 10**6), st.integers(0, 10**6)),

@@ -110,6 +110,15 @@ def _ranks(text: Any) -> list[int]:
     return [x for x in value if type(x) is int] if isinstance(value, list) else []
 
 
+# a span in a --steps window: one that overlaps it (not one that only touches an end: the step
+# before A ends where step A starts), or one of no length inside it
+_SPAN_IN_WINDOW = " AND ((end_ns > ? AND start_ns < ?) OR (end_ns <= start_ns AND start_ns >= ? AND start_ns <= ?))"
+
+
+def _span_window(window: tuple[int, int]) -> tuple[int, ...]:
+    return (window[0], window[1], window[0], window[1])
+
+
 def _where_window(column: str, window: tuple[int, int] | None) -> tuple[str, tuple[int, ...]]:
     if window is None:
         return "", ()
@@ -161,8 +170,8 @@ def _origin(store: Any, sid: str, plan: list[_Rank]) -> int:
     for r in plan:
         for table, start in (("spans", "start_ns"), ("telemetry", "timestamp_ns"), ("marks", "ts_ns")):
             if r.window is not None and table == "spans":
-                sql, extra = "SELECT MIN(start_ns) FROM spans WHERE session_id = ? AND rank = ? " \
-                             "AND end_ns >= ? AND start_ns <= ?", r.window
+                sql, extra = f"SELECT MIN(start_ns) FROM spans WHERE session_id = ? AND rank = ?{_SPAN_IN_WINDOW}", \
+                    _span_window(r.window)
             else:
                 where, extra = _where_window(start, r.window)
                 sql = f"SELECT MIN({start}) FROM {table} WHERE session_id = ? AND rank = ?{where}"
@@ -208,7 +217,7 @@ def _rank_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats
         name = f"thread {thread if thread is not None else '?'}"
         yield from thread_metadata(pid, n, f"training loop ({name})" if n == 1 and steps else name, n)
     next_tid = len(r.threads) + 1
-    where, window = ("", ()) if r.window is None else (" AND end_ns >= ? AND start_ns <= ?", r.window)
+    where, window = ("", ()) if r.window is None else (_SPAN_IN_WINDOW, _span_window(r.window))
     # spans, thread by thread, each thread's by start (longest first): what Lanes needs
     lanes, lane_tids, current = Lanes(), [0], object()
     for span_id, parent_id, name, index, start, end, gpu, thread, os_pid, attrs in store.iterate(
@@ -254,7 +263,7 @@ def _gpu_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats,
     from its span's start, as long as its GPU work took (CUDA events give the duration, not
     when the device began)."""
     pid = r.rank + 1
-    where, window = ("", ()) if r.window is None else (" AND end_ns >= ? AND start_ns <= ?", r.window)
+    where, window = ("", ()) if r.window is None else (_SPAN_IN_WINDOW, _span_window(r.window))
     lanes, lane_tids = Lanes(), [_GPU_TID]
     for span_id, name, index, start, gpu in store.iterate(
             "SELECT span_id, name, idx, start_ns, gpu_ns FROM spans WHERE session_id = ? AND rank = ? "
