@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 import shutil
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,23 @@ def test_every_view_and_column_and_named_question_is_documented_and_queryable(tm
         assert missing == [], f"{view}: columns not documented: {missing}"
     for name in NAMED_QUESTIONS:
         assert f"--{name}" in text
+
+
+def test_beside_a_live_writer_a_query_reads_what_it_committed_and_cannot_checkpoint(tmp_path: Path) -> None:
+    with SqliteStore(tmp_path / "history.sqlite") as store:
+        write_run(store, "s", ranks=1, steps=3)
+    writer = sqlite3.connect(tmp_path / "history.sqlite", isolation_level=None)  # an aggregator, mid-run
+    try:
+        writer.execute("PRAGMA wal_autocheckpoint = 0")
+        writer.execute("UPDATE steps_rows SET step_ns = step_ns + 1")  # committed, only in the WAL
+        # the data: the file and its WAL (a reader writes its read marks into the -shm index, as
+        # every WAL reader does; that holds no rows)
+        files = {p.name: _digest(p) for p in tmp_path.iterdir() if not p.name.endswith("-shm")}
+        assert (tmp_path / "history.sqlite-wal").stat().st_size > 0
+        assert _all(tmp_path / "history.sqlite", "SELECT COUNT(*) FROM steps")[1] == [(3,)]
+        for sql in ("PRAGMA wal_checkpoint(TRUNCATE)", "PRAGMA wal_checkpoint(PASSIVE)", "DELETE FROM steps_rows"):
+            with pytest.raises(StoreError, match="refused"):
+                _all(tmp_path / "history.sqlite", sql)
+        assert {p.name: _digest(p) for p in tmp_path.iterdir() if not p.name.endswith("-shm")} == files
+    finally:
+        writer.close()
