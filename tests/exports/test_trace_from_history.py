@@ -4,6 +4,7 @@ with the run (the export streams)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.exports.perfetto import TraceSelection, write_trace
+from stepwatch.exports.perfetto import TraceSelection, write_trace, write_trace_file
 from stepwatch.exports.selection import parse_steps
 from stepwatch.store.sqlite import SqliteStore
 from tests.support import run_stepwatch
@@ -171,3 +172,14 @@ def test_a_run_with_no_history_exports_from_its_artifacts_to_standard_output(tmp
     assert sorted(e["args"]["n"] for e in work) == [0, 1, 2] and {e["cat"] for e in work} == {"scope"}
     assert sorted(e["args"]["value"] for e in trace["traceEvents"] if e.get("cat") == "mark") == [0, 1, 2]
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == files  # nothing written into the run
+
+
+def test_a_gz_name_writes_the_same_trace_gzip_compressed_and_whole(tmp_path: Path) -> None:
+    with SqliteStore(tmp_path / "history.sqlite") as store:
+        write_run(store, SID, ranks=2, steps=50)
+        plain = write_trace_file(store, TraceSelection(SID), tmp_path / "trace.json")
+        packed = write_trace_file(store, TraceSelection(SID), tmp_path / "trace.json.gz")
+    with gzip.open(tmp_path / "trace.json.gz") as f:
+        assert json.load(f) == json.loads((tmp_path / "trace.json").read_text())
+    assert plain.events == packed.events and plain.events["C"] == 2 * 5  # a sample every 10 steps
+    assert sorted(p.name for p in tmp_path.iterdir() if "trace" in p.name) == ["trace.json", "trace.json.gz"]
