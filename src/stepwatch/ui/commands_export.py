@@ -48,7 +48,7 @@ def export() -> None:
 @export.command("perfetto")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--out", default=None, metavar="FILE",
-              help="Where to write the trace (default: RUN_DIR/trace.json; - for standard output).")
+              help="Where to write the trace (default: RUN_DIR/trace.json; - for standard output; a name ending .gz: gzip-compressed).")
 @click.option("--steps", callback=_steps, metavar="A:B",
               help="Only steps A to B-1 (A:, :B and N too), on each rank from its step A's start to its step B-1's end.")
 @click.option("--ranks", callback=_ranks, metavar="LIST", help="Only these ranks, e.g. 0,2,4-7.")
