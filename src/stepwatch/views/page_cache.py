@@ -1,6 +1,6 @@
 """A finished session's run page, kept on disk so that a dashboard started later (a cold
 ``stepwatch ui``) serves it without reading the history again: at 64 ranks x 20,000 steps the
-build costs 1.5 s of CPU, the cached page about 0.05 s (bench/bench_dashboard.py).
+build costs 1.6 s of CPU, reading the kept page back and sending it 0.12 s (bench/bench_dashboard.py).
 
 The run directory and the history are never written (the dashboard only reads them): the pages
 live in a cache folder of the user's, ``$STEPWATCH_CACHE_DIR`` (``off`` turns the cache off), else
@@ -9,9 +9,10 @@ live in a cache folder of the user's, ``$STEPWATCH_CACHE_DIR`` (``off`` turns th
 
 A page is reused only under the key it was built under, taken *before* the build read anything:
 this code's version (stepwatch's version and a digest of the ``views`` package's sources), the
-store's path, the size, time and inode of the store and of its WAL when not empty (any write to the history
-changes them: a session that gets more rows, or loses some to retention, is built again; so is
-every session of a history another session is still writing to), the session's row, and the
+store's path, the size, time and inode of the store and of its WAL when not empty (any write to
+the history changes them: a session that gets more rows, or loses some to retention, is built
+again; so is every session of a history another session is still writing to, and a page whose
+history was written while it was built is not kept), the session's row, and the
 size and time of the run directory's files a page reads (run.json's outcome, the final
 summary, alerts.jsonl, the stack dumps in ``stacks/``). A running session's page is never kept.
 
