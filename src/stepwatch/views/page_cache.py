@@ -34,7 +34,7 @@ from ..store.base import HistoryStore
 
 __all__ = ["KEEP", "PageCache", "cache_folder", "page_key"]
 
-KEEP = 64  # pages kept (a 64-rank x 20,000-step page is about 0.3 MB compressed)
+KEEP = 64  # pages kept (a 64-rank x 20,000-step page is 0.4 MB compressed)
 
 
 def cache_folder() -> Path | None:
