@@ -116,15 +116,15 @@ class FeedState:
             return figures
 
     def _kept(self, now: float) -> list[str]:
-        """The sessions reported: the newest ``max_sessions`` not expired."""
-        seen = [s for s in self.aggregator.sessions_in_order() if s not in self._expired]
+        """The sessions reported: of the newest ``max_sessions``, those not expired (a finished
+        session that expired is not replaced by an older one)."""
+        seen = self.aggregator.sessions_in_order()[-self.max_sessions:]
         for session, ended in list(self._ended_at.items()):
             if now - ended >= self.finished_ttl_s and session not in self._expired:
                 self._expired.add(session)
                 self.expired_sessions += 1
-        if len(self._expired) > 100_000:  # a serve of years: forget the oldest marks (they stay unseen)
-            self._expired.clear()
-        kept = [s for s in seen if s not in self._expired][-self.max_sessions:]
+        self._expired &= set(seen)  # a session out of the window stays out: no need to remember it
+        kept = [s for s in seen if s not in self._expired]
         for session in list(self._readers):
             if session not in kept:
                 self._readers.pop(session).close()
