@@ -14,7 +14,8 @@ and a session whose ranks have all stopped is dropped ``finished_ttl_s`` after i
 others, so neither the exposition nor this process grows without end.
 
 Reading costs one snapshot per session and is cached for ``cache_s`` (a Prometheus scrape and an
-OTLP export in the same second share one read). Thread-safe: one lock around the readers.
+OTLP export in the same second share one read). Thread-safe: one lock around the readers, and
+another around the alert counts, which the aggregator's loop takes (never behind a read).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class FeedState:
         self.finished_ttl_s = finished_ttl_s
         self.cache_s = cache_s
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the readers: held through a read (a scrape, an OTLP collection)
+        # the alert counts: taken on the aggregator's loop (its emit), so never behind a read
+        self._alert_lock = threading.Lock()
         self._readers: dict[str, Any] = {}
         self._ended_at: dict[str, float] = {}  # session -> when first seen ended (clock)
         self._expired: set[str] = set()
@@ -98,7 +101,7 @@ class FeedState:
         alert = message.get("alert") or {}
         session = alert.get("session_id") or getattr(self.aggregator, "session_id", None) or ""
         kind = str(alert.get("kind") or "UNKNOWN")
-        with self._lock:
+        with self._alert_lock:
             if session not in self._alerts and len(self._alerts) >= 4 * self.max_sessions:
                 self._alerts.pop(next(iter(self._alerts)))  # the oldest session's counts
             self._alerts.setdefault(session, Counter())[kind] += 1
@@ -160,8 +163,9 @@ class FeedState:
                     memory_bytes=live.memory_bytes, memory_peak_bytes=live.memory_peak_bytes,
                     memory_kind=live.memory_kind, heartbeat_age_s=live.heartbeat_age_s,
                     loss=self._loss(session, live.rank), state=live.state))
-            out.append(SessionFigures(session, tuple(ranks), snapshot.verdict, ended,
-                                      dict(self._alerts.get(session, {}))))
+            with self._alert_lock:
+                alerts = dict(self._alerts.get(session, {}))
+            out.append(SessionFigures(session, tuple(ranks), snapshot.verdict, ended, alerts))
         return out
 
     @staticmethod
