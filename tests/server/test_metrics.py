@@ -212,3 +212,14 @@ def test_serve_says_where_its_metrics_are(tmp_path: Path) -> None:
         proc.terminate()
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
+
+
+@pytest.mark.real
+def test_run_with_a_remote_aggregator_has_no_feeds_to_serve(tmp_path: Path) -> None:
+    from tests.support import run_stepwatch
+
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    proc = run_stepwatch("run", "--aggregator", "127.0.0.1:9", "--metrics-port", "0", "--out", str(tmp_path / "run"),
+                         "train.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "--metrics-port, --alert-webhook and --otlp-endpoint" in proc.stderr
+    assert not (tmp_path / "run").exists()

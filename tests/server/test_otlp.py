@@ -175,3 +175,32 @@ def test_a_row_sent_twice_goes_out_once_and_a_late_parent_still_goes_out() -> No
     assert sampler.decide(step) == [step]  # the parent that came late is no duplicate
     assert sampler.decide(step) == [] and sampler.decide(_row("f", "step7", "forward")) == []
     assert sampler.duplicates == 2
+
+
+def test_a_dead_collector_costs_counted_drops_only(tmp_path: Any) -> None:
+    import socket
+    import time
+
+    from stepwatch.server.aggregator import Aggregator
+    from stepwatch.server.feed_state import FeedState
+    from stepwatch.server.otlp import OtlpExporter
+    from stepwatch.store.sqlite import SqliteStore
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = SqliteStore(tmp_path / "history.sqlite")
+    core = Aggregator(store)
+    exporter = OtlpExporter(f"http://127.0.0.1:{port}", FeedState(tmp_path, core), core, interval_s=3600,
+                            timeout_s=0.5)
+    try:
+        rows = [_row(f"step{i}", None, "step", i) for i in range(20)]
+        started = time.perf_counter()
+        exporter.take_spans("s", 0, "h", rows)
+        assert time.perf_counter() - started < 0.01  # the tap only queues
+        exporter._export_spans()  # the exporter thread's round, here
+        stats = exporter.stats()
+        assert (stats["spans_exported"], stats["spans_dropped"], stats["export_failures"]) == (0, 20, 1)
+    finally:
+        exporter.close(timeout=2)
+        store.close()
