@@ -139,7 +139,7 @@ def bench_otlp(tmp: Path, spans: int) -> dict[str, Any]:
     started, cpu = time.perf_counter(), _cpu()
     for first in range(0, len(rows), 500):
         exporter.take_spans("otlp-session", 0, "bench", rows[first:first + 500])
-    exporter._export_spans(final=True)  # noqa: SLF001 - the exporter thread's round, timed here
+    exporter._export_spans(final=True)  # the exporter thread's round, timed here
     wall, spent = time.perf_counter() - started, _cpu() - cpu
     stats = exporter.stats()
     exporter.close()
