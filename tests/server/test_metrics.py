@@ -47,7 +47,8 @@ def test_prometheus_scrapes_a_live_two_rank_run(fed: FedRun) -> None:
     assert all(0 < share < 1 for share in _by_rank(prom["forward_share"]).values())
     assert all(math.isfinite(v) and v >= 0 for v in _by_rank(prom["loss"]).values())
     memory = prom["memory"]
-    assert {r["metric"]["kind"] for r in memory} == {"rss"} and all(float(r["value"][1]) > 10e6 for r in memory)
+    assert {(r["metric"]["device"], r["metric"]["kind"]) for r in memory} == {("rss", "rss")}
+    assert all(float(r["value"][1]) > 10e6 for r in memory)
     assert all(0 <= v < 30 for v in _by_rank(prom["heartbeat_age"]).values())
     [alerts] = prom["alerts"]
     assert alerts["metric"]["session"] == session and float(alerts["value"][1]) >= 1
@@ -164,6 +165,7 @@ def test_a_token_guards_metrics_and_no_token_binds_loopback_only(tmp_path: Path)
         assert _scrape(guarded.url, "wrong")[0] == 401
         status, body = _scrape(guarded.url, "s3cret")
         assert status == 200 and 'stepwatch_steps{host="node0",rank="0",session="only"} 30.0' in body
+        assert 'stepwatch_memory_peak_bytes{device="rss",host="node0",kind="rss",rank="0",session="only"}' in body
         assert open_one.host == "127.0.0.1" and _scrape(open_one.url)[0] == 200
         assert _scrape(open_one.url.replace("/metrics", "/other"))[0] == 404
     finally:

@@ -122,6 +122,7 @@ def test_metrics_go_out_with_units_and_rank_attributes(fed: FedRun) -> None:
         assert {p["stepwatch.rank"] for p in points} == {0, 1}, name
         assert all(p["stepwatch.session"] and p["host.name"] for p in points)
     assert {p["quantile"] for p in seen["stepwatch.step_time"][1]} == {0.5, 0.9, 0.99}
+    assert {(p["device"], p["kind"]) for p in seen["stepwatch.memory"][1]} == {("rss", "rss")}
     assert any(p["kind"] == "NONFINITE" and p["value"] >= 1 for p in seen["stepwatch.alerts"][1])
 
 

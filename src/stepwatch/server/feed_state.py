@@ -48,6 +48,7 @@ class RankFigures:
     memory_bytes: int | None
     memory_peak_bytes: int | None
     memory_kind: str | None
+    memory_devices: dict[str, tuple[int, int]]  # device ("0", "1", ... or "rss") -> (latest, peak) bytes
     heartbeat_age_s: float | None
     loss: float | None
     state: str
@@ -161,7 +162,8 @@ class FeedState:
                     rank=live.rank, host=str(hosts.get((session, live.rank)) or ""), step=live.step,
                     step_time_quantiles=quantiles, steps_per_s=live.steps_per_s, phase_shares=dict(live.phase_shares),
                     memory_bytes=live.memory_bytes, memory_peak_bytes=live.memory_peak_bytes,
-                    memory_kind=live.memory_kind, heartbeat_age_s=live.heartbeat_age_s,
+                    memory_kind=live.memory_kind, memory_devices=reader.memory_devices(live.rank),
+                    heartbeat_age_s=live.heartbeat_age_s,
                     loss=self._loss(session, live.rank), state=live.state))
             with self._alert_lock:
                 alerts = dict(self._alerts.get(session, {}))

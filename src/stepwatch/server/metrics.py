@@ -57,10 +57,10 @@ class StepwatchCollector:
                                    labels=[*_LABELS, "phase"])
         loss = GaugeMetricFamily("stepwatch_loss", "The rank's last loss (inferred, or the one the program marks)",
                                  labels=_LABELS)
-        memory = GaugeMetricFamily("stepwatch_memory_bytes", "The rank's latest memory sample",
-                                   labels=[*_LABELS, "kind"])
-        peak = GaugeMetricFamily("stepwatch_memory_peak_bytes", "The rank's highest memory sample",
-                                 labels=[*_LABELS, "kind"])
+        memory = GaugeMetricFamily("stepwatch_memory_bytes", "The rank's latest memory sample, by device",
+                                   labels=[*_LABELS, "device", "kind"])
+        peak = GaugeMetricFamily("stepwatch_memory_peak_bytes", "The rank's highest memory sample, by device",
+                                 labels=[*_LABELS, "device", "kind"])
         age = GaugeMetricFamily("stepwatch_heartbeat_age_seconds", "Seconds since the rank's last sign of life",
                                 labels=_LABELS)
         up = GaugeMetricFamily("stepwatch_rank_running", "1 while the rank runs, 0 once stopped, silent or lost",
@@ -83,10 +83,10 @@ class StepwatchCollector:
                     shares.add_metric([*labels, phase], share)
                 if r.loss is not None:
                     loss.add_metric(labels, r.loss)
-                if r.memory_bytes is not None:
-                    memory.add_metric([*labels, r.memory_kind or "unknown"], r.memory_bytes)
-                if r.memory_peak_bytes is not None:
-                    peak.add_metric([*labels, r.memory_kind or "unknown"], r.memory_peak_bytes)
+                for device, (latest, highest) in memory_series(r):
+                    kind = "rss" if device == "rss" else "device"
+                    memory.add_metric([*labels, device, kind], latest)
+                    peak.add_metric([*labels, device, kind], highest)
                 if r.heartbeat_age_s is not None:
                     age.add_metric(labels, r.heartbeat_age_s)
                 up.add_metric([*labels, r.state], 1.0 if r.state == "running" else 0.0)
@@ -122,6 +122,16 @@ class StepwatchCollector:
         for name, (kind, help_text, value) in sorted(self.extra().items()):
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, help_text, value=value)
+
+
+def memory_series(rank: Any) -> list[tuple[str, tuple[int, int]]]:
+    """(device, (latest, peak)) of a rank: each device's where the samples were read per device,
+    else the live view's one figure (device ``all``)."""
+    if rank.memory_devices:
+        return sorted(rank.memory_devices.items())
+    if rank.memory_bytes is None:
+        return []
+    return [("all", (rank.memory_bytes, rank.memory_peak_bytes or rank.memory_bytes))]
 
 
 class MetricsServer:

@@ -44,6 +44,7 @@ import msgspec
 
 from ..errors import StepwatchError
 from .feed_state import FeedState
+from .metrics import memory_series
 
 __all__ = ["OtlpExporter", "SpanSampler"]
 
@@ -323,8 +324,9 @@ class OtlpExporter:
             ("stepwatch.phase_share", "1", "Share of the step time each phase took over the last 100 steps",
              lambda r: [(v, {"phase": p}) for p, v in sorted(r.phase_shares.items())]),
             ("stepwatch.loss", "1", "The rank's last loss", lambda r: [(r.loss, {})]),
-            ("stepwatch.memory", "By", "The rank's latest memory sample",
-             lambda r: [(r.memory_bytes, {"kind": r.memory_kind or "unknown"})]),
+            ("stepwatch.memory", "By", "The rank's latest memory sample, by device",
+             lambda r: [(latest, {"device": device, "kind": "rss" if device == "rss" else "device"})
+                        for device, (latest, _) in memory_series(r)]),
             ("stepwatch.heartbeat_age", "s", "Seconds since the rank's last sign of life",
              lambda r: [(r.heartbeat_age_s, {})]),
         )

@@ -88,6 +88,13 @@ class LiveReader:
             return None
         return records["end"] - records["start"]
 
+    def memory_devices(self, rank: int) -> dict[str, tuple[int, int]]:
+        """The rank's (latest, peak) memory per device (``MemoryFold.by_device``: ``"0"``, ``"1"``,
+        ..., ``"rss"``), as the last snapshot read them; empty when none was read."""
+        samples = self._memory.get(rank)
+        fold = samples.fold if samples is not None else self._history.memory_fold(rank)
+        return fold.by_device() if fold is not None else {}
+
     def close(self) -> None:
         """Unmaps the ledgers and closes the history (a later snapshot opens them again)."""
         self._ledgers.close()
