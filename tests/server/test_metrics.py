@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.feeds import FedRun, fed_run
+from tests.support.feeds import FedRun, fed_run, require_prometheus
 from tests.support.history import write_run
 
 
@@ -28,6 +28,7 @@ def _by_rank(results: list[dict[str, Any]]) -> dict[str, float]:
 
 @pytest.mark.real
 def test_prometheus_scrapes_a_live_two_rank_run(fed: FedRun) -> None:
+    require_prometheus(fed.prometheus_missing)
     assert fed.returncode == 0, fed.stderr[-3000:]
     assert not fed.waited_for, f"still missing in Prometheus at the deadline: {fed.waited_for}"
     prom = fed.prometheus
