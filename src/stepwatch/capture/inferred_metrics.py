@@ -45,6 +45,8 @@ _time_ns = time.time_ns
 _FLOAT = {float}
 _INT = {int}
 _SPAN_ID = attrgetter("id")
+_PHASE_NS = attrgetter("phase_ns")  # set on a step, None on any other span
+_STEP_MARKS_MAX = 65536  # steps whose loss waits for the step's record (steps never written: lost ones)
 
 
 class _Slot:
@@ -204,7 +206,8 @@ class InferredMetrics:
 
     def _resolve_host(self, taken: list[tuple[OpenSpan, str, Any, int, dict[str, Any]]]) -> int:
         """``taken`` as marks when every value is a finite float (``mark_value``'s first case):
-        ids drawn, each span's ``mark_ids`` extended, and the columns handed to the recorder
+        ids drawn, each span's marks noted (``SpanRecorder.step_marks``, or its ``mark_ids``), and
+        the columns handed to the recorder
         (``SpanRecorder.inferred``), which writes them with no row per mark. Returns 0, having
         done nothing, when one value is anything else, or a span's id is not the counter's."""
         spans, names, values, stamps, attrs = zip(*taken)
@@ -214,14 +217,22 @@ class InferredMetrics:
         if set(map(type, span_ids)) != _INT:
             return 0
         count = len(taken)
-        ids = list(map(_call, repeat(self.recorder.new_id, count)))
-        for span, mark_id in zip(spans, ids):
-            held = span.mark_ids
-            if held is None:
-                span.mark_ids = [mark_id]
-            else:
-                held.append(mark_id)
-        self.recorder.inferred.append(InferredColumns(ids, span_ids, names, values, stamps, attrs))
+        recorder = self.recorder
+        ids = list(map(_call, repeat(recorder.new_id, count)))
+        later = recorder.step_marks
+        if (None not in map(_PHASE_NS, spans) and len(set(span_ids)) == count and later.keys().isdisjoint(span_ids)
+                and len(later) < _STEP_MARKS_MAX):
+            # one value a step (the loss), each on a step: listed by the step's record from the
+            # recorder's table, with no list per step
+            later.update(zip(span_ids, ids))
+        else:
+            for span, mark_id in zip(spans, ids):
+                held = span.mark_ids
+                if held is None:
+                    span.mark_ids = [mark_id]
+                else:
+                    held.append(mark_id)
+        recorder.inferred.append(InferredColumns(ids, span_ids, names, values, stamps, attrs))
         return count
 
     def _resolve_each(self, wait: bool) -> int:

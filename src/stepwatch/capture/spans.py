@@ -30,7 +30,7 @@ from ..phases import PHASES as PHASES_TABLE
 from ..phases import RESIDUAL, SPAN_NAMES
 from .tables import BoundedTable
 
-__all__ = ["InferredColumns", "MarkRow", "MarkWireRow", "OpenSpan", "SpanRecorder", "SpanWireRow", "SpoolMark", "SpoolSpan", "clean_attrs",
+__all__ = ["InferredColumns", "MarkRow", "MarkWireRow", "OneId", "OpenSpan", "SpanRecorder", "SpanWireRow", "SpoolMark", "SpoolSpan", "clean_attrs",
            "cut_utf8", "json_text", "mark_value", "step_attrs"]
 
 MAX_DEPTH = 64
@@ -167,7 +167,7 @@ class SpoolSpan(msgspec.Struct, gc=False):
     pid: int
     rank: int
     attrs: dict[str, Any]
-    mark_ids: list[str] | tuple[()]
+    mark_ids: list[str] | tuple[()] | OneId
 
 
 class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
@@ -182,6 +182,14 @@ class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
     ts_ns: int
     kind: str
     value_nonfinite: str | None = None
+
+
+class OneId(msgspec.Struct, array_like=True, gc=False):
+    """A ``mark_ids`` of one id (a step's loss): encoded as the one-element array a list would
+    be, and, unlike a list, nothing the cyclic GC counts towards its next collection (which the
+    sampler's allocations set off for the whole process, and pay for)."""
+
+    id: str
 
 
 class SpanWireRow(msgspec.Struct, array_like=True, gc=False):
@@ -319,6 +327,9 @@ class SpanRecorder:
         # Marks the sampler made itself (inferred_metrics.py: the loss of each step), as columns
         # (``InferredColumns``): written by ``mark_records`` with no row per mark in between.
         self.inferred: list[InferredColumns] = []
+        # A step's one inferred mark (its loss), by the step's id, until the step is written: kept
+        # here rather than in the step's ``mark_ids``, a list made per step (InferredMetrics).
+        self.step_marks: dict[int, int] = {}
         self._deferred: list[OpenSpan] = []  # closed spans whose GPU time is not resolved yet
         # Called by the sampler before each drain of the marks: values the patches read late (the
         # loss of a step on the GPU, inferred_metrics.py) become mark rows first.
@@ -457,8 +468,9 @@ class SpanRecorder:
         smallest id the batch holds; a run longer than the batch needs (a span opened long ago,
         an epoch, the session) starts later, and the ids below it are formatted one by one
         (``_outside``). One C pass: the (prefix, counter) pairs as big-endian 64-bit words,
-        written as hex with a space after each 16 bytes, then split (~1.1k instructions an id
-        against 1.7k for ``to_bytes().hex()`` one by one; ``str`` of the counter costs more)."""
+        written as hex with a space after each 16 bytes, then split (~1.2k instructions an id,
+        most of it the string made; 1.7k for ``to_bytes().hex()`` one by one, 2.3k for ``str``
+        of a 16-digit counter)."""
         top = int(repr(self._counter)[6:-1])  # count(N): the next id, read without advancing
         lo = max(lowest, top - 4 * records - 4096, 1)
         if lo >= top:
@@ -510,34 +522,111 @@ class SpanRecorder:
             if not spans:
                 return []
         # The batch's ids are a run of the counter: a span's children and marks were made after it
-        lo, top, hexes = self._ids = self._id_range(min([span.id for span in spans]),
+        # (its lowest id is among the first spans closed: a step, or the fetch opened before it; an
+        # older span, an epoch closing, is found outside the run)
+        lo, top, hexes = self._ids = self._id_range(min([span.id for span in spans[:16]]),
                                                     len(spans) + len(self.marks) + 2 * len(self.inferred))
+        given = len(rows) if rows is not None else 0
+        try:
+            return self._records_in_run(spans, lo, hexes, rows)
+        except (TypeError, IndexError):  # a parent that is no counter value (None, a legacy string),
+            if rows is not None:         # an id past the counter (a span made by hand): one by one
+                del rows[given:]
+        return self._records(spans, lo, top, hexes, rows)
+
+    def _records_in_run(self, spans: list[OpenSpan], lo: int, hexes: list[str],
+                        rows: list[SpanWireRow] | None) -> list[SpoolSpan]:
+        """``_records`` where every parent is a counter value and no id is past the run (a None
+        parent raises TypeError, an id past it IndexError: the caller takes ``_records``). A phase (no attrs, no
+        marks) costs one record and one lookup of each id; a step its breakdown and its marks.
+        Written out twice (with and without wire rows) and inline: a call per step costs more
+        than the loop saves."""
         far = self._outside
+        known = self._far.get  # an epoch's id, formatted once (_outside)
+        step_marks = self.step_marks
         pid, rank = self.pid, self.rank
+        top = lo + len(hexes)
+        out: list[SpoolSpan] = []
+        append = out.append
+        wire = rows.append if rows is not None else None
+        for span in spans:
+            parent = span.parent_id
+            parent = hexes[parent - lo] if parent >= lo else known(parent) or far(parent)
+            attrs = span.attrs
+            marks = span.mark_ids
+            if attrs is None and marks is None:  # a phase
+                own = span.id
+                own = hexes[own - lo] if own >= lo else far(own)
+                append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
+                                 span.thread_id, pid, rank, _NO_ATTRS, ()))
+                if wire is not None:
+                    wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
+                                     span.thread_id, pid, _EMPTY_TEXT))
+                continue
+            own = span.id
+            listed: list[str] | tuple[()] | OneId = ()
+            if span.phase_ns is not None:
+                attrs = step_record_attrs(span)
+                loss = step_marks.pop(own, None)
+                if loss is not None:  # its loss (InferredMetrics)
+                    if marks is None and lo <= loss < top:
+                        listed = OneId(hexes[loss - lo])
+                    else:
+                        marks = [*(marks or ()), loss]
+            elif attrs:
+                attrs = clean_attrs(attrs)
+            else:
+                attrs = _NO_ATTRS
+            if marks is not None:
+                listed = [hexes[m - lo] if type(m) is int and lo <= m < top else far(m) for m in marks]
+            own = hexes[own - lo] if own >= lo else far(own)
+            append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
+                             span.thread_id, pid, rank, attrs, listed))
+            if wire is not None:
+                wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
+                                 span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
+        return out
+
+    def _record(self, span: OpenSpan, own: str, parent: str | None, lo: int, top: int, hexes: list[str]) -> SpoolSpan:
+        """One span's record, its ids formatted already: a step's breakdown, attrs cleaned, its
+        marks' ids."""
+        marks = span.mark_ids
+        if span.phase_ns is not None:
+            attrs = step_record_attrs(span)
+            loss = self.step_marks.pop(span.id, None)  # its loss (InferredMetrics)
+            if loss is not None:
+                marks = [*(marks or ()), loss]
+        elif span.attrs:
+            attrs = clean_attrs(span.attrs)
+        else:
+            attrs = _NO_ATTRS
+        if marks is None:
+            listed: list[str] | tuple[()] | OneId = ()
+        elif len(marks) == 1 and type(first := marks[0]) is int and lo <= first < top:  # a step's loss, usually
+            listed = OneId(hexes[first - lo])
+        else:
+            listed = [hexes[m - lo] if type(m) is int and lo <= m < top else self._outside(m) for m in marks]
+        return SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
+                         span.thread_id, self.pid, self.rank, attrs, listed)
+
+    def _records(self, spans: list[OpenSpan], lo: int, top: int, hexes: list[str],
+                 rows: list[SpanWireRow] | None) -> list[SpoolSpan]:
+        """The records of ``spans`` (and their wire rows into ``rows``), any id inside the run
+        ``hexes`` (from ``lo`` to ``top``) or not."""
+        far = self._outside
+        pid = self.pid
         out: list[SpoolSpan] = []
         append = out.append
         wire = rows.append if rows is not None else None
         for span in spans:
             own = span.id
-            own = hexes[own - lo] if own >= lo else far(own)
+            own = hexes[own - lo] if lo <= own < top else far(own)
             parent = span.parent_id
-            parent = hexes[parent - lo] if type(parent) is int and parent >= lo else far(parent)
-            if span.phase_ns is not None:
-                attrs = step_record_attrs(span)
-            elif span.attrs:
-                attrs = clean_attrs(span.attrs)
-            else:
-                attrs = _NO_ATTRS
-            marks = span.mark_ids
-            if marks is None:
-                listed: list[str] | tuple[()] = ()
-            elif len(marks) == 1 and lo <= (first := marks[0]) < top:  # a step's loss, usually
-                listed = [hexes[first - lo]]
-            else:
-                listed = [hexes[m - lo] if type(m) is int and lo <= m < top else far(m) for m in marks]
-            append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
-                             span.thread_id, pid, rank, attrs, listed))
+            parent = hexes[parent - lo] if type(parent) is int and lo <= parent < top else far(parent)
+            record = self._record(span, own, parent, lo, top, hexes)  # type: ignore[arg-type]
+            append(record)
             if wire is not None:
+                attrs = record.attrs
                 wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
                                  span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
         return out
