@@ -35,15 +35,16 @@ values = (st.floats(allow_nan=False, allow_infinity=False)
 
 
 @st.composite
-def steps(draw: Any) -> tuple[list[tuple[int, int, list[tuple[str, Any, dict[str, Any]]]]], bool]:
-    """A few steps (children, then the values their backward left: name, value, attrs); and
-    whether one value goes on the session span (outside any batch)."""
+def steps(draw: Any) -> tuple[list[tuple[int, int, list[tuple[str, Any, dict[str, Any]]], Any]], bool]:
+    """A few steps (children, a time, the values their backward left: name, value, attrs, and
+    the attrs the step was opened with); and whether one value goes on the session span."""
     out = []
     for _ in range(draw(st.integers(1, 5))):
         children = draw(st.integers(0, 3))
         marks = draw(st.lists(st.tuples(st.sampled_from(["loss", "grad_norm"]), values,
                                         st.sampled_from([LOSS_ATTRS, NORM_ATTRS])), max_size=2))
-        out.append((children, draw(st.integers(0, 10**6)), marks))
+        opened = draw(st.sampled_from([None, {"implicit": True}, {"epoch": 2}]))
+        out.append((children, draw(st.integers(0, 10**6)), marks, opened))
     return out, draw(st.booleans())
 
 
@@ -52,9 +53,8 @@ def feed(recorder: SpanRecorder, metrics: InferredMetrics, drawn: tuple[list[Any
     plan, on_session = drawn
     epoch = recorder.open("epoch", index=0, parent_id=recorder.session.id, root=True)
     assert epoch is not None
-    for index, (children, ts, marks) in enumerate(plan):
-        step = OpenSpan(recorder.new_id(), "step", epoch.id, index, 100, {"implicit": True}, 7,
-                        phase_ns=dict(PHASE_TIMES))
+    for index, (children, ts, marks, opened) in enumerate(plan):
+        step = OpenSpan(recorder.new_id(), "step", epoch.id, index, 100, opened, 7, phase_ns=dict(PHASE_TIMES))
         for _ in range(children):
             recorder.closed.append(OpenSpan(recorder.new_id(), "forward", step.id, None, 110, None, 7, closed=True,
                                             end_ns=120))
@@ -120,11 +120,26 @@ def test_a_steps_record_lists_the_values_its_backward_left(tmp_path_factory: Any
     marks = {mark["id"]: mark for mark in loaded.marks}
     steps_by_id = {span["id"]: span for span in loaded.spans if span["name"] == "step"}
     plan, _ = drawn
-    expected = sum(len(marks_of) for _, _, marks_of in plan)
     listed = [mark_id for span in steps_by_id.values() for mark_id in span["mark_ids"]]
-    dropped = sum(1 for _, _, marks_of in plan for _, value, _ in marks_of if value is None)
-    assert len(listed) == expected - dropped
+    assert len(listed) == sum(len(marks_of) for _, _, marks_of, _ in plan)
     for mark_id in listed:
         assert marks[mark_id]["span_id"] in steps_by_id
-    for step in steps_by_id.values():  # every mark on a step is in that step's mark_ids
+    for step in steps_by_id.values():  # every mark on a step is in that step's mark_ids, and its breakdown
         assert sorted(step["mark_ids"]) == sorted(m["id"] for m in loaded.marks if m["span_id"] == step["id"])
+        assert step["attrs"]["step_ns"] == 100 and step["attrs"]["forward_ns"] == PHASE_TIMES["forward"]
+
+
+def test_finite_losses_take_the_column_path_and_anything_else_the_loop() -> None:
+    recorder = SpanRecorder(rank=0, rows=64)
+    metrics = InferredMetrics(recorder, None)
+    step = OpenSpan(recorder.new_id(), "step", recorder.session.id, 0, 1, {"implicit": True}, 7,
+                    phase_ns=dict(PHASE_TIMES))
+    metrics.pending.append((step, "loss", 0.5, 3, LOSS_ATTRS))
+    assert metrics.resolve() == 1
+    assert len(recorder.inferred) == 1 and recorder.marks.appended == 0
+    assert step.mark_ids is None and list(recorder.step_marks) == [step.id]  # no list made for the step
+    metrics.pending.append((step, "loss", float("nan"), 4, LOSS_ATTRS))
+    assert metrics.resolve() == 1
+    assert len(recorder.inferred) == 1 and recorder.marks.appended == 1  # the loop: nan is written as null
+    (row,) = recorder.marks.drain()
+    assert (row.value, row.nonfinite) == (None, "nan") and step.mark_ids == [row.id]

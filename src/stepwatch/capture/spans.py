@@ -554,7 +554,7 @@ class SpanRecorder:
             parent = hexes[parent - lo] if parent >= lo else known(parent) or far(parent)
             attrs = span.attrs
             marks = span.mark_ids
-            if attrs is None and marks is None:  # a phase
+            if attrs is None and marks is None and span.phase_ns is None:  # a phase
                 own = span.id
                 own = hexes[own - lo] if own >= lo else far(own)
                 append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
