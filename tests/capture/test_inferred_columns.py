@@ -37,7 +37,8 @@ values = (st.floats(allow_nan=False, allow_infinity=False)
 @st.composite
 def steps(draw: Any) -> tuple[list[tuple[int, int, list[tuple[str, Any, dict[str, Any]]], Any]], bool]:
     """A few steps (children, a time, the values their backward left: name, value, attrs, and
-    the attrs the step was opened with); and whether one value goes on the session span."""
+    the attrs the step was opened with); whether one value goes on the session span; and where a
+    span with no parent closes in the batch (none, first, last: it takes the loop from there)."""
     out = []
     for _ in range(draw(st.integers(1, 5))):
         children = draw(st.integers(0, 3))
@@ -45,14 +46,16 @@ def steps(draw: Any) -> tuple[list[tuple[int, int, list[tuple[str, Any, dict[str
                                         st.sampled_from([LOSS_ATTRS, NORM_ATTRS])), max_size=2))
         opened = draw(st.sampled_from([None, {"implicit": True}, {"epoch": 2}]))
         out.append((children, draw(st.integers(0, 10**6)), marks, opened))
-    return out, draw(st.booleans())
+    return out, draw(st.booleans()), draw(st.sampled_from(["", "first", "last"]))
 
 
-def feed(recorder: SpanRecorder, metrics: InferredMetrics, drawn: tuple[list[Any], bool]) -> None:
+def feed(recorder: SpanRecorder, metrics: InferredMetrics, drawn: tuple[list[Any], bool, str]) -> None:
     """The closed spans and pending values a training thread would leave, in close order."""
-    plan, on_session = drawn
+    plan, on_session, root = drawn
     epoch = recorder.open("epoch", index=0, parent_id=recorder.session.id, root=True)
     assert epoch is not None
+    if root == "first":
+        recorder.close(recorder.open("warm-up", parent_id=None, root=True, start_ns=50), 60)
     for index, (children, ts, marks, opened) in enumerate(plan):
         step = OpenSpan(recorder.new_id(), "step", epoch.id, index, 100, opened, 7, phase_ns=dict(PHASE_TIMES))
         for _ in range(children):
@@ -64,9 +67,11 @@ def feed(recorder: SpanRecorder, metrics: InferredMetrics, drawn: tuple[list[Any
         recorder.closed.append(step)
     if on_session:
         metrics.pending.append((recorder.session, "loss", 0.5, 5, LOSS_ATTRS))
+    if root == "last":
+        recorder.close(recorder.open("cool-down", parent_id=None, root=True, start_ns=300), 310)
 
 
-def seal(tmp: Path, drawn: tuple[list[Any], bool], *, columns: bool) -> tuple[Any, list[bytes]]:
+def seal(tmp: Path, drawn: tuple[list[Any], bool, str], *, columns: bool) -> tuple[Any, list[bytes]]:
     """One seal of a fresh recorder fed ``drawn``, by the column path or (``columns`` False) the
     loop: what ``read_spool`` reads back, with the recorder's ids made comparable, and the
     frames the aggregator would get."""
@@ -93,7 +98,7 @@ def seal(tmp: Path, drawn: tuple[list[Any], bool], *, columns: bool) -> tuple[An
 
 @settings(max_examples=60, deadline=None)
 @given(steps())
-def test_the_column_path_writes_what_the_loop_writes(tmp_path_factory: Any, drawn: tuple[list[Any], bool]) -> None:
+def test_the_column_path_writes_what_the_loop_writes(tmp_path_factory: Any, drawn: tuple[list[Any], bool, str]) -> None:
     tmp = tmp_path_factory.mktemp("inferred")
     by_columns, frames_columns = seal(tmp, drawn, columns=True)
     by_loop, frames_loop = seal(tmp, drawn, columns=False)
@@ -115,11 +120,11 @@ def test_the_column_path_writes_what_the_loop_writes(tmp_path_factory: Any, draw
 @given(steps())
 @settings(max_examples=30, deadline=None)
 def test_a_steps_record_lists_the_values_its_backward_left(tmp_path_factory: Any,
-                                                            drawn: tuple[list[Any], bool]) -> None:
+                                                            drawn: tuple[list[Any], bool, str]) -> None:
     loaded, _ = seal(tmp_path_factory.mktemp("listed"), drawn, columns=True)
     marks = {mark["id"]: mark for mark in loaded.marks}
     steps_by_id = {span["id"]: span for span in loaded.spans if span["name"] == "step"}
-    plan, _ = drawn
+    plan, _, _ = drawn
     listed = [mark_id for span in steps_by_id.values() for mark_id in span["mark_ids"]]
     assert len(listed) == sum(len(marks_of) for _, _, marks_of, _ in plan)
     for mark_id in listed:

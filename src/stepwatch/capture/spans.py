@@ -526,21 +526,16 @@ class SpanRecorder:
         # older span, an epoch closing, is found outside the run)
         lo, top, hexes = self._ids = self._id_range(min([span.id for span in spans[:16]]),
                                                     len(spans) + len(self.marks) + 2 * len(self.inferred))
-        given = len(rows) if rows is not None else 0
-        try:
-            return self._records_in_run(spans, lo, hexes, rows)
-        except (TypeError, IndexError):  # a parent that is no counter value (None, a legacy string),
-            if rows is not None:         # an id past the counter (a span made by hand): one by one
-                del rows[given:]
-        return self._records(spans, lo, top, hexes, rows)
+        return self._records_in_run(spans, lo, hexes, rows)
 
     def _records_in_run(self, spans: list[OpenSpan], lo: int, hexes: list[str],
                         rows: list[SpanWireRow] | None) -> list[SpoolSpan]:
-        """``_records`` where every parent is a counter value and no id is past the run (a None
-        parent raises TypeError, an id past it IndexError: the caller takes ``_records``). A phase (no attrs, no
-        marks) costs one record and one lookup of each id; a step its breakdown and its marks.
-        Written out twice (with and without wire rows) and inline: a call per step costs more
-        than the loop saves."""
+        """The records of ``spans`` (and their wire rows into ``rows``), for a batch whose parents
+        are counter values below the run's end. A phase (no attrs, no marks) costs one record and
+        a lookup of each id; a step its breakdown and its marks. Written out inline: a call per
+        step costs more than the loop saves. From the first span that breaks the assumption (a
+        None parent raises TypeError, an id past the run IndexError, both before anything of that
+        span is taken or written) the rest go one by one (``_records``)."""
         far = self._outside
         known = self._far.get  # an epoch's id, formatted once (_outside)
         step_marks = self.step_marks
@@ -549,42 +544,43 @@ class SpanRecorder:
         out: list[SpoolSpan] = []
         append = out.append
         wire = rows.append if rows is not None else None
-        for span in spans:
-            parent = span.parent_id
-            parent = hexes[parent - lo] if parent >= lo else known(parent) or far(parent)
-            attrs = span.attrs
-            marks = span.mark_ids
-            if attrs is None and marks is None and span.phase_ns is None:  # a phase
+        try:
+            for span in spans:
+                parent = span.parent_id
+                parent = hexes[parent - lo] if parent >= lo else known(parent) or far(parent)
                 own = span.id
                 own = hexes[own - lo] if own >= lo else far(own)
+                attrs = span.attrs
+                marks = span.mark_ids
+                if attrs is None and marks is None and span.phase_ns is None:  # a phase
+                    append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu,
+                                     None, span.thread_id, pid, rank, _NO_ATTRS, ()))
+                    if wire is not None:
+                        wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
+                                         span.thread_id, pid, _EMPTY_TEXT))
+                    continue
+                listed: list[str] | tuple[()] | OneId = ()
+                if span.phase_ns is not None:
+                    attrs = step_record_attrs(span)
+                    loss = step_marks.pop(span.id, None)
+                    if loss is not None:  # its loss (InferredMetrics)
+                        if marks is None and lo <= loss < top:
+                            listed = OneId(hexes[loss - lo])
+                        else:
+                            marks = [*(marks or ()), loss]
+                elif attrs:
+                    attrs = clean_attrs(attrs)
+                else:
+                    attrs = _NO_ATTRS
+                if marks is not None:
+                    listed = [hexes[m - lo] if type(m) is int and lo <= m < top else far(m) for m in marks]
                 append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
-                                 span.thread_id, pid, rank, _NO_ATTRS, ()))
+                                 span.thread_id, pid, rank, attrs, listed))
                 if wire is not None:
                     wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
-                                     span.thread_id, pid, _EMPTY_TEXT))
-                continue
-            own = span.id
-            listed: list[str] | tuple[()] | OneId = ()
-            if span.phase_ns is not None:
-                attrs = step_record_attrs(span)
-                loss = step_marks.pop(own, None)
-                if loss is not None:  # its loss (InferredMetrics)
-                    if marks is None and lo <= loss < top:
-                        listed = OneId(hexes[loss - lo])
-                    else:
-                        marks = [*(marks or ()), loss]
-            elif attrs:
-                attrs = clean_attrs(attrs)
-            else:
-                attrs = _NO_ATTRS
-            if marks is not None:
-                listed = [hexes[m - lo] if type(m) is int and lo <= m < top else far(m) for m in marks]
-            own = hexes[own - lo] if own >= lo else far(own)
-            append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
-                             span.thread_id, pid, rank, attrs, listed))
-            if wire is not None:
-                wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
-                                 span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
+                                     span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
+        except (TypeError, IndexError):
+            out.extend(self._records(spans[len(out):], lo, top, hexes, rows))
         return out
 
     def _record(self, span: OpenSpan, own: str, parent: str | None, lo: int, top: int, hexes: list[str]) -> SpoolSpan:
