@@ -148,3 +148,17 @@ def test_finite_losses_take_the_column_path_and_anything_else_the_loop() -> None
     assert len(recorder.inferred) == 1 and recorder.marks.appended == 1  # the loop: nan is written as null
     (row,) = recorder.marks.drain()
     assert (row.value, row.nonfinite) == (None, "nan") and step.mark_ids == [row.id]
+
+
+def test_losses_of_steps_never_written_do_not_pile_up() -> None:
+    """A step evicted from a full table is never written: its loss's entry is never taken out.
+    Past the bound the entries go, and the losses are still written (listed by no step)."""
+    from stepwatch.capture import inferred_metrics
+
+    recorder = SpanRecorder(rank=0, rows=64)
+    metrics = InferredMetrics(recorder, None)
+    recorder.step_marks.update((-i, i) for i in range(1, inferred_metrics._STEP_MARKS_MAX + 1))
+    step = OpenSpan(recorder.new_id(), "step", recorder.session.id, 0, 1, None, 7, phase_ns=dict(PHASE_TIMES))
+    metrics.pending.append((step, "loss", 0.5, 3, LOSS_ATTRS))
+    assert metrics.resolve() == 1
+    assert recorder.step_marks == {step.id: recorder.inferred[0].ids[0]}

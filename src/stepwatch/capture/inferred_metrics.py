@@ -46,7 +46,10 @@ _FLOAT = {float}
 _INT = {int}
 _SPAN_ID = attrgetter("id")
 _PHASE_NS = attrgetter("phase_ns")  # set on a step, None on any other span
-_STEP_MARKS_MAX = 65536  # steps whose loss waits for the step's record (steps never written: lost ones)
+# Steps whose loss waits for the step's record: taken out as each step is written, a tick or two
+# later; past this (steps never written: evicted from a full table) the loss goes in the step's
+# own mark_ids, as before, and the table is emptied of them.
+_STEP_MARKS_MAX = 8192
 
 
 class _Slot:
@@ -207,9 +210,9 @@ class InferredMetrics:
     def _resolve_host(self, taken: list[tuple[OpenSpan, str, Any, int, dict[str, Any]]]) -> int:
         """``taken`` as marks when every value is a finite float (``mark_value``'s first case):
         ids drawn, each span's marks noted (``SpanRecorder.step_marks``, or its ``mark_ids``), and
-        the columns handed to the recorder
-        (``SpanRecorder.inferred``), which writes them with no row per mark. Returns 0, having
-        done nothing, when one value is anything else, or a span's id is not the counter's."""
+        the columns handed to the recorder (``SpanRecorder.inferred``), which writes them with no
+        row per mark. Returns 0, having done nothing, when one value is anything else, or a span's
+        id is not the counter's."""
         spans, names, values, stamps, attrs = zip(*taken)
         if set(map(type, values)) != _FLOAT or not all(map(isfinite, values)):
             return 0
@@ -220,8 +223,9 @@ class InferredMetrics:
         recorder = self.recorder
         ids = list(map(_call, repeat(recorder.new_id, count)))
         later = recorder.step_marks
-        if (None not in map(_PHASE_NS, spans) and len(set(span_ids)) == count and later.keys().isdisjoint(span_ids)
-                and len(later) < _STEP_MARKS_MAX):
+        if len(later) >= _STEP_MARKS_MAX:
+            later.clear()  # steps never written: their losses are still written, listed by no step
+        if None not in map(_PHASE_NS, spans) and len(set(span_ids)) == count and later.keys().isdisjoint(span_ids):
             # one value a step (the loss), each on a step: listed by the step's record from the
             # recorder's table, with no list per step
             later.update(zip(span_ids, ids))
