@@ -61,7 +61,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     store = SqliteStore(run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
-    tcp = runner = ui_runner = None
+    tcp = runner = dashboard = None
     http_bound = ui_url = None
     try:
         try:
@@ -83,10 +83,10 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                 raise ListenError(f"cannot listen for HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
             http_bound = runner.addresses[0][1] if runner.addresses else http_port
         if ui_port is not None:
-            ui_runner, ui_url = await _start_dashboard(run_dir, host, ui_port, token)
+            dashboard, ui_url = _start_dashboard(run_dir, host, ui_port, token)
     except BaseException:
-        if ui_runner is not None:
-            await ui_runner.cleanup()
+        if dashboard is not None:
+            dashboard.stop()
         if runner is not None:
             await runner.cleanup()
         if tcp is not None:
@@ -94,57 +94,64 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
             await tcp.wait_closed()
         store.close()
         raise
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, aggregator.stop)
-    writer = asyncio.create_task(aggregator.write_loop())
-    watcher = asyncio.create_task(aggregator.watch_loop())
-    live = _start_live_verdicts(aggregator, run_dir, loop)
-    ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
-                 "ui": ui_url, "store": str(run_dir / "history.sqlite"), "pid": os.getpid()})
-    await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
-    assert tcp is not None
-    tcp.close()
-    aggregator.close_connections()
-    await tcp.wait_closed()
-    if live is not None:  # after the ranks' connections are closed: they never wait on its last round
-        await asyncio.to_thread(live.stop)
-    if runner is not None:
-        await runner.cleanup()
-    await writer
-    await watcher
-    await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
-    await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
-    if ui_runner is not None:  # last: an open page's next poll takes the run's end, then the page stops
-        await asyncio.sleep(UI_LAST_POLL_S)
-        await ui_runner.cleanup()
-    if say_losses:
-        aggregator.report_losses()
-    stats = aggregator.stats()
-    if live is not None:
-        stats["live_verdicts"] = live.stats()
     try:
-        store.close()
-    except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
-        logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
-    return stats
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, aggregator.stop)
+        writer = asyncio.create_task(aggregator.write_loop())
+        watcher = asyncio.create_task(aggregator.watch_loop())
+        live = _start_live_verdicts(aggregator, run_dir, loop)
+        ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
+                     "ui": ui_url, "ui_pid": dashboard.pid if dashboard is not None else None,
+                     "store": str(run_dir / "history.sqlite"), "pid": os.getpid()})
+        await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
+        assert tcp is not None
+        tcp.close()
+        aggregator.close_connections()
+        await tcp.wait_closed()
+        if live is not None:  # after the ranks' connections are closed: they never wait on its last round
+            await asyncio.to_thread(live.stop)
+        if runner is not None:
+            await runner.cleanup()
+        await writer
+        await watcher
+        await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
+        await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
+        if dashboard is not None:  # last: an open page's next poll takes the run's end, then the page stops
+            await asyncio.sleep(UI_LAST_POLL_S)
+            await asyncio.to_thread(dashboard.stop)
+        if say_losses:
+            aggregator.report_losses()
+        stats = aggregator.stats()
+        if live is not None:
+            stats["live_verdicts"] = live.stats()
+        try:
+            store.close()
+        except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
+            logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
+        return stats
+    finally:
+        if dashboard is not None:  # whatever ended it (on the way out, the dashboard has been stopped already)
+            await asyncio.to_thread(dashboard.stop)
 
 
-async def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
-    """The dashboard (web/app.py) over this server's directory, a second aiohttp app on this loop:
-    its reads run on threads of its own against read-only connections, so the writer never waits
-    on a page. It binds the aggregator's host when that is loopback or a token is set, else
-    127.0.0.1 (a dashboard is never open to a network without a token)."""
-    from ..views.sources import Catalog
-    from ..web.app import is_loopback, start_ui
+def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
+    """The dashboard (web/app.py) over this server's directory, in a process of its own
+    (server/dashboard.py): building a page's data never takes the writer's GIL, heap or garbage
+    collector, and the child reads the store read-only (WAL: it never blocks the writer). It
+    binds the aggregator's host when that is loopback or a token is set, else 127.0.0.1 (a
+    dashboard is never open to a network without a token). Called on the loop's thread, which
+    lives as long as the process: the child's parent-death signal follows it."""
+    from ..web.app import is_loopback
+    from .dashboard import DashboardProcess
 
     bind = host if token is not None or is_loopback(host) else "127.0.0.1"
+    dashboard = DashboardProcess(run_dir, bind, port, token)
     try:
-        runner, bound = await start_ui(Catalog(run_dir), bind, port, token)
+        url = dashboard.start()
     except OSError as exc:
         raise ListenError(f"cannot listen for the dashboard on {bind}:{port}: {exc.strerror or exc}") from None
-    shown = f"[{bind}]" if ":" in bind else bind
-    return runner, f"http://{shown}:{bound}/"
+    return dashboard, url
 
 
 def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:

@@ -217,7 +217,7 @@ class Dashboard:
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"ok": True, "path": str(self.catalog.path)})
+        return web.json_response({"ok": True, "path": str(self.catalog.path), "pid": os.getpid()})
 
     # -- data ---------------------------------------------------------------------------------
 
