@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,6 +79,18 @@ def test_serve_answers_the_dashboard_from_a_child_that_stops_with_it(tmp_path: P
     assert proc.returncode == 0, stderr
     assert _gone(ready["ui_pid"])  # stopped before the aggregator exited
     assert "exited with code" not in stderr
+
+
+def test_a_dashboard_port_in_use_is_the_aggregators_error_and_starts_nothing(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([*STEPWATCH, "serve", "--out", str(tmp_path / "hub"), "--port", "0", "--ui-port", str(port)],
+                              env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"cannot listen for the dashboard on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "hub") in (p.info["cmdline"] or [])]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="psutil's view of a killed parent's child")

@@ -14,6 +14,7 @@ stderr; ingestion goes on without it.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from ..lifetime import preexec_die_with_parent
 from ..log import logger
+from ..web.process import TOKEN_ENV
 
 __all__ = ["DashboardProcess"]
 
@@ -61,22 +63,23 @@ class DashboardProcess:
         """Binds the socket, starts the child with it; the URL. OSError when it cannot listen or
         start (nothing is left running then). Call it from the thread that will live as long as
         the child should (the parent-death signal follows the thread that started it)."""
-        info = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, address = info[0][0], info[0][4]
-        sock = socket.create_server(address[:2], family=family, backlog=128)
+        sockets = _listen(self.host, self.port)
         try:
-            self.bound = int(sock.getsockname()[1])
+            self.bound = int(sockets[0].getsockname()[1])
             env = dict(os.environ)
-            env.pop("STEPWATCH_UI_TOKEN", None)
+            env.pop(TOKEN_ENV, None)
             if self.token is not None:
-                env["STEPWATCH_UI_TOKEN"] = self.token
+                env[TOKEN_ENV] = self.token
+            fds = [str(sock.fileno()) for sock in sockets]
             # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "stepwatch.web.process", "--path", str(self.path), "--fd", str(sock.fileno())],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(sock.fileno(),), env=env,
-                preexec_fn=preexec_die_with_parent())
+                [sys.executable, "-m", "stepwatch.web.process", "--path", str(self.path),
+                 *(arg for fd in fds for arg in ("--fd", fd))],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=[sock.fileno() for sock in sockets],
+                env=env, preexec_fn=preexec_die_with_parent())
         finally:
-            sock.close()  # the child's now: a dead child refuses connections instead of queueing them
+            for sock in sockets:  # the child's now: a dead child refuses connections instead of queueing them
+                sock.close()
         threading.Thread(target=self._watch, name="stepwatch-dashboard-watch", daemon=True).start()
         return self.url
 
@@ -110,3 +113,31 @@ class DashboardProcess:
         elif process.stdin is not None:
             process.stdin.close()
         return process.wait()
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` names (``localhost``: 127.0.0.1 and ::1, as
+    aiohttp binds them), all on one port: the first one's when ``port`` is 0. OSError (and none
+    left open) when one cannot be bound."""
+    seen: list[tuple[int, tuple[str, int]]] = []
+    for family, _, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        if (family, address[:2]) not in seen:
+            seen.append((family, address[:2]))
+    sockets: list[socket.socket] = []
+    unavailable: OSError | None = None
+    try:
+        for family, (addr, _) in seen:
+            bound = sockets[0].getsockname()[1] if sockets else port
+            try:
+                sockets.append(socket.create_server((addr, bound), family=family, backlog=128))
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                unavailable = exc  # a family this machine has not enabled (as asyncio skips it)
+        if not sockets:
+            raise unavailable or OSError(errno.EADDRNOTAVAIL, f"no address for {host}")
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets

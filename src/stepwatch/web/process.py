@@ -20,7 +20,7 @@ open on the run still sees its end); SIGTERM stops it.
 
 Usage (by ``server/dashboard.py``, not by hand)::
 
-    python -m stepwatch.web.process --path RUN_OR_OUT_DIR --fd 3 [--nice 10]
+    python -m stepwatch.web.process --path RUN_OR_OUT_DIR --fd 3 [--fd 4] [--nice 10]
 
 The token, if any, comes in the environment variable ``STEPWATCH_UI_TOKEN`` (never on a command
 line, where ``ps`` shows it) and is removed from the environment once read.
@@ -42,13 +42,13 @@ TOKEN_ENV = "STEPWATCH_UI_TOKEN"
 SHUTDOWN_S = 1.0  # how long a stopping dashboard lets a request in flight finish
 
 
-async def _serve(path: Path, fd: int, token: str | None) -> None:
+async def _serve(path: Path, fds: list[int], token: str | None) -> None:
     from aiohttp import web
 
     from ..views.sources import Catalog
     from .app import Dashboard
 
-    sock = socket.socket(fileno=fd)
+    sockets = [socket.socket(fileno=fd) for fd in fds]
     catalog = Catalog(path)
     runner = web.AppRunner(Dashboard(catalog, token=token).build(), access_log=None, shutdown_timeout=SHUTDOWN_S)
     stop = asyncio.Event()
@@ -73,7 +73,8 @@ async def _serve(path: Path, fd: int, token: str | None) -> None:
         pass
     try:
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -83,7 +84,8 @@ async def _serve(path: Path, fd: int, token: str | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stepwatch.web.process")
     parser.add_argument("--path", type=Path, required=True, help="what the dashboard serves (as `stepwatch ui PATH`)")
-    parser.add_argument("--fd", type=int, required=True, help="a listening socket inherited from the parent")
+    parser.add_argument("--fd", type=int, action="append", required=True,
+                        help="a listening socket inherited from the parent (one per address)")
     parser.add_argument("--nice", type=int, default=10, help="added to this process's niceness (0: none)")
     args = parser.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, None) or None
