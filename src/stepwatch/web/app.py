@@ -2,9 +2,10 @@
 
 Pages: ``/`` (the runs), ``/run/<session id>`` (one run), ``/compare?a=<id>&b=<id>``; their data
 under ``/api/``; the script, style and Plotly's bundle under ``/static/``. Every read of a store
-runs on the app's own two threads, so a slow page never holds the event loop, and in the
-aggregator (``--ui-port``) never holds its writer (that has threads of its own; SQLite in WAL
-mode lets readers and the writer go on together).
+runs on the app's own two threads, so a slow page never holds the event loop. With the
+aggregator (``--ui-port``) the app runs in a process of its own (``web/process.py``), so it
+never shares the writer's GIL or heap either (SQLite in WAL mode lets readers and the writer go
+on together).
 
 Security: with no token only loopback clients are answered, and ``serve_ui`` refuses to bind
 anything but loopback without one. A token is compared in constant time (``hmac.compare_digest``)
@@ -37,9 +38,9 @@ POLL_MS = 1000  # how often a live run's page asks for what is new
 _COOKIE = "stepwatch_token"
 _CACHE = 16  # run pages kept (keyed by the store's size and time: a finished run is read once)
 # A running run's store changes at every write, so its page would be built again for each reload
-# (4-5 s of CPU in the aggregator's process at 64 ranks while it ingests): the page built last is
-# served again while younger than this many times its build time (2 s at least), so a page open
-# during a burst costs the writer at most about a fifth of a core.
+# (4-5 s of CPU at 64 ranks while it ingests): the page built last is served again while younger
+# than this many times its build time (2 s at least), so a page open during a burst costs the
+# machine at most about a fifth of a core.
 _LIVE_REUSE_FACTOR, _LIVE_REUSE_MIN_S = 4.0, 2.0
 
 
@@ -389,7 +390,7 @@ def _error_response(status: int, message: str) -> Any:
 
 
 async def start_ui(catalog: Catalog, host: str, port: int, token: str | None) -> tuple[Any, int]:
-    """Starts the dashboard on the running loop (the aggregator's): (its runner, the bound port).
+    """Starts the dashboard on the running loop (``stepwatch ui``'s): (its runner, the bound port).
     Raises ValueError for a non-loopback bind without a token, OSError when it cannot listen."""
     from aiohttp import web
 
