@@ -28,6 +28,20 @@ settings.register_profile("fast", parent=settings.get_profile("stepwatch"), max_
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "stepwatch"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _page_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The dashboard keeps finished runs' pages in a cache folder of the user's
+    (stepwatch.views.page_cache): the suite's go to a folder of its own, which the processes it
+    starts inherit (tests.support.clean_env keeps the variable)."""
+    before = os.environ.get("STEPWATCH_CACHE_DIR")
+    os.environ["STEPWATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("page-cache"))
+    yield
+    if before is None:
+        os.environ.pop("STEPWATCH_CACHE_DIR", None)
+    else:
+        os.environ["STEPWATCH_CACHE_DIR"] = before
+
+
 @pytest.fixture
 def session_id() -> str:
     return new_session_id()

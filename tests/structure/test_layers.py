@@ -33,6 +33,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "analysis": _FOUNDATION | {"artifacts", "store"},
     # what the surfaces show, computed once from the history (stepwatch/views)
     "views": _FOUNDATION | {"artifacts", "store", "analysis"},
+    # feeds in other tools' formats (the Perfetto trace), built from the history
+    "exports": _FOUNDATION | {"artifacts", "store", "analysis"},
     # the dashboard and the HTML report: render the views
     "web": _FOUNDATION | {"artifacts", "store", "analysis", "views"},
     # the aggregator and the launcher: the wire in, the history, the final summary (and the
@@ -40,7 +42,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "server": _FOUNDATION | {"artifacts", "transport", "store", "analysis", "views", "web"},
     # surfaces: the public loading facade and the CLI
     "telemetry": _FOUNDATION | {"artifacts", "capture"},
-    "ui": _FOUNDATION | {"artifacts", "capture", "store", "analysis", "server", "views", "web"},
+    "ui": _FOUNDATION | {"artifacts", "capture", "store", "analysis", "server", "views", "web", "exports"},
     "__main__": frozenset({"ui"}),
 }
 

@@ -22,12 +22,14 @@ STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 # stepwatch and torchrun contracts, a rich console's forced settings, the Cirron SDK's settings
 _LEAKS = ("STEPWATCH_", "CIRRON_", "FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
           "MASTER_", "TORCHELASTIC_")
+# ... but the suite's own page cache folder (tests/conftest.py) goes to every process it starts
+_KEPT = ("STEPWATCH_CACHE_DIR",)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any variable that would change a started process's
     identity or output, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LEAKS)}
+    env = {k: v for k, v in os.environ.items() if k in _KEPT or not k.startswith(_LEAKS)}
     env.update(extra)
     return env
 

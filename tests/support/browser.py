@@ -13,10 +13,9 @@ import pytest
 CHROMIUM = Path(os.environ.get("STEPWATCH_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-# the charts' data as drawn: each Plotly graph div's traces, their names and point counts
-CHARTS_JS = """() => Object.fromEntries(Array.from(document.querySelectorAll('.js-plotly-plot')).map(d =>
-    [d.id, d.data.map(t => ({name: t.name, type: t.type, points: (t.x || t.z || []).length,
-                             rows: t.z ? t.z.length : null}))]))"""
+# the charts as drawn: each chart's series (name, type, points drawn, rows of a heatmap or a
+# timeline), as the page's own window.stepwatchCharts() describes them
+CHARTS_JS = "() => window.stepwatchCharts ? window.stepwatchCharts() : {}"
 
 
 def require_chromium() -> Path:

@@ -13,18 +13,19 @@ MS = 1_000_000
 SPIKE = (5, 2_345)  # (rank, step) ten times slower than the rest
 
 
-def write_run(store: Any, session_id: str, ranks: int, steps: int, *, status: str = "completed") -> None:
-    """``ranks`` x ``steps`` step rows (about 10 ms each; SPIKE's step 100 ms) with their phases,
-    and a memory sample every 10 steps per rank."""
+def write_run(store: Any, session_id: str, ranks: int, steps: int, *, status: str = "completed",
+              slow_rank: int | None = None, first_step: int = 0) -> None:
+    """``ranks`` x ``steps`` step rows from ``first_step`` (about 10 ms each, ``slow_rank``'s 15 ms;
+    SPIKE's step 100 ms) with their phases, and a memory sample every 10 steps per rank."""
     store.upsert_session({"session_id": session_id, "status": status, "started_at_ns": T0, "ended_at_ns": None,
                           "host": "test", "world_size": ranks, "source": "test", "command_line": ["train.py"]})
     rng = random.Random(0)
     rows: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
     for rank in range(ranks):
-        t = T0
-        for step in range(steps):
-            step_ns = 10 * MS + rng.randrange(MS) + (90 * MS if (rank, step) == SPIKE else 0)
+        t = T0 + first_step * 10 * MS
+        for step in range(first_step, first_step + steps):
+            step_ns = 10 * MS + rng.randrange(MS) + (90 * MS if (rank, step) == SPIKE else 0) + (5 * MS if rank == slow_rank else 0)
             phases = dict.fromkeys(STEP_COLUMNS, 0)
             phases.update(forward_ns=step_ns // 3, backward_ns=step_ns // 2, data_load_ns=step_ns // 10,
                           wait_ns=step_ns - step_ns // 3 - step_ns // 2)

@@ -66,8 +66,11 @@ def runs_root(web_runs: dict[str, Path]) -> Path:
     return next(iter(web_runs.values())).parent
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
+    """One Chromium for the package's tests on a worker. Not a session's: Playwright's sync API
+    keeps an asyncio loop running on the worker's thread while it is open, and every later test
+    of that worker that calls ``asyncio.run`` would fail."""
     chromium = require_chromium()
     from playwright.sync_api import sync_playwright
 

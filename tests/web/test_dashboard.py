@@ -1,5 +1,6 @@
 """The dashboard in a real browser (Chromium under Playwright) over real runs: what each page
-draws, read back from the Plotly graph divs, the verdict and alerts it shows, no console error,
+draws, as the page describes its charts (window.stepwatchCharts) and as the heatmap's pixels
+show it, what pointing at a chart reads out, the verdict and alerts it shows, no console error,
 no request off this machine; screenshots for docs/dashboard.md."""
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_straggler_run_page_draws_every_rank_and_names_the_slow_one(browser: Any
     # a series per rank, with one point per step (few steps: no bucketing)
     assert {t["name"]: t["points"] for t in drawn["chart-step"]} == {f"rank {r}": n for r, n in steps.items()}
     assert drawn["chart-heatmap"][0]["rows"] == 2
-    assert len(drawn["chart-memory"]) >= 2
+    assert len([t for t in drawn["chart-memory"] if t["type"] == "line"]) >= 2
     assert any(t["name"].startswith("loss (inferred)") for t in drawn["chart-marks"])
     assert {t["name"] for t in drawn["chart-spans"]} >= {"forward", "backward"}
     assert {t["name"] for t in drawn["chart-phases"]} >= {"forward", "backward"}
@@ -101,6 +102,9 @@ def test_crashed_run_page_says_how_it_ended_and_shows_its_alerts(browser: Any, d
     assert "RuntimeError" in page.inner_text("#run-error")
     drawn = charts(page)
     assert [t["points"] for t in drawn["chart-step"]] == [summary["per_rank"]["0"]["steps"]]
+    # the memory chart marks the alert (and the failure) on its time axis
+    markers = [t for t in drawn["chart-memory"] if t["type"] == "markers"]
+    assert len(markers) == 1 and "alert" in markers[0]["kinds"]
     alerts = summary["alerts"]
     assert any(a["kind"] == "NONFINITE" for a in alerts)
     shown = page.locator("#alerts-body tr").all_inner_texts()
@@ -185,6 +189,21 @@ def test_a_token_guards_the_dashboard(web_runs: dict[str, Path], runs_root: Path
         server.stop()
 
 
+def test_the_page_loads_uplot_from_the_server_with_its_licence(dashboard: Server) -> None:
+    with urllib.request.urlopen(dashboard.url, timeout=30) as response:
+        page = response.read().decode()
+    assert '<script src="/static/uPlot.iife.min.js" defer></script>' in page and "plotly" not in page.lower()
+    with urllib.request.urlopen(f"{dashboard.url}static/uPlot.iife.min.js", timeout=30) as response:
+        script = response.read()
+    assert script.startswith(b"/*! https://github.com/leeoniya/uPlot (v1.6.32) */") and len(script) < 100_000
+    with urllib.request.urlopen(f"{dashboard.url}static/uPlot.LICENSE", timeout=30) as response:
+        licence = response.read().decode()
+    assert "The MIT License" in licence and "Leon Sorokin" in licence
+    request = urllib.request.Request(f"{dashboard.url}static/uPlot.iife.min.js", headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["Content-Encoding"] == "gzip" and len(response.read()) < len(script) / 2
+
+
 def test_a_network_bind_without_a_token_is_refused(runs_root: Path) -> None:
     from tests.support import run_stepwatch
 
@@ -193,12 +212,38 @@ def test_a_network_bind_without_a_token_is_refused(runs_root: Path) -> None:
     assert "needs a token" in proc.stderr
 
 
+# each heatmap row's mean luminance, read from the canvas's pixels along the row's middle
+_ROW_LUMINANCE_JS = """(id) => {
+  const chart = window.stepwatchCharts()[id][0], g = chart.plot, r = g.ratio;
+  const ctx = document.querySelector('#' + id + ' canvas').getContext('2d');
+  const out = [];
+  for (let row = 0; row < chart.rows; row++) {
+    const d = ctx.getImageData(Math.ceil(g.left * r), Math.floor((g.top + (row + 0.5) * g.rowH) * r), Math.floor(g.width * r) - 1, 1).data;
+    let sum = 0;
+    for (let i = 0; i < d.length; i += 4) sum += 0.2126 * d[i] + 0.7152 * d[i + 1] + 0.0722 * d[i + 2];
+    out.push(sum / (d.length / 4));
+  }
+  return out;
+}"""
+
+
+def _point_at(page: Any, selector: str, x: float, y: float) -> str:
+    """The chart's readout after the pointer moves to (x, y), in CSS pixels from its canvas's corner."""
+    page.locator(selector).scroll_into_view_if_needed()
+    box = page.locator(selector).bounding_box()
+    page.mouse.move(box["x"] + x, box["y"] + y)
+    return page.inner_text(selector.split(" ")[0] + "-readout")
+
+
+SLOW_RANK = 17
+
+
 def test_a_64_rank_run_draws_every_rank_downsampled(browser: Any, tmp_path: Path, shots: Path) -> None:
     from stepwatch.store.sqlite import SqliteStore
     from tests.support.history import SPIKE, write_run
 
     with SqliteStore(tmp_path / "history.sqlite") as store:
-        write_run(store, "wide-run", 64, 3_000)
+        write_run(store, "wide-run", 64, 3_000, slow_rank=SLOW_RANK)
     server = Server(tmp_path)
     try:
         status, data = _get(f"{server.url}api/run/wide-run")
@@ -210,10 +255,41 @@ def test_a_64_rank_run_draws_every_rank_downsampled(browser: Any, tmp_path: Path
         assert {t["name"]: t["points"] for t in drawn["chart-step"]} == sent
         assert len(sent) == 64 and all(n < 3_000 for n in sent.values())
         assert drawn["chart-heatmap"][0]["rows"] == 64
+        assert drawn["chart-heatmap"][0]["points"] == len(data["heatmap"]["x"])
         spike = next(s for s in data["step_time"]["series"] if s["rank"] == SPIKE[0])
         assert spike["x"][spike["y"].index(max(spike["y"]))] == SPIKE[1]  # the slow step survives
         assert f"each bucket of {data['step_time']['width']} steps" in page.inner_text("#step-note")
+        # the straggler's row is drawn darker (hotter) than every other row, by far
+        luminance = page.evaluate(_ROW_LUMINANCE_JS, "chart-heatmap")
+        assert len(luminance) == 64
+        others = [v for rank, v in enumerate(luminance) if rank != SLOW_RANK]
+        assert luminance[SLOW_RANK] < min(others) - 40, (luminance[SLOW_RANK], min(others))
+        # pointing at its row reads its rank and time out
+        geometry = drawn["chart-heatmap"][0]["plot"]
+        text = _point_at(page, "#chart-heatmap canvas", geometry["left"] + geometry["width"] / 2,
+                         geometry["top"] + (SLOW_RANK + 0.5) * geometry["rowH"])
+        assert text.startswith(f"rank {SLOW_RANK} · steps ") and " ms" in text
+        # pointing at the step chart's line names the rank nearest the pointer, its step and time
+        text = _point_at(page, "#chart-step .u-over", 200, 5)
+        assert text.startswith("step ") and " · rank " in text and text.endswith(" ms"), text
         page.screenshot(path=str(shots / "run-64-ranks.png"), full_page=True)
+        _clean(log)
+    finally:
+        server.stop()
+
+
+def test_a_run_with_no_steps_yet_says_so_and_draws_empty_charts(browser: Any, tmp_path: Path) -> None:
+    from stepwatch.store.sqlite import SqliteStore
+
+    with SqliteStore(tmp_path / "history.sqlite") as store:  # a run that has sent its session and nothing else
+        store.upsert_session({"session_id": "empty-run", "status": "completed", "started_at_ns": None, "ended_at_ns": None,
+                              "host": "test", "world_size": 1, "source": "test", "command_line": ["train.py"]})
+    server = Server(tmp_path)
+    try:
+        page, log = open_page(browser, f"{server.url}run/empty-run")
+        assert "no steps recorded in this session" in page.inner_text("#message")
+        drawn = charts(page)
+        assert drawn["chart-step"] == [] and drawn["chart-heatmap"][0]["rows"] == 0
         _clean(log)
     finally:
         server.stop()

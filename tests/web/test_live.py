@@ -22,9 +22,12 @@ pytestmark = pytest.mark.real
 _DASHBOARD = re.compile(r"\[stepwatch\] dashboard: (http://\S+)")
 
 
+# the points the step-time chart draws, as the page describes it (tests.support.browser.charts)
+_STEP_POINTS_JS = "() => ((window.stepwatchCharts && window.stepwatchCharts()['chart-step']) || []).reduce((n, s) => n + s.points, 0)"
+
+
 def _step_points(page: Any) -> int:
-    return int(page.evaluate("() => { const d = document.getElementById('chart-step');"
-                             " return d && d.data ? d.data.reduce((n, t) => n + t.x.length, 0) : 0; }"))
+    return int(page.evaluate(_STEP_POINTS_JS))
 
 
 def test_a_live_run_page_grows_without_a_reload(browser: Any, tmp_path: Path, shots: Path) -> None:
@@ -45,11 +48,9 @@ def test_a_live_run_page_grows_without_a_reload(browser: Any, tmp_path: Path, sh
             page, log = open_page(browser, url)
             assert page.is_visible("#live")
             page.evaluate("() => { window.loadedOnce = 'yes'; }")
-            page.wait_for_function("() => { const d = document.getElementById('chart-step');"
-                                   " return d && d.data && d.data.length && d.data[0].x.length >= 20; }", timeout=60_000)
+            page.wait_for_function(f"() => ({_STEP_POINTS_JS})() >= 20", timeout=60_000)
             first = _step_points(page)
-            page.wait_for_function(f"() => document.getElementById('chart-step').data[0].x.length > {first + 30}",
-                                   timeout=60_000)
+            page.wait_for_function(f"() => ({_STEP_POINTS_JS})() > {first + 30}", timeout=60_000)
             assert page.evaluate("() => window.loadedOnce") == "yes"  # grown in place: the same document
             assert int(page.evaluate("() => document.body.dataset.polls || '0'")) >= 1
             # the NONFINITE alert of step 150 arrives while the page is open

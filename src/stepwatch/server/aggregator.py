@@ -142,12 +142,21 @@ class Aggregator:
         self._last_sender: tuple[str, int] | None = None  # of the frame ``_queue`` took last
         self.dropped_without_stop = 0  # ranks whose last connection closed from their end, no stop sent
         self.steps_seen: Counter[str] = Counter()  # step rows queued per session (live verdicts look at new ones)
+        self.rank_hosts: dict[tuple[str, int], str] = {}  # (session, rank) -> its host, as its first frame said
+        # the feeds' tap (server/feeds.py): each frame's span rows, handed over as they are (one call
+        # a frame, no work a row: the OTLP exporter's thread does the rest)
+        self.span_tap: Callable[[str, int, Any, list[tuple[Any, ...]]], None] | None = None
 
     # -- intake --------------------------------------------------------------------------------
 
     @property
     def full(self) -> bool:
         return self._pending_rows >= self.max_pending_rows
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows waiting for the writer: the queue's depth."""
+        return self._pending_rows
 
     @property
     def paused(self) -> bool:
@@ -261,6 +270,8 @@ class Aggregator:
             self._sessions_seen.add(session_id)
             self.store.upsert_session(session)
             self._session_ranks.setdefault(session_id, set()).add(rank)
+            if len(self.rank_hosts) < 1_000_000:
+                self.rank_hosts[(session_id, rank)] = str(meta.get("host") or "")
         self.ranks.add((session_id, rank))
         self._last_sender = (session_id, rank)
         telemetry = rows.get("telemetry")
@@ -275,6 +286,8 @@ class Aggregator:
         steps = rows.get("steps")
         if steps:
             self.steps_seen[session_id] += len(steps)
+        if self.span_tap is not None and rows.get("spans"):
+            self.span_tap(session_id, rank, meta.get("host"), rows["spans"])
         count = 0
         pending = self._pending
         for table, table_rows in rows.items():
@@ -322,6 +335,10 @@ class Aggregator:
         """session -> (step rows queued so far, its ranks): what live verdicts look at."""
         seen = dict(self.steps_seen)
         return {session: (count, set(self._session_ranks.get(session, ()))) for session, count in seen.items()}
+
+    def sessions_in_order(self) -> list[str]:
+        """Every session seen, oldest first (by its first frame): the feeds keep the newest."""
+        return list(self._session_ranks)
 
     def note_batch(self, batch_id: str, seen_at_ns: int) -> None:
         """An HTTP batch whose rows were just queued: its id is stored with them (dedupe)."""

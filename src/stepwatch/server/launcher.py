@@ -39,7 +39,9 @@ class LaunchOptions:
                  host: str = "127.0.0.1", port: int = 0, http_port: int | None = None, aggregator: str | None = None,
                  session_id: str | None = None, out: Path | None = None, interval_ms: int = 1000,
                  token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
-                 on_stall: str = "dump", on_nonfinite: str = "alert", ui_port: int | None = None) -> None:
+                 on_stall: str = "dump", on_nonfinite: str = "alert", ui_port: int | None = None,
+                 metrics_port: int | None = None, alert_webhook: str | None = None,
+                 otlp_endpoint: str | None = None) -> None:
         self.script = list(script)
         # the watchdog (docs/watchdog.md): its thresholds go to the aggregator, the actions are ours
         self.stall_after = stall_after
@@ -61,6 +63,10 @@ class LaunchOptions:
         self.interval_ms = interval_ms
         self.token_env = token_env
         self.ui_port = ui_port  # the aggregator also serves the dashboard (docs/dashboard.md)
+        # the aggregator's feeds (docs/metrics.md)
+        self.metrics_port = metrics_port
+        self.alert_webhook = alert_webhook
+        self.otlp_endpoint = otlp_endpoint
 
 
 def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -74,6 +80,12 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--token-env", options.token_env]
     if options.ui_port is not None:
         command += ["--ui-port", str(options.ui_port)]
+    if options.metrics_port is not None:
+        command += ["--metrics-port", str(options.metrics_port)]
+    if options.alert_webhook:
+        command += ["--alert-webhook", options.alert_webhook]
+    if options.otlp_endpoint:
+        command += ["--otlp-endpoint", options.otlp_endpoint]
     # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
                                preexec_fn=preexec_die_with_parent())

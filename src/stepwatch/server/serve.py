@@ -53,7 +53,8 @@ def parse_duration(text: str) -> int:
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
                  say_losses: bool = True, watch: dict[str, Any] | None = None,
-                 ui_port: int | None = None) -> dict[str, Any]:
+                 ui_port: int | None = None, feeds: dict[str, Any] | None = None,
+                 children: list[Any] | None = None) -> dict[str, Any]:
     from ..artifacts.run_manifest import run_session_id
     from ..store.sqlite import SqliteStore
     from .aggregator import Aggregator
@@ -61,7 +62,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     store = SqliteStore(run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
-    tcp = runner = dashboard = None
+    tcp = runner = dashboard = fed = None
     http_bound = ui_url = None
     try:
         try:
@@ -84,7 +85,12 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
             http_bound = runner.addresses[0][1] if runner.addresses else http_port
         if ui_port is not None:
             dashboard, ui_url = _start_dashboard(run_dir, host, ui_port, token)
+            if children is not None:  # serve() stops it whatever ends this coroutine
+                children.append(dashboard)
+        fed = _start_feeds(feeds, run_dir, aggregator, host, token)
     except BaseException:
+        if fed is not None:
+            fed.close()
         if dashboard is not None:
             dashboard.stop()
         if runner is not None:
@@ -94,45 +100,46 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
             await tcp.wait_closed()
         store.close()
         raise
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, aggregator.stop)
+    writer = asyncio.create_task(aggregator.write_loop())
+    watcher = asyncio.create_task(aggregator.watch_loop())
+    live = _start_live_verdicts(aggregator, run_dir, loop)
+    ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
+                 "ui": ui_url, "ui_pid": dashboard.pid if dashboard is not None else None,
+                 "store": str(run_dir / "history.sqlite"), "pid": os.getpid(),
+                 **({"metrics": fed.metrics_url} if fed is not None and fed.metrics_url else {})})
+    await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
+    assert tcp is not None
+    tcp.close()
+    aggregator.close_connections()
+    await tcp.wait_closed()
+    if live is not None:  # after the ranks' connections are closed: they never wait on its last round
+        await asyncio.to_thread(live.stop)
+    if runner is not None:
+        await runner.cleanup()
+    await writer
+    await watcher
+    await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
+    await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
+    if fed is not None:  # the last alerts posted, the last spans and metrics exported (each bounded in time)
+        await asyncio.to_thread(fed.close)
+    if dashboard is not None:  # last: an open page's next poll takes the run's end, then the page stops
+        await asyncio.sleep(UI_LAST_POLL_S)
+        await asyncio.to_thread(dashboard.stop)
+    if say_losses:
+        aggregator.report_losses()
+    stats = aggregator.stats()
+    if live is not None:
+        stats["live_verdicts"] = live.stats()
+    if fed is not None:
+        stats["feeds"] = fed.stats()
     try:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, aggregator.stop)
-        writer = asyncio.create_task(aggregator.write_loop())
-        watcher = asyncio.create_task(aggregator.watch_loop())
-        live = _start_live_verdicts(aggregator, run_dir, loop)
-        ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
-                     "ui": ui_url, "ui_pid": dashboard.pid if dashboard is not None else None,
-                     "store": str(run_dir / "history.sqlite"), "pid": os.getpid()})
-        await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
-        assert tcp is not None
-        tcp.close()
-        aggregator.close_connections()
-        await tcp.wait_closed()
-        if live is not None:  # after the ranks' connections are closed: they never wait on its last round
-            await asyncio.to_thread(live.stop)
-        if runner is not None:
-            await runner.cleanup()
-        await writer
-        await watcher
-        await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
-        await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
-        if dashboard is not None:  # last: an open page's next poll takes the run's end, then the page stops
-            await asyncio.sleep(UI_LAST_POLL_S)
-            await asyncio.to_thread(dashboard.stop)
-        if say_losses:
-            aggregator.report_losses()
-        stats = aggregator.stats()
-        if live is not None:
-            stats["live_verdicts"] = live.stats()
-        try:
-            store.close()
-        except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
-            logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
-        return stats
-    finally:
-        if dashboard is not None:  # whatever ended it (on the way out, the dashboard has been stopped already)
-            await asyncio.to_thread(dashboard.stop)
+        store.close()
+    except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
+        logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
+    return stats
 
 
 def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
@@ -152,6 +159,18 @@ def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> 
     except OSError as exc:
         raise ListenError(f"cannot listen for the dashboard on {bind}:{port}: {exc.strerror or exc}") from None
     return dashboard, url
+
+
+def _start_feeds(feeds: dict[str, Any] | None, run_dir: Path, aggregator: Any, host: str, token: str | None) -> Any:
+    """The feeds (server/feeds.py) the options ask for, their events tapped from the
+    aggregator's ``emit``; None when none is asked for (nothing of them is imported then)."""
+    if not feeds or not any(value is not None for value in feeds.values()):
+        return None
+    from .feeds import Feeds, feed_options_from
+
+    fed = Feeds(feed_options_from(feeds), run_dir, aggregator, host, token)
+    aggregator.emit = fed.tap(aggregator.emit)
+    return fed
 
 
 def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:
@@ -252,21 +271,26 @@ class EventLines:
 def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
           token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
           session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True,
-          watch: dict[str, Any] | None = None, ui_port: int | None = None) -> dict[str, Any]:
+          watch: dict[str, Any] | None = None, ui_port: int | None = None,
+          feeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
     nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank;
     ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself);
     ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md); ``ui_port``: also serve
-    the dashboard (docs/dashboard.md) on that port (0: any free)."""
+    the dashboard (docs/dashboard.md) on that port (0: any free); ``feeds``: ``metrics_port``,
+    ``alert_webhook``, ``otlp_endpoint`` (server/feeds.py, docs/metrics.md)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = EventLines(ready or sys.stdout)
+    children: list[Any] = []  # the dashboard's process, stopped here whatever ended the loop
     try:
         stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, lines, session_id,
-                                   retention_ns, say_losses, watch, ui_port))
+                                   retention_ns, say_losses, watch, ui_port, feeds, children))
         stats["event_lines_dropped"] = lines.dropped
         _write_stats(run_dir, stats, lines)
     finally:
+        for child in children:  # already stopped on the way out; after an error, stopped now
+            child.stop()
         lines.close()
     return stats
 
@@ -306,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds per THROUGHPUT_DROP window")
     parser.add_argument("--on-stall", choices=("dump", "kill"), default="dump")
     parser.add_argument("--on-nonfinite", choices=("alert", "halt"), default="alert")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port (0: any free)")
+    parser.add_argument("--alert-webhook", default=None, help="POST each alert and verdict change to this URL")
+    parser.add_argument("--otlp-endpoint", default=None, help="export metrics and spans over OTLP/HTTP to this URL")
     args = parser.parse_args(argv)
     if not args.stall_after > 0 or not args.throughput_window > 0:
         parser.error("--stall-after and --throughput-window must be positive")
@@ -317,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
               session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched, ui_port=args.ui_port,
+              feeds={"metrics_port": args.metrics_port, "alert_webhook": args.alert_webhook,
+                     "otlp_endpoint": args.otlp_endpoint},
               watch={"stall_after_s": args.stall_after, "throughput_window_s": args.throughput_window,
                      "on_stall": args.on_stall, "on_nonfinite": args.on_nonfinite})
     except StepwatchError as exc:

@@ -8,7 +8,7 @@ import this module without this module importing it back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from ..schema.tables import TABLES as HISTORY_TABLES
@@ -39,6 +39,9 @@ class HistoryStore(Protocol):
     def upsert_session(self, row: Mapping[str, Any]) -> None: ...
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]: ...
+
+    def iterate(self, sql: str, params: Iterable[Any] = (), size: int = 2048) -> Iterator[tuple[Any, ...]]:
+        """The rows of ``sql`` as tuples, streamed from one cursor (bounded memory)."""
 
     def count(self, table: str, session_id: str | None = None) -> int: ...
 

@@ -22,7 +22,7 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -371,6 +371,30 @@ class SqliteStore:
                 return cursor.fetchall()
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: query failed: {exc}") from exc
+
+    def iterate(self, sql: str, params: Iterable[Any] = (), size: int = 2048) -> Iterator[tuple[Any, ...]]:
+        """The rows of ``sql`` as tuples, fetched ``size`` at a time from one cursor: a reader
+        that streams a whole run (the Perfetto export) holds one batch, never the result. The
+        lock is held per batch only, so other users of this store interleave between batches."""
+        with self._lock:
+            try:
+                cursor = self._db.execute(sql, tuple(params))
+                cursor.row_factory = None
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: query failed: {exc}") from exc
+        try:
+            while True:
+                with self._lock:
+                    try:
+                        rows = cursor.fetchmany(size)
+                    except sqlite3.Error as exc:
+                        raise StoreError(f"{self.path}: query failed: {exc}") from exc
+                if not rows:
+                    return
+                yield from rows
+                del rows  # not held while the next batch is fetched
+        finally:
+            cursor.close()
 
     def count(self, table: str, session_id: str | None = None) -> int:
         if table not in COLUMNS:

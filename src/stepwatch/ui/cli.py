@@ -13,6 +13,8 @@ import click
 from .. import __version__
 from .commands_capture import diagnose, track
 from .commands_control import dump_stacks_command, halt, memory_snapshot
+from .commands_export import export
+from .commands_query import query
 from .commands_read import inspect, sessions, validate
 from .commands_run import compare, import_command, run, serve, summary
 from .commands_top import top
@@ -30,7 +32,7 @@ def cli() -> None:
 
 
 for _command in (validate, sessions, inspect, track, diagnose, run, serve, summary, compare, import_command, halt,
-                 dump_stacks_command, memory_snapshot, watch, explain, top, ui, report):
+                 dump_stacks_command, memory_snapshot, watch, explain, top, ui, report, export, query):
     cli.add_command(_command)
 
 

@@ -14,6 +14,7 @@ import click
 from .base import _console, _fit_text, _print_json, _reports_errors, _soft_wrap
 from .commands_verdicts import load_cli_policy, policy_options
 from .commands_watch import watchdog_options
+from .feed_options import feed_options
 
 __all__ = ["compare", "import_command", "run", "serve", "summary"]
 
@@ -53,6 +54,7 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
 @click.option("--ui-port", type=click.IntRange(0, 65535), default=None,
               help="Serve the dashboard on this port while the run trains (0: any free; docs/dashboard.md).")
 @click.option("--report", "write_html", is_flag=True, help="Write RUN_DIR/report.html (one self-contained file) at the end.")
+@feed_options
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 @_reports_errors
 def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: str, view_every: float | None,
@@ -70,6 +72,10 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
             parse_duration(retention)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--retention") from None
+    if options.get("aggregator") and any(options.get(o) is not None for o in ("metrics_port", "alert_webhook",
+                                                                              "otlp_endpoint")):
+        raise click.UsageError("--metrics-port, --alert-webhook and --otlp-endpoint are the aggregator's feeds, and "
+                               "with --aggregator there is none here: give them where the aggregator runs")
     if options.get("aggregator") and options.get("ui_port") is not None:
         raise click.UsageError("--ui-port serves the dashboard from this node's aggregator, and with --aggregator "
                                "there is none here: run it where the history is (or stepwatch ui there)")
@@ -159,9 +165,11 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--session-id", help="Session of frames that name none (legacy senders).")
 @watchdog_options
+@feed_options
 @_reports_errors
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
-          session_id: str | None, stall_after: float, throughput_window: float, ui_port: int | None = None) -> None:
+          session_id: str | None, stall_after: float, throughput_window: float, ui_port: int | None = None,
+          metrics_port: int | None = None, alert_webhook: str | None = None, otlp_endpoint: str | None = None) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
@@ -183,6 +191,8 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
             raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
     stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
                        retention_ns=retention_ns, ui_port=ui_port,
+                       feeds={"metrics_port": metrics_port, "alert_webhook": alert_webhook,
+                              "otlp_endpoint": otlp_endpoint},
                        watch={"stall_after_s": stall_after, "throughput_window_s": throughput_window})
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 

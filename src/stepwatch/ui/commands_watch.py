@@ -13,6 +13,7 @@ import click
 
 from ..analysis.alerts import AlertPolicy
 from .base import _console, _reports_errors
+from .feed_options import webhook_option
 
 __all__ = ["watch", "watchdog_options"]
 
@@ -38,9 +39,10 @@ def watchdog_options(func: F) -> F:
 @click.option("--on-nonfinite", type=click.Choice(["alert", "halt"]), default="alert", show_default=True,
               help="On NONFINITE: alert only, or halt every rank at the same step (docs/halt.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print each alert as its alerts.jsonl line.")
+@webhook_option
 @_reports_errors
 def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: bool, on_nonfinite: str,
-          as_json: bool) -> None:
+          as_json: bool, alert_webhook: str | None = None) -> None:
     """Watch a running job's run directory and alert on STALL, RANK_LOST, THROUGHPUT_DROP,
     NONFINITE and ZERO_GRAD (into RUN_DIR/alerts.jsonl, and printed).
 
@@ -58,10 +60,19 @@ def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: 
         console.print(f"[stepwatch] watching {run_dir} (stall after {stall_after:g} s); Ctrl-C ends", markup=False)
     raised: list[Any] = []
     halt = on_nonfinite == "halt"
+    hook = None
+    if alert_webhook:
+        from ..server.webhooks import WebhookSender
+
+        hook = WebhookSender(alert_webhook)
 
     def say(alert: Any) -> None:
         nonlocal halt
         raised.append(alert)
+        if hook is not None:
+            from ..server.webhooks import alert_payload
+
+            hook.send(alert_payload(alert.to_dict(), alert.line()))
         if as_json:
             sys.stdout.write(json.dumps(alert.to_dict()) + "\n")
             sys.stdout.flush()
@@ -82,6 +93,8 @@ def watch(run_dir: Path, stall_after: float, throughput_window: float, no_dump: 
             say(alert)
     except KeyboardInterrupt:
         pass
+    if hook is not None and not hook.close(timeout=10.0):
+        console.print(f"[stepwatch] alert webhook: {hook.dropped} post(s) not delivered in time", markup=False)
     if not as_json:
         console.print(f"[stepwatch] {len(raised)} alert(s); every rank has stopped" if watcher.done
                       else f"[stepwatch] {len(raised)} alert(s); stopped watching", markup=False)

@@ -114,6 +114,11 @@ class Catalog:
             self._imported[run_dir] = target
             return target
 
+    def imported(self, located: Located) -> bool:
+        """Whether ``located`` is a temporary store this catalog imported (gone when it closes)."""
+        with self._lock:
+            return located.store in self._imported.values()
+
     @contextmanager
     def open(self, located: Located) -> Iterator[HistoryStore]:
         """The store, read-only, closed after use."""

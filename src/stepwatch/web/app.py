@@ -1,11 +1,13 @@
 """The dashboard's HTTP server: an aiohttp app over a ``views.Catalog``, read-only.
 
 Pages: ``/`` (the runs), ``/run/<session id>`` (one run), ``/compare?a=<id>&b=<id>``; their data
-under ``/api/``; the script, style and Plotly's bundle under ``/static/``. Every read of a store
-runs on the app's own two threads, so a slow page never holds the event loop. With the
-aggregator (``--ui-port``) the app runs in a process of its own (``web/process.py``), so it
-never shares the writer's GIL or heap either (SQLite in WAL mode lets readers and the writer go
-on together).
+under ``/api/``; the script, style and the charting library (uPlot) under ``/static/``, read
+once as the server starts. Every read of a store runs on the app's own two threads (and
+``stepwatch ui``'s first build of its default session's page on one more), so a slow page never
+holds the event loop. With the aggregator (``--ui-port``) the app runs in a process of its own
+(``web/process.py``), so it never shares the writer's GIL or heap either (SQLite in WAL mode
+lets readers and the writer go on together). A finished session's page is kept in memory and
+on disk (``views.page_cache``): a later server reads it back.
 
 Security: with no token only loopback clients are answered, and ``serve_ui`` refuses to bind
 anything but loopback without one. A token is compared in constant time (``hmac.compare_digest``)
@@ -22,6 +24,7 @@ import hmac
 import ipaddress
 import json
 import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +33,18 @@ from typing import Any
 
 from ..errors import StepwatchError
 from ..views.sources import Catalog, NoSuchSession, check_session_id
-from .assets import PLOTLY_LICENCE, PlotlyMissing, asset_text, plotly_js, plotly_js_gzip, shell_html
+from .assets import UPLOT_NOTICE, asset_bytes, shell_html
 
 __all__ = ["Dashboard", "is_loopback", "serve_ui"]
 
 POLL_MS = 1000  # how often a live run's page asks for what is new
 _COOKIE = "stepwatch_token"
 _CACHE = 16  # run pages kept (keyed by the store's size and time: a finished run is read once)
+# the page's files: name -> (content type, browser cache seconds); app.js and app.css change with
+# stepwatch (not cached), uPlot's files only with its version
+_STATIC = {"app.js": ("text/javascript", 0), "app.css": ("text/css", 0),
+           "uPlot.iife.min.js": ("text/javascript", 86400), "uPlot.min.css": ("text/css", 86400),
+           "uPlot.LICENSE": ("text/plain", 86400)}
 # A running run's store changes at every write, so its page would be built again for each reload
 # (4-5 s of CPU at 64 ranks while it ingests): the page built last is served again while younger
 # than this many times its build time (2 s at least), so a page open during a burst costs the
@@ -68,13 +76,24 @@ class Dashboard:
         web.run_app(app, host="127.0.0.1", port=8050)
     """
 
-    def __init__(self, catalog: Catalog, *, token: str | None = None, poll_ms: int = POLL_MS) -> None:
+    def __init__(self, catalog: Catalog, *, token: str | None = None, poll_ms: int = POLL_MS,
+                 page_cache: Path | None | bool = True, prewarm: bool = False) -> None:
+        """``page_cache``: the folder finished sessions' pages are kept in across servers
+        (``views.page_cache``), True for the user's (``cache_folder()``), False or None for none.
+        ``prewarm``: read the default session's page as the server starts (``stepwatch ui``: the
+        browser opened a moment later finds it built)."""
+        from ..views.page_cache import PageCache, cache_folder
+
         self.catalog = catalog
+        self.page_cache = PageCache(cache_folder() if page_cache is True else page_cache or None)
         self.token = token
         self.poll_ms = poll_ms
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stepwatch-ui")
         self._pages: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
         self._live_pages: dict[str, tuple[float, float, dict[str, Any]]] = {}  # session -> (built at, took, page)
+        self._building: dict[str, threading.Lock] = {}  # one build of a session's page at a time
+        self._building_lock = threading.Lock()
+        self.prewarm = prewarm
         self.requests = 0
 
     def build(self) -> Any:
@@ -84,9 +103,8 @@ class Dashboard:
         app.router.add_get("/", self._page_runs)
         app.router.add_get("/run/{session}", self._page_run)
         app.router.add_get("/compare", self._page_compare)
-        app.router.add_get("/static/app.js", self._static("app.js", "text/javascript"))
-        app.router.add_get("/static/app.css", self._static("app.css", "text/css"))
-        app.router.add_get("/static/plotly.min.js", self._plotly)
+        for name in _STATIC:
+            app.router.add_get(f"/static/{name}", self._static(name))
         app.router.add_get("/api/runs", self._api_runs)
         app.router.add_get("/api/run/{session}", self._api_run)
         app.router.add_get("/api/run/{session}/updates", self._api_updates)
@@ -99,16 +117,26 @@ class Dashboard:
         return app
 
     async def _warm(self, app: Any) -> None:
-        """Compresses Plotly's bundle on the app's threads as the server starts, so the first
-        browser does not wait for it."""
+        """Reads (and compresses) the page's files before the server listens (about 10 ms: then
+        a static request never waits for a thread, even while a page is being built), and starts
+        building the default session's page on a thread of its own when asked to (``prewarm``)."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, lambda: [asset_bytes(n, z) for n in _STATIC
+                                                                               for z in (False, True)])
+        if self.prewarm:
+            threading.Thread(target=self._prewarm, name="stepwatch-ui-prewarm", daemon=True).start()
 
-        def warm() -> None:
-            try:
-                plotly_js_gzip()
-            except PlotlyMissing:  # said in the page when asked for
-                pass
-
-        asyncio.get_running_loop().run_in_executor(self._pool, warm)
+    def _prewarm(self) -> None:
+        """Builds (or loads from the page cache) the default session's page, unless it is running."""
+        try:
+            session = self.catalog.default_session()
+            if session is None:
+                return
+            with self.catalog.open_session(session) as (store, _):
+                rows = store.query("SELECT status FROM sessions WHERE session_id = ?", (session,))
+            if rows and rows[0]["status"] != "running":
+                self._run_page(session)
+        except Exception:  # noqa: BLE001 - only a head start lost: the page's request builds it and says what failed
+            pass
 
     async def _cleanup(self, app: Any) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -174,9 +202,9 @@ class Dashboard:
     def _shell(self, page: str, title: str, **extra: Any) -> Any:
         from aiohttp import web
 
-        head = ('<link rel="stylesheet" href="/static/app.css">'
-                f'<script src="/static/plotly.min.js"></script><!-- {PLOTLY_LICENCE} -->'
-                '<script src="/static/app.js" defer></script>')
+        head = ('<link rel="stylesheet" href="/static/uPlot.min.css"><link rel="stylesheet" href="/static/app.css">'
+                f'<!-- {UPLOT_NOTICE}: /static/uPlot.LICENSE -->'
+                '<script src="/static/uPlot.iife.min.js" defer></script><script src="/static/app.js" defer></script>')
         config = {"mode": "server", "page": page, "poll_ms": self.poll_ms, "path": str(self.catalog.path), **extra}
         return web.Response(text=shell_html(config, title=title, head=head), content_type="text/html")
 
@@ -192,28 +220,22 @@ class Dashboard:
         b = _session_param(request.query.get("b", ""))
         return self._shell("compare", "stepwatch: compare", a=a, b=b)
 
-    def _static(self, name: str, content_type: str) -> Any:
+    def _static(self, name: str) -> Any:
         from aiohttp import web
+
+        content_type, max_age = _STATIC[name]
 
         async def handler(request: Any) -> Any:
-            return web.Response(text=asset_text(name), content_type=content_type)
+            gzipped = "gzip" in request.headers.get("Accept-Encoding", "").lower()
+            body = asset_bytes(name, gzipped)  # read and compressed as the server started (_warm)
+            response = web.Response(body=body, content_type=content_type, charset="utf-8")
+            if max_age:
+                response.headers["Cache-Control"] = f"max-age={max_age}"
+            if gzipped:
+                response.headers["Content-Encoding"] = "gzip"
+            return response
 
         return handler
-
-    async def _plotly(self, request: Any) -> Any:
-        from aiohttp import web
-
-        gzipped = "gzip" in request.headers.get("Accept-Encoding", "").lower()
-        try:  # read (and compressed) once, on the app's threads: never on the event loop
-            body = await self._run(plotly_js_gzip if gzipped else plotly_js)
-        except PlotlyMissing as exc:  # the page says why its charts are missing
-            message = json.dumps(str(exc))
-            return web.Response(text=f"window.STEPWATCH_PLOTLY_MISSING = {message};", content_type="text/javascript")
-        response = web.Response(body=body, content_type="text/javascript")
-        response.headers["Cache-Control"] = "max-age=86400"
-        if gzipped:
-            response.headers["Content-Encoding"] = "gzip"
-        return response
 
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
@@ -228,6 +250,15 @@ class Dashboard:
         return _json(await self._run(runs_list, self.catalog))
 
     def _run_page(self, session: str) -> dict[str, Any]:
+        """The session's page; a second request while it is being built waits for that build
+        (the prewarm and the browser's first request) instead of building it again."""
+        with self._building_lock:
+            lock = self._building.setdefault(session, threading.Lock())
+        with lock:
+            return self._run_page_once(session)
+
+    def _run_page_once(self, session: str) -> dict[str, Any]:
+        from ..views.page_cache import page_key
         from ..views.run_page import run_page
 
         located = self.catalog.locate(session)
@@ -239,21 +270,35 @@ class Dashboard:
             return cached
         live = self._live_pages.get(session)
         started = time.monotonic()
+        kept = None
         with self.catalog.open(located) as store:
             if live is not None and started - live[0] < max(_LIVE_REUSE_MIN_S, _LIVE_REUSE_FACTOR * live[1]):
                 # still running (a run that ended is built again at once: its page's end is exact)
                 status = store.query("SELECT status FROM sessions WHERE session_id = ?", (session,))
                 if status and status[0]["status"] == "running":
                     return live[2]
+            if self.page_cache.folder is not None and not self.catalog.imported(located):
+                # a finished session's page, kept on disk by an earlier server (views.page_cache)
+                kept = page_key(store, located.store, session, located.run_dir)
+                page = self.page_cache.get(located.store, session, kept)
+                if page is not None:
+                    self._remember(key, page)
+                    return page
             page = run_page(store, session, located.run_dir)
+            if kept is not None and page_key(store, located.store, session, located.run_dir) != kept:
+                kept = None  # the history was written during the build (another session's run): not kept
         if (page.get("session") or {}).get("status") == "running":
             self._live_pages[session] = (time.monotonic(), time.monotonic() - started, page)
         else:
             self._live_pages.pop(session, None)
+            self.page_cache.put(located.store, session, kept, page)
+        self._remember(key, page)
+        return page
+
+    def _remember(self, key: tuple[Any, ...], page: dict[str, Any]) -> None:
         self._pages[key] = page
         while len(self._pages) > _CACHE:
             self._pages.popitem(last=False)
-        return page
 
     async def _api_run(self, request: Any) -> Any:
         session = _session_param(request.match_info["session"])
@@ -389,14 +434,15 @@ def _error_response(status: int, message: str) -> Any:
     return web.json_response({"error": message}, status=status)
 
 
-async def start_ui(catalog: Catalog, host: str, port: int, token: str | None) -> tuple[Any, int]:
+async def start_ui(catalog: Catalog, host: str, port: int, token: str | None, *,
+                   prewarm: bool = False) -> tuple[Any, int]:
     """Starts the dashboard on the running loop (``stepwatch ui``'s): (its runner, the bound port).
     Raises ValueError for a non-loopback bind without a token, OSError when it cannot listen."""
     from aiohttp import web
 
     if token is None and not is_loopback(host):
         raise ValueError(f"the dashboard binds {host} (not loopback) only with a token: pass --token-env")
-    runner = web.AppRunner(Dashboard(catalog, token=token).build(), access_log=None)
+    runner = web.AppRunner(Dashboard(catalog, token=token, prewarm=prewarm).build(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -417,7 +463,7 @@ def serve_ui(path: Path, *, host: str = "127.0.0.1", port: int = 0, token: str |
     catalog = Catalog(path)
 
     async def main() -> None:
-        runner, bound = await start_ui(catalog, host, port, token)
+        runner, bound = await start_ui(catalog, host, port, token, prewarm=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,56 +1,43 @@
-"""The page's files: the shell HTML, its script and style (package data beside this module), and
-Plotly's bundle from the installed ``plotly`` package (``plotly/package_data/plotly.min.js``, MIT
-licence; its licence text ships in the package's dist-info). Nothing is fetched from a CDN."""
+"""The page's files, all package data beside this module (``assets/``): the shell HTML, its
+script and style, and the charting library, uPlot (https://github.com/leeoniya/uPlot, MIT
+licence): its released ``dist/uPlot.iife.min.js`` and ``dist/uPlot.min.css`` of v1.6.32, unchanged,
+with its licence text in ``assets/uPlot.LICENSE``. Nothing is fetched from a CDN."""
 
 from __future__ import annotations
 
 import html
-import importlib.util
 import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import StepwatchError
-
-__all__ = ["ASSETS", "PlotlyMissing", "asset_text", "plotly_js", "plotly_js_gzip", "plotly_path", "shell_html"]
+__all__ = ["ASSETS", "UPLOT_NOTICE", "UPLOT_VERSION", "asset_bytes", "asset_text", "shell_html", "uplot_licence"]
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-PLOTLY_LICENCE = "plotly.js (MIT licence, (c) Plotly, Inc.), from the installed plotly package"
+UPLOT_VERSION = "1.6.32"
+UPLOT_NOTICE = f"uPlot v{UPLOT_VERSION} (https://github.com/leeoniya/uPlot), MIT licence, (c) Leon Sorokin"
 
 
-class PlotlyMissing(StepwatchError):
-    """The ``plotly`` package (``pip install 'stepwatch[web]'``) is not installed."""
-
-
-def plotly_path() -> Path:
-    """Plotly's bundle in the installed ``plotly`` package."""
-    spec = importlib.util.find_spec("plotly")
-    if spec is None or not spec.submodule_search_locations:
-        raise PlotlyMissing("the dashboard's charts need the plotly package: pip install 'stepwatch[web]'")
-    path = Path(next(iter(spec.submodule_search_locations))) / "package_data" / "plotly.min.js"
-    if not path.is_file():
-        raise PlotlyMissing(f"{path}: plotly's bundle is missing from the installed plotly package")
-    return path
-
-
-@lru_cache(maxsize=1)
-def plotly_js() -> bytes:
-    return plotly_path().read_bytes()
-
-
-@lru_cache(maxsize=1)
-def plotly_js_gzip() -> bytes:
-    """The bundle gzip-compressed once (1.5 MB): served as it is to every browser that accepts
-    gzip, so no request compresses 4.8 MB again on the server's event loop."""
-    import gzip
-
-    return gzip.compress(plotly_js(), compresslevel=6, mtime=0)
-
-
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=16)
 def asset_text(name: str) -> str:
     return (ASSETS / name).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=16)
+def asset_bytes(name: str, gzipped: bool = False) -> bytes:
+    """The file's bytes, gzip-compressed once when ``gzipped`` (served as they are to every
+    browser that accepts gzip)."""
+    data = (ASSETS / name).read_bytes()
+    if not gzipped:
+        return data
+    import gzip
+
+    return gzip.compress(data, compresslevel=9, mtime=0)
+
+
+def uplot_licence() -> str:
+    """uPlot's licence text, as an HTML comment for the pages that carry the library."""
+    return "<!-- " + UPLOT_NOTICE + "\n" + asset_text("uPlot.LICENSE").replace("--", "- -") + "-->"
 
 
 def _script_json(value: Any) -> str:

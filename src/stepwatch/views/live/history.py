@@ -110,6 +110,10 @@ class HistoryReader:
                         memory_peak_bytes=peak, memory_kind=kind, heartbeat_age_s=age,
                         state=rank_state(age, bool(last and last[1] == "stop")))
 
+    def memory_fold(self, rank: int) -> MemoryFold | None:
+        """The rank's memory samples read so far (None: a rank this reader has not read)."""
+        return self._memory.get(rank)
+
     def live_verdict(self, session_id: str | None) -> dict[str, Any] | None:
         """The newest primary verdict the aggregator stored for the session (None: none yet, or
         no history)."""

@@ -79,6 +79,22 @@ class LiveReader:
                             started_at=_seconds(manifest.get("started_at_ns")),
                             ended_at=_seconds(manifest.get("ended_at_ns")))
 
+    def step_durations(self, rank: int) -> Any:
+        """The step times (ns, a numpy array, oldest first) of the rank's last ledger window, as
+        the last snapshot read it; None for a rank with no ledger here (the history's, another
+        node's). The metrics feeds take upper quantiles from it."""
+        records = self._windows.get(rank)
+        if records is None:
+            return None
+        return records["end"] - records["start"]
+
+    def memory_devices(self, rank: int) -> dict[str, tuple[int, int]]:
+        """The rank's (latest, peak) memory per device (``MemoryFold.by_device``: ``"0"``, ``"1"``,
+        ..., ``"rss"``), as the last snapshot read them; empty when none was read."""
+        samples = self._memory.get(rank)
+        fold = samples.fold if samples is not None else self._history.memory_fold(rank)
+        return fold.by_device() if fold is not None else {}
+
     def close(self) -> None:
         """Unmaps the ledgers and closes the history (a later snapshot opens them again)."""
         self._ledgers.close()

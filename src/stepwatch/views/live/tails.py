@@ -82,6 +82,10 @@ class MemoryFold:
         self.latest[device] = value
         self.peak[device] = max(value, self.peak.get(device, value))
 
+    def by_device(self) -> dict[str, tuple[int, int]]:
+        """Each device's (latest, peak), by its index as text; the process's RSS as ``rss``."""
+        return {("rss" if d < 0 else str(d)): (self.latest[d], self.peak[d]) for d in sorted(self.latest)}
+
     def now(self) -> tuple[int | None, int | None, str | None]:
         """(latest, peak, kind): ``device`` (the largest device's), else ``rss``; Nones for none."""
         devices = [d for d in self.latest if d >= 0]
