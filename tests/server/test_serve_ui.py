@@ -110,6 +110,20 @@ def test_a_killed_aggregator_takes_its_dashboard_with_it(tmp_path: Path) -> None
         proc.communicate(timeout=30)
 
 
+def test_a_dashboard_that_dies_is_said_once_and_the_aggregator_goes_on(tmp_path: Path) -> None:
+    proc, ready = _serve(tmp_path)
+    try:
+        os.kill(ready["ui_pid"], signal.SIGKILL)
+        assert wait_for(lambda: _gone(ready["ui_pid"]), timeout=15)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the aggregator still runs
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert stderr.count(f"the dashboard (pid {ready['ui_pid']}) exited with code -9; ingestion goes on") == 1
+
+
 TRAIN = """
 import sys, time
 from pathlib import Path
