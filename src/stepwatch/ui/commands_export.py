@@ -86,3 +86,50 @@ def perfetto(run_dir: Path, out: str | None, steps: Any, ranks: frozenset[int] |
 
 
 _PHASE_WORDS = {"X": "spans", "C": "counter values", "i": "instants", "M": "names"}
+
+
+def _history_of(run_dir: Path, session_id: str | None) -> Any:
+    """(points, params, summary, folder, session id) of the run's session: what every tracker
+    export writes, read once from the history (read-only)."""
+    from ..analysis.summary import build_summary
+    from ..exports.tracker_data import tracker_params, tracker_points
+    from ..views.sources import run_json_of
+    from .commands_verdicts import open_run_history
+
+    with open_run_history(run_dir, session_id) as (store, chosen, _source):
+        folder = run_dir if run_dir.is_dir() else run_dir.parent
+        run = run_json_of(folder, chosen)
+        points = tracker_points(store, chosen)
+        params = tracker_params(store, chosen, run)
+        summary = build_summary(store, chosen, folder if (folder / "run.json").is_file() else None)
+    return points, params, summary, folder, chosen
+
+
+def _say(line: str) -> None:
+    _console(stderr=True).print(f"[stepwatch] {line}", markup=False, soft_wrap=_soft_wrap(stderr=True))
+
+
+@export.command("tensorboard")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Where to write the event files (default: RUN_DIR/tensorboard): DIR/rank_N per rank, DIR/summary.")
+@click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
+@_reports_errors
+def tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> None:
+    """Write the run as TensorBoard event files: per rank and step, the step time, phase shares,
+    steps/s, memory and the numeric marks (the loss); `tensorboard --logdir DIR` shows them."""
+    export_tensorboard(run_dir, out, session_id)
+
+
+def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> Path:
+    from ..exports.tensorboard import write_tensorboard
+    from ..exports.tracker_data import summary_metrics
+
+    points, params, summary, folder, _chosen = _history_of(run_dir, session_id)
+    target = out if out is not None else folder / "tensorboard"
+    stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params)
+    ranks = sorted({p.rank for p in points})
+    _say(f"tensorboard: {target.resolve()} ({len(points)} steps of ranks {','.join(map(str, ranks)) or 'none'}, "
+         f"{stats.scalars} scalars); tensorboard --logdir {target}")
+    sys.stdout.write(f"{target}\n")
+    return target
