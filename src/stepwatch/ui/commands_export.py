@@ -88,9 +88,11 @@ def perfetto(run_dir: Path, out: str | None, steps: Any, ranks: frozenset[int] |
 _PHASE_WORDS = {"X": "spans", "C": "counter values", "i": "instants", "M": "names"}
 
 
-def _history_of(run_dir: Path, session_id: str | None) -> Any:
-    """(points, params, summary, folder, session id) of the run's session: what every tracker
-    export writes, read once from the history (read-only)."""
+def _history_of(run_dir: Path, session_id: str | None, artifacts: Path | None = None) -> Any:
+    """(points, params, summary, folder, session id, artifact paths) of the run's session: what
+    every tracker export writes, read once from the history (read-only). With ``artifacts``, a
+    folder to write them in: the summary (JSON and text), the diagnosis, report.html and
+    trace.json; one that cannot be made is left out with a line saying why."""
     from ..analysis.summary import build_summary
     from ..exports.tracker_data import tracker_params, tracker_points
     from ..views.sources import run_json_of
@@ -102,7 +104,41 @@ def _history_of(run_dir: Path, session_id: str | None) -> Any:
         points = tracker_points(store, chosen)
         params = tracker_params(store, chosen, run)
         summary = build_summary(store, chosen, folder if (folder / "run.json").is_file() else None)
-    return points, params, summary, folder, chosen
+        if "outcome" in run and not summary.get("outcome"):
+            summary["outcome"] = run["outcome"]
+        paths = _write_artifacts(store, chosen, folder, run, summary, artifacts) if artifacts is not None else []
+    return points, params, summary, folder, chosen, paths
+
+
+def _write_artifacts(store: Any, session_id: str, folder: Path, run: dict[str, Any], summary: dict[str, Any],
+                     out: Path) -> list[Path]:
+    import json
+
+    from ..analysis.summary import render_summary_text
+    from ..errors import StepwatchError
+    from ..exports.perfetto import TraceSelection, write_trace_file
+    from ..web.report import write_report
+
+    written: list[Path] = []
+
+    def attempt(name: str, make: Any) -> None:
+        target = out / name
+        try:
+            make(target)
+        except (StepwatchError, OSError, ValueError) as exc:
+            _say(f"{name} left out: {exc}")
+            return
+        written.append(target)
+
+    attempt("summary.json", lambda t: t.write_text(json.dumps(summary, indent=2, default=str)))
+    attempt("summary.txt", lambda t: t.write_text(render_summary_text(summary)))
+    attempt("diagnosis.json", lambda t: t.write_text(json.dumps(summary.get("diagnosis"), indent=2, default=str)))
+    attempt("report.html", lambda t: write_report(folder, t, session_id))
+    hosts = [h for h in run.get("hosts") or [] if isinstance(h, str)]
+    other = {k: run[k] for k in ("command_line", "world_size", "versions", "status") if k in run}
+    attempt("trace.json", lambda t: write_trace_file(store, TraceSelection(session_id, None, None), t,
+                                                     hosts=hosts, other=other))
+    return written
 
 
 def _say(line: str) -> None:
@@ -125,7 +161,7 @@ def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) 
     from ..exports.tensorboard import write_tensorboard
     from ..exports.tracker_data import summary_metrics
 
-    points, params, summary, folder, _chosen = _history_of(run_dir, session_id)
+    points, params, summary, folder, _chosen, _paths = _history_of(run_dir, session_id)
     target = out if out is not None else folder / "tensorboard"
     stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params)
     ranks = sorted({p.rank for p in points})
@@ -133,3 +169,51 @@ def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) 
          f"{stats.scalars} scalars); tensorboard --logdir {target}")
     sys.stdout.write(f"{target}\n")
     return target
+
+
+@export.command("mlflow")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--tracking-uri", default=None, metavar="URI",
+              help="MLflow tracking URI (default: sqlite:///RUN_DIR/mlflow.db; a server: http://HOST:5000).")
+@click.option("--experiment", default="stepwatch", show_default=True, help="Experiment name (made if missing).")
+@click.option("--per-rank", is_flag=True, help="One MLflow run per rank instead of one per session.")
+@click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
+@_reports_errors
+def mlflow(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: bool, session_id: str | None) -> None:
+    """Log the run to MLflow: params (command, world size, versions, loader and optimizer
+    settings), a metric point per rank per step, the summary's figures, and the summary,
+    diagnosis, report.html and trace.json as artifacts."""
+    export_mlflow_run(run_dir, tracking_uri, experiment, per_rank, session_id)
+
+
+def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: bool,
+                      session_id: str | None) -> list[str]:
+    import tempfile
+
+    from ..exports.mlflow_export import export_mlflow, mlflow_status
+    from ..exports.tracker_data import summary_metrics
+    from ..exports.trackers import require
+
+    require("mlflow", "mlflow")  # before the artifacts are made
+    with tempfile.TemporaryDirectory(prefix="stepwatch-mlflow-") as tmp:
+        points, params, summary, folder, chosen, paths = _history_of(run_dir, session_id, Path(tmp))
+        uri = tracking_uri or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
+        primary = (summary.get("diagnosis") or {}).get("primary") or {}
+        tags = {"stepwatch.session_id": chosen, "stepwatch.run_dir": str(folder.resolve()),
+                **({"stepwatch.verdict": str(primary["name"])} if primary.get("name") else {}),
+                **({"stepwatch.outcome": str(summary["outcome"])} if summary.get("outcome") else {})}
+        text = next((p for p in paths if p.name == "summary.txt"), None)
+        if text is not None:  # the run's description in MLflow's UI
+            tags["mlflow.note.content"] = text.read_text()[:5000]
+        started, ended = summary.get("started_at_ns"), summary.get("ended_at_ns")
+        done = export_mlflow(points, params, summary_metrics(summary), tags, paths, tracking_uri=uri,
+                             experiment=experiment, per_rank=per_rank, run_name=f"stepwatch {chosen[:8]}",
+                             start_ms=started // 1_000_000 if isinstance(started, int) else None,
+                             end_ms=ended // 1_000_000 if isinstance(ended, int) else None,
+                             status=mlflow_status(summary.get("outcome")))
+    runs = ", ".join(f"{group} {run_id}" for group, run_id in done.run_ids.items())
+    _say(f"mlflow: {uri} experiment {experiment!r} (id {done.experiment_id}): {runs}; {done.metric_points} metric "
+         f"points, {len(paths)} artifacts")
+    for run_id in done.run_ids.values():
+        sys.stdout.write(f"{run_id}\n")
+    return list(done.run_ids.values())
