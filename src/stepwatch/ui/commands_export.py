@@ -217,3 +217,40 @@ def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, 
     for run_id in done.run_ids.values():
         sys.stdout.write(f"{run_id}\n")
     return list(done.run_ids.values())
+
+
+@export.command("wandb")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--dir", "out", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Where W&B writes (default: RUN_DIR): DIR/wandb/offline-run-<time>-<id>.")
+@click.option("--project", default="stepwatch", show_default=True, help="The W&B project `wandb sync` uploads to.")
+@click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
+@_reports_errors
+def wandb(run_dir: Path, out: Path | None, project: str, session_id: str | None) -> None:
+    """Write the run as a W&B offline run (no login, no network): config from the params, a
+    history row per step with every rank's scalars, the summary, and the summary, diagnosis,
+    report.html and trace.json as files. `wandb sync DIR` uploads it later."""
+    export_wandb_run(run_dir, out, project, session_id)
+
+
+def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: str | None) -> Path:
+    import tempfile
+
+    from ..exports.tracker_data import summary_metrics
+    from ..exports.trackers import require
+    from ..exports.wandb_export import export_wandb
+
+    require("wandb", "wandb")
+    with tempfile.TemporaryDirectory(prefix="stepwatch-wandb-") as tmp:
+        points, params, summary, folder, chosen, paths = _history_of(run_dir, session_id, Path(tmp))
+        primary = (summary.get("diagnosis") or {}).get("primary") or {}
+        tags = ["stepwatch", *([str(primary["name"])] if primary.get("name") else []),
+                *([str(summary["outcome"])] if summary.get("outcome") else [])]
+        final = {**summary_metrics(summary), **({"verdict": str(primary["name"])} if primary.get("name") else {})}
+        failed = summary.get("outcome") not in (None, "succeeded", "exited")
+        done = export_wandb(points, params, final, tags, paths, out=out or folder, project=project,
+                            name=f"stepwatch {chosen[:8]}", exit_code=1 if failed else 0)
+    _say(f"wandb: {done.run_dir.resolve()} (offline run {done.run_id}: {done.rows} steps, {len(paths)} files); "
+         f"upload it with: wandb sync {done.run_dir}")
+    sys.stdout.write(f"{done.run_dir}\n")
+    return done.run_dir
