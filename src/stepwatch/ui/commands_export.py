@@ -15,7 +15,7 @@ import click
 
 from .base import _console, _reports_errors, _soft_wrap
 
-__all__ = ["export"]
+__all__ = ["TRACKERS", "export", "export_after_run"]
 
 
 def _steps(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
@@ -154,27 +154,30 @@ def _say(line: str) -> None:
 def tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> None:
     """Write the run as TensorBoard event files: per rank and step, the step time, phase shares,
     steps/s, memory and the numeric marks (the loss); `tensorboard --logdir DIR` shows them."""
-    export_tensorboard(run_dir, out, session_id)
+    target = export_tensorboard(run_dir, out, session_id)
+    sys.stdout.write(f"{target}\n")
 
 
 def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> Path:
     from ..exports.tensorboard import write_tensorboard
     from ..exports.tracker_data import summary_metrics
+    from ..exports.trackers import require
 
+    require("tensorboard", "tensorboard")  # before the history is read
     points, params, summary, folder, _chosen, _paths = _history_of(run_dir, session_id)
     target = out if out is not None else folder / "tensorboard"
     stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params)
     ranks = sorted({p.rank for p in points})
     _say(f"tensorboard: {target.resolve()} ({len(points)} steps of ranks {','.join(map(str, ranks)) or 'none'}, "
          f"{stats.scalars} scalars); tensorboard --logdir {target}")
-    sys.stdout.write(f"{target}\n")
     return target
 
 
 @export.command("mlflow")
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--tracking-uri", default=None, metavar="URI",
-              help="MLflow tracking URI (default: sqlite:///RUN_DIR/mlflow.db; a server: http://HOST:5000).")
+@click.option("--tracking-uri", default=None, metavar="URI", envvar="MLFLOW_TRACKING_URI",
+              help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db; "
+                   "a server: http://HOST:5000).")
 @click.option("--experiment", default="stepwatch", show_default=True, help="Experiment name (made if missing).")
 @click.option("--per-rank", is_flag=True, help="One MLflow run per rank instead of one per session.")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
@@ -183,7 +186,8 @@ def mlflow(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: b
     """Log the run to MLflow: params (command, world size, versions, loader and optimizer
     settings), a metric point per rank per step, the summary's figures, and the summary,
     diagnosis, report.html and trace.json as artifacts."""
-    export_mlflow_run(run_dir, tracking_uri, experiment, per_rank, session_id)
+    for run_id in export_mlflow_run(run_dir, tracking_uri, experiment, per_rank, session_id):
+        sys.stdout.write(f"{run_id}\n")
 
 
 def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: bool,
@@ -214,8 +218,6 @@ def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, 
     runs = ", ".join(f"{group} {run_id}" for group, run_id in done.run_ids.items())
     _say(f"mlflow: {uri} experiment {experiment!r} (id {done.experiment_id}): {runs}; {done.metric_points} metric "
          f"points, {len(paths)} artifacts")
-    for run_id in done.run_ids.values():
-        sys.stdout.write(f"{run_id}\n")
     return list(done.run_ids.values())
 
 
@@ -230,7 +232,7 @@ def wandb(run_dir: Path, out: Path | None, project: str, session_id: str | None)
     """Write the run as a W&B offline run (no login, no network): config from the params, a
     history row per step with every rank's scalars, the summary, and the summary, diagnosis,
     report.html and trace.json as files. `wandb sync DIR` uploads it later."""
-    export_wandb_run(run_dir, out, project, session_id)
+    sys.stdout.write(f"{export_wandb_run(run_dir, out, project, session_id)}\n")
 
 
 def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: str | None) -> Path:
@@ -252,5 +254,28 @@ def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: 
                             name=f"stepwatch {chosen[:8]}", exit_code=1 if failed else 0)
     _say(f"wandb: {done.run_dir.resolve()} (offline run {done.run_id}: {done.rows} steps, {len(paths)} files); "
          f"upload it with: wandb sync {done.run_dir}")
-    sys.stdout.write(f"{done.run_dir}\n")
     return done.run_dir
+
+
+TRACKERS = ("mlflow", "tensorboard", "wandb")
+
+
+def export_after_run(run_dir: Path, session_id: str | None, trackers: tuple[str, ...]) -> None:
+    """``run --export``: each tracker's export with its defaults (MLflow: $MLFLOW_TRACKING_URI,
+    else sqlite:///RUN_DIR/mlflow.db; TensorBoard: RUN_DIR/tensorboard; W&B: RUN_DIR/wandb). A
+    failure is one line naming the tracker, never the run's exit code: the training is done, and
+    ``stepwatch export`` can do it again later."""
+    import os
+
+    for tracker in dict.fromkeys(trackers):
+        try:
+            if tracker == "mlflow":
+                export_mlflow_run(run_dir, os.environ.get("MLFLOW_TRACKING_URI") or None, "stepwatch", False,
+                                  session_id)
+            elif tracker == "tensorboard":
+                export_tensorboard(run_dir, None, session_id)
+            else:
+                export_wandb_run(run_dir, None, "stepwatch", session_id)
+        except Exception as exc:  # noqa: BLE001 (a tracker's own errors too: the run's result stands)
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            _say(f"export {tracker} failed: {text}")

@@ -1,0 +1,85 @@
+"""What the three tracker exports share on the command line: a missing tracker package is one
+``error:`` line naming the extra to install and exit code 2, with nothing written; and
+``stepwatch run --export`` exports at the end of a (tiny, real) run, where a failed export is one
+line and leaves the training's exit code alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from stepwatch.ui.cli import cli
+from tests.support import ROOT, STEPWATCH, clean_env
+from tests.support.shared import once
+from tests.support.trace_run import trace_run
+
+TINY = ROOT / "exports" / "programs" / "tiny_train.py"
+
+
+@pytest.mark.parametrize(("tracker", "module", "args"), [
+    ("tensorboard", "tensorboard", ["-o", "{out}"]),
+    ("mlflow", "mlflow", ["--tracking-uri", "sqlite:///{out}/mlflow.db"]),
+    ("wandb", "wandb", ["--dir", "{out}"]),
+])
+def test_a_missing_tracker_is_one_line_naming_its_extra_and_exit_2(
+        tracker: str, module: str, args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # what Python's import does for a package not installed
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["export", tracker, str(tmp_path), *[a.format(out=out) for a in args]])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert f"pip install 'stepwatch[{tracker}]'" in lines[0]
+    assert not out.exists() and result.stdout == ""
+
+
+def test_a_damaged_store_is_one_error_line(tmp_path: Path) -> None:
+    (tmp_path / "history.sqlite").write_bytes(b"not a database" * 100)
+    result = CliRunner().invoke(cli, ["export", "tensorboard", str(tmp_path), "-o", str(tmp_path / "tb")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "history.sqlite" in lines[0], result.stderr
+
+
+@pytest.mark.real
+def test_a_session_the_store_does_not_hold_is_one_error_line(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("torch")
+    run = trace_run(tmp_path_factory)
+    other = "0" * 8 + "-0000-0000-0000-" + "0" * 12  # a session the store does not hold
+    result = CliRunner().invoke(cli, ["export", "tensorboard", str(run), "--session", other, "-o", str(tmp_path)])
+    assert result.exit_code == 2 and other in result.stderr
+
+
+def _tiny(base: Path) -> tuple[Path, int, str, str]:
+    out = base / "run"
+    blocked = base / "blocked"  # a package named mlflow that cannot be imported: the extra is "missing"
+    (blocked / "mlflow").mkdir(parents=True)
+    (blocked / "mlflow" / "__init__.py").write_text("raise ImportError('mlflow is blocked for this test')\n")
+    env = clean_env(PYTHONPATH=f"{blocked}:{clean_env().get('PYTHONPATH', '')}".rstrip(":"))
+    proc = subprocess.run([*STEPWATCH, "run", "--quiet", "--view", "off", "--out", str(out), "--export", "tensorboard",
+                           "--export", "mlflow", str(TINY)], cwd=base, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return out, proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.real
+def test_run_export_writes_at_the_end_and_a_failed_export_leaves_the_exit_code(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("torch")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, code, _stdout, stderr = once(tmp_path_factory, "exports-tiny-run-export", _tiny)
+    assert code == 3, stderr  # the training's own exit code
+    failed = [line for line in stderr.splitlines() if "export mlflow failed" in line]
+    assert len(failed) == 1 and "pip install 'stepwatch[mlflow]'" in failed[0], stderr
+    assert f"tensorboard: {(out / 'tensorboard').resolve()}" in stderr
+    acc = EventAccumulator(str(out / "tensorboard" / "rank_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("mark/loss")] == list(range(6))
+    assert not (out / "mlflow.db").exists()
