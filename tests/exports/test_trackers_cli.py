@@ -83,3 +83,23 @@ def test_run_export_writes_at_the_end_and_a_failed_export_leaves_the_exit_code(
     acc.Reload()
     assert [e.step for e in acc.Scalars("mark/loss")] == list(range(6))
     assert not (out / "mlflow.db").exists()
+
+
+@pytest.mark.real
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # MLflow 3.17 on SQLAlchemy 2.1
+def test_a_failed_one_rank_run_is_a_failed_mlflow_run(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    pytest.importorskip("torch")
+    from mlflow.tracking import MlflowClient
+
+    out, code, _stdout, _stderr = once(tmp_path_factory, "exports-tiny-run-export", _tiny)
+    assert code == 3
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = CliRunner().invoke(cli, ["export", "mlflow", str(out), "--tracking-uri", uri])
+    assert result.exit_code == 0, result.output
+    client = MlflowClient(tracking_uri=uri)
+    got = client.get_run(result.stdout.split()[0])
+    assert got.info.status == "FAILED" and got.data.tags["stepwatch.outcome"] == "failed"
+    assert got.data.params["world_size"] == "1"
+    losses = sorted(client.get_metric_history(got.info.run_id, "rank_0/mark/loss"), key=lambda m: m.step)
+    assert [m.step for m in losses] == list(range(6))
