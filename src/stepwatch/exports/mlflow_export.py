@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +38,16 @@ class MlflowExport:
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def _metrics(metric: Any, series: Iterable[StepPoint], prefixed: bool) -> Iterator[Any]:
+    """The points as MLflow metrics: ``rank_N/<name>`` in a session's run, with the step's end
+    (ms) as timestamp."""
+    for p in series:
+        prefix = f"rank_{p.rank}/" if prefixed else ""
+        stamp = p.end_ns // 1_000_000
+        for key, value in p.values.items():
+            yield metric(f"{prefix}{key}", value, stamp, p.step)
 
 
 def sqlite_artifact_location(tracking_uri: str) -> str | None:
@@ -82,14 +93,12 @@ def export_mlflow(points: list[StepPoint], params: Mapping[str, str], final: Map
         param_list = [Param(k, str(v)[:limit]) for k, v in sorted(params.items())]
         for chunk in _chunks(param_list, MLFLOW_LIMITS["params"]):
             client.log_batch(run_id, params=list(chunk))
-        prefix = (lambda p: f"rank_{p.rank}/") if group == "session" else (lambda p: "")
-        metrics = [Metric(f"{prefix(p)}{key}", value, p.end_ns // 1_000_000, p.step)
-                   for p in series for key, value in p.values.items()]
         stamp = end_ms if end_ms is not None else (max((p.end_ns for p in series), default=0) // 1_000_000)
-        metrics += [Metric(key, value, stamp, last_step) for key, value in sorted(final.items())]
-        for chunk in _chunks(metrics, MLFLOW_LIMITS["metrics"]):
-            client.log_batch(run_id, metrics=list(chunk))
-        sent += len(metrics)
+        metrics = chain(_metrics(Metric, series, group == "session"),
+                        (Metric(key, value, stamp, last_step) for key, value in sorted(final.items())))
+        while batch := list(islice(metrics, MLFLOW_LIMITS["metrics"])):  # a batch at a time: memory stays flat
+            client.log_batch(run_id, metrics=batch)
+            sent += len(batch)
         for path in artifacts:
             client.log_artifact(run_id, str(path))
         client.set_terminated(run_id, status=status, end_time=end_ms)
