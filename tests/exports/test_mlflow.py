@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from stepwatch.ui.cli import cli
+from tests.support.shared import once
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 
 pytestmark = [
@@ -27,18 +28,29 @@ pytest.importorskip("torch")
 pytest.importorskip("mlflow")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the shared run: the default tracking store is written into the run directory."""
-    copy = tmp_path_factory.mktemp("mlflow") / "run"
-    shutil.copytree(trace_run(tmp_path_factory), copy)
-    return copy
-
-
 def _export(*args: str) -> list[str]:
     result = CliRunner().invoke(cli, ["export", "mlflow", *args])
     assert result.exit_code == 0, result.output
     return result.stdout.split()
+
+
+def _exported(base: Path, shared: Path) -> tuple[Path, str]:
+    copy = base / "run"  # a copy of the shared run: the default tracking store is written into the run directory
+    shutil.copytree(shared, copy)
+    (run_id,) = _export(str(copy))  # the default store: sqlite:///RUN_DIR/mlflow.db
+    return copy, run_id
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(the run's copy, the MLflow run id): exported once for every worker."""
+    shared = trace_run(tmp_path_factory)
+    return once(tmp_path_factory, "exports-mlflow-session", lambda base: _exported(base, shared))
+
+
+@pytest.fixture(scope="module")
+def run(exported: tuple[Path, str]) -> Path:
+    return exported[0]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +61,8 @@ def client(run: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def session_run(run: Path, client: Any) -> Any:
-    (run_id,) = _export(str(run))  # the default store: sqlite:///RUN_DIR/mlflow.db
-    return client.get_run(run_id)
+def session_run(exported: tuple[Path, str], client: Any) -> Any:
+    return client.get_run(exported[1])
 
 
 def _rows(run: Path, sql: str) -> list[tuple[Any, ...]]:

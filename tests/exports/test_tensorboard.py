@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from stepwatch.ui.cli import cli
+from tests.support.shared import once
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 
 pytestmark = pytest.mark.real  # the run is a real stepwatch run (torchrun, two ranks)
@@ -25,13 +26,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return trace_run(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def logdir(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tb") / "tb"
+def _logdir(base: Path, run: Path) -> Path:
+    out = base / "tb"
     result = CliRunner().invoke(cli, ["export", "tensorboard", str(run), "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == str(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def logdir(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The event files, written once for every worker."""
+    return once(tmp_path_factory, "exports-tensorboard", lambda base: _logdir(base, run))
 
 
 def _read(folder: Path) -> Any:

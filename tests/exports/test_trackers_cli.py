@@ -103,3 +103,24 @@ def test_a_failed_one_rank_run_is_a_failed_mlflow_run(tmp_path_factory: pytest.T
     assert got.data.params["world_size"] == "1"
     losses = sorted(client.get_metric_history(got.info.run_id, "rank_0/mark/loss"), key=lambda m: m.step)
     assert [m.step for m in losses] == list(range(6))
+
+
+@pytest.mark.real
+def test_a_run_with_no_history_exports_from_its_artifacts_and_is_left_as_it_was(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("torch")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"  # what `track` or `stepwatch.init` alone leaves: the artifacts, no history.sqlite
+    shutil.copytree(trace_run(tmp_path_factory), run, ignore=shutil.ignore_patterns("history.sqlite*"))
+    before = sorted(p.name for p in run.iterdir())
+    result = CliRunner().invoke(cli, ["export", "tensorboard", str(run), "-o", str(tmp_path / "tb")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in run.iterdir()) == before
+    for rank in (0, 1):
+        acc = EventAccumulator(str(tmp_path / "tb" / f"rank_{rank}"), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert len(acc.Scalars("step_time_ms")) == len(acc.Scalars("mark/loss")) == 24

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.support import run_stepwatch
+from tests.support.shared import once
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 from tests.support.wandb_records import history_rows, read_records
 
@@ -27,15 +28,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return trace_run(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def offline(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The offline run directory (a process of its own: wandb starts its core service)."""
-    out = tmp_path_factory.mktemp("wandb")
+def _offline(out: Path, run: Path) -> Path:
     proc = run_stepwatch("export", "wandb", str(run), "--dir", str(out), "--project", "tests", cwd=out)
     assert proc.returncode == 0, proc.stderr
     (found,) = (out / "wandb").glob("offline-run-*")
     assert proc.stdout.strip() == str(found) and f"wandb sync {found}" in proc.stderr
     return found
+
+
+@pytest.fixture(scope="module")
+def offline(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline run directory, written once for every worker (by a process of its own: wandb
+    starts its core service)."""
+    return once(tmp_path_factory, "exports-wandb-offline", lambda base: _offline(base, run))
 
 
 def _records(offline: Path, kind: str) -> list[Any]:
