@@ -124,3 +124,19 @@ def test_a_run_with_no_history_exports_from_its_artifacts_and_is_left_as_it_was(
         acc = EventAccumulator(str(tmp_path / "tb" / f"rank_{rank}"), size_guidance={"scalars": 0})
         acc.Reload()
         assert len(acc.Scalars("step_time_ms")) == len(acc.Scalars("mark/loss")) == 24
+
+
+@pytest.mark.real
+def test_a_tracking_server_that_does_not_answer_is_one_error_line(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    pytest.importorskip("torch")
+    from tests.support import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the test's own: one try (the export's default is 2)
+    run = trace_run(tmp_path_factory)
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = CliRunner().invoke(cli, ["export", "mlflow", str(run), "--tracking-uri", uri])
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: mlflow export failed: MlflowException"), result.stderr

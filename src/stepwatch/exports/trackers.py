@@ -4,11 +4,31 @@ error naming the extra that installs it."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from ..errors import IntegrationUnavailable
+from ..errors import IntegrationUnavailable, StepwatchError
 
-__all__ = ["require"]
+__all__ = ["TrackerError", "require", "tracker_errors"]
+
+
+class TrackerError(StepwatchError):
+    """A tracker refused or failed the export (a tracking server down, a folder not writable):
+    the CLI prints it as one ``error:`` line, exit code 2."""
+
+
+@contextmanager
+def tracker_errors(tracker: str) -> Iterator[None]:
+    """Turns what a tracker's package raises (``MlflowException``, ``wandb.Error``, an ``OSError``
+    from a writer) into one ``TrackerError`` line naming the tracker, its message on one line."""
+    try:
+        yield
+    except StepwatchError:
+        raise
+    except Exception as exc:
+        text = " ".join(str(exc).split())[:500] or type(exc).__name__
+        raise TrackerError(f"{tracker} export failed: {type(exc).__name__}: {text}") from exc
 
 
 def require(module: str, extra: str) -> Any:

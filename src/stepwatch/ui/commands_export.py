@@ -161,12 +161,13 @@ def tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> None
 def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> Path:
     from ..exports.tensorboard import write_tensorboard
     from ..exports.tracker_data import summary_metrics
-    from ..exports.trackers import require
+    from ..exports.trackers import require, tracker_errors
 
     require("tensorboard", "tensorboard")  # before the history is read
     points, params, summary, folder, _chosen, _paths = _history_of(run_dir, session_id)
     target = out if out is not None else folder / "tensorboard"
-    stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params)
+    with tracker_errors("tensorboard"):
+        stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params)
     ranks = sorted({p.rank for p in points})
     _say(f"tensorboard: {target.resolve()} ({len(points)} steps of ranks {','.join(map(str, ranks)) or 'none'}, "
          f"{stats.scalars} scalars); tensorboard --logdir {target}")
@@ -192,13 +193,18 @@ def mlflow(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: b
 
 def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: bool,
                       session_id: str | None) -> list[str]:
+    import os
     import tempfile
 
     from ..exports.mlflow_export import export_mlflow, mlflow_status
     from ..exports.tracker_data import summary_metrics
-    from ..exports.trackers import require
+    from ..exports.trackers import require, tracker_errors
 
     require("mlflow", "mlflow")  # before the artifacts are made
+    # a tracking server that does not answer costs seconds, not MLflow's default of 7 retries
+    # with backoff (4 minutes measured); the user's own settings win
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     with tempfile.TemporaryDirectory(prefix="stepwatch-mlflow-") as tmp:
         points, params, summary, folder, chosen, paths = _history_of(run_dir, session_id, Path(tmp))
         uri = tracking_uri or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
@@ -210,11 +216,12 @@ def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, 
         if text is not None:  # the run's description in MLflow's UI
             tags["mlflow.note.content"] = text.read_text()[:5000]
         started, ended = summary.get("started_at_ns"), summary.get("ended_at_ns")
-        done = export_mlflow(points, params, summary_metrics(summary), tags, paths, tracking_uri=uri,
-                             experiment=experiment, per_rank=per_rank, run_name=f"stepwatch {chosen[:8]}",
-                             start_ms=started // 1_000_000 if isinstance(started, int) else None,
-                             end_ms=ended // 1_000_000 if isinstance(ended, int) else None,
-                             status=mlflow_status(summary.get("outcome")))
+        with tracker_errors("mlflow"):
+            done = export_mlflow(points, params, summary_metrics(summary), tags, paths, tracking_uri=uri,
+                                 experiment=experiment, per_rank=per_rank, run_name=f"stepwatch {chosen[:8]}",
+                                 start_ms=started // 1_000_000 if isinstance(started, int) else None,
+                                 end_ms=ended // 1_000_000 if isinstance(ended, int) else None,
+                                 status=mlflow_status(summary.get("outcome")))
     runs = ", ".join(f"{group} {run_id}" for group, run_id in done.run_ids.items())
     _say(f"mlflow: {uri} experiment {experiment!r} (id {done.experiment_id}): {runs}; {done.metric_points} metric "
          f"points, {len(paths)} artifacts")
@@ -239,7 +246,7 @@ def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: 
     import tempfile
 
     from ..exports.tracker_data import summary_metrics
-    from ..exports.trackers import require
+    from ..exports.trackers import require, tracker_errors
     from ..exports.wandb_export import export_wandb
 
     require("wandb", "wandb")
@@ -250,8 +257,9 @@ def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: 
                 *([str(summary["outcome"])] if summary.get("outcome") else [])]
         final = {**summary_metrics(summary), **({"verdict": str(primary["name"])} if primary.get("name") else {})}
         failed = summary.get("outcome") not in (None, "succeeded", "exited")
-        done = export_wandb(points, params, final, tags, paths, out=out or folder, project=project,
-                            name=f"stepwatch {chosen[:8]}", exit_code=1 if failed else 0)
+        with tracker_errors("wandb"):
+            done = export_wandb(points, params, final, tags, paths, out=out or folder, project=project,
+                                name=f"stepwatch {chosen[:8]}", exit_code=1 if failed else 0)
     _say(f"wandb: {done.run_dir.resolve()} (offline run {done.run_id}: {done.rows} steps, {len(paths)} files); "
          f"upload it with: wandb sync {done.run_dir}")
     return done.run_dir
