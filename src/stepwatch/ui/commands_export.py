@@ -1,8 +1,10 @@
 """``stepwatch export``: a run's history in another tool's format. ``export perfetto`` writes the
-Trace Event Format JSON that ui.perfetto.dev and ``chrome://tracing`` open (docs/export.md).
+Trace Event Format JSON that ui.perfetto.dev and ``chrome://tracing`` open; ``export
+tensorboard``, ``export mlflow`` and ``export wandb`` feed the experiment trackers, and
+``export_after_run`` does those for ``run --export`` (docs/export.md).
 
-Exit codes: 0 written; 2 the input cannot be read, the selection matches nothing, or the
-command line is wrong.
+Exit codes: 0 written; 2 the input cannot be read, the selection matches nothing, a tracker's
+package is missing or its export failed, or the command line is wrong.
 """
 
 from __future__ import annotations
