@@ -95,7 +95,7 @@ def _rates(series: list[StepPoint]) -> None:
 def _memory(store: HistoryStore, session_id: str, by_rank: Mapping[int, list[StepPoint]]) -> None:
     """The last sample at or before each step's end; a step with no sample before it has none.
     Host memory is ``memory/rss_bytes``; a device's ``memory/device_N/allocated_bytes`` and
-    ``reserved_bytes`` (the first collector, by name, that sampled it)."""
+    ``reserved_bytes`` (the collector that sampled it first: one series a device, however many collectors read it)."""
     for rank, series in by_rank.items():
         ends = [p.end_ns for p in series]
         owner: dict[int, str] = {}
