@@ -402,6 +402,8 @@ import json, sys
 import stepwatch
 stepwatch.init(out=sys.argv[1], handle_signals=False, capture_oom=False)
 assert "lightning.pytorch" not in sys.modules
+if sys.argv[2] == "integration-first":  # the integration imports Lightning itself, half built meanwhile
+    from stepwatch.capture.integrations.lightning import StepwatchCallback
 import lightning.pytorch as pl
 from stepwatch.capture.integrations.lightning import StepwatchCallback
 first = pl.Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
@@ -414,11 +416,14 @@ print(json.dumps([count(first), count(second), count(after)]))
 """
 
 
-def test_lightning_imported_after_init_gets_the_callback(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(LIGHTNING_IMPORTED_AFTER_INIT), str(tmp_path / "r")],
+@pytest.mark.parametrize("first", ["lightning-first", "integration-first"])
+def test_lightning_imported_after_init_gets_the_callback(tmp_path: Path, first: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(LIGHTNING_IMPORTED_AFTER_INIT), str(tmp_path / "r"),
+                           first],
                           check=False, cwd=tmp_path, env=trainer_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[True], [False], []]
+    assert "internal error" not in proc.stderr
 
 
 # -- once, never twice: any order of the program's own additions ------------------------------

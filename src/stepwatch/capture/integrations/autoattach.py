@@ -29,7 +29,7 @@ from ...errors import IntegrationUnavailable
 from ...guard import Site, report_internal
 from ..after_import import finished, when_imported
 
-__all__ = ["install", "installed", "uninstall", "wrap_method"]
+__all__ = ["install", "installed", "integration_ready", "uninstall", "wrap_method"]
 
 # The module whose import completes each framework's Trainer -> the integration that wraps it.
 # ``lightning.pytorch`` (the package) rather than its trainer module: when the trainer module has
@@ -44,6 +44,7 @@ _lock = threading.RLock()
 _cancels: list[Callable[[], None]] = []  # the import waits still pending (after_import)
 _restores: list[Callable[[], None]] = []
 _done: set[str] = set()  # targets wrapped (or found unusable) while installed: never twice
+_waiting: dict[str, tuple[str, ModuleType]] = {}  # integration -> its target, while it imports the framework
 
 
 def install() -> None:
@@ -66,6 +67,7 @@ def uninstall() -> None:
     with _lock:
         while _cancels:
             _cancels.pop()()
+        _waiting.clear()
         while _restores:
             restore = _restores.pop()
             try:
@@ -88,20 +90,49 @@ def _imported(name: str, module: ModuleType) -> None:
             _instrument(name, module)
 
 
+def integration_ready(integration: str) -> None:
+    """An integration module's last line: when it was the one importing its framework (a program
+    that imports ``stepwatch.capture.integrations.lightning`` before Lightning), the framework's
+    import completed while the integration was half built, and the wrapping waited for this."""
+    with _lock:
+        waiting = _waiting.pop(integration, None)
+        if waiting is not None and _cancels:
+            _wrap(*waiting, sys.modules[f"{__package__}.{integration}"])
+
+
 def _instrument(name: str, module: ModuleType) -> None:
     if name in _done:
         return
     _done.add(name)  # once, even when it fails: not again at every import
+    qualified = f"{__package__}.{TARGETS[name]}"
+    half_built = sys.modules.get(qualified)
+    if half_built is not None and not finished(half_built):
+        _waiting[TARGETS[name]] = (name, module)  # it imported the framework: integration_ready
+        return
     try:
-        integration = importlib.import_module(f"{__package__}.{TARGETS[name]}")
+        integration = importlib.import_module(qualified)
+    except IntegrationUnavailable:
+        return  # a framework too old for its integration: its Trainer runs as it is
+    except Exception as exc:  # noqa: BLE001
+        _report(name, exc)
+        return
+    _wrap(name, module, integration)
+
+
+def _wrap(name: str, module: ModuleType, integration: ModuleType) -> None:
+    try:
         _restores.append(integration.instrument_trainer(module))
     except IntegrationUnavailable:
         pass  # a framework too old for its integration: its Trainer runs as it is
     except Exception as exc:  # noqa: BLE001
-        if TARGETS[name] == "lightning":
-            report_internal(exc, Site.AUTOATTACH_LIGHTNING)
-        else:
-            report_internal(exc, Site.AUTOATTACH_HUGGINGFACE)
+        _report(name, exc)
+
+
+def _report(name: str, exc: Exception) -> None:
+    if TARGETS[name] == "lightning":
+        report_internal(exc, Site.AUTOATTACH_LIGHTNING)
+    else:
+        report_internal(exc, Site.AUTOATTACH_HUGGINGFACE)
 
 
 def wrap_method(owner: type, name: str, make: Callable[[Any], Any]) -> Callable[[], None]:

@@ -279,3 +279,9 @@ def instrument_trainer(module: ModuleType) -> Callable[[], None]:
         wrap_method(trainer_class, "get_batch_samples", wrap_get_batch_samples),
         wrap_method(trainer_class, "prediction_step", wrap_prediction_step),
     ])
+
+
+# last: a Trainer whose import waited on this module (it imported the framework itself) is wrapped now
+from .autoattach import integration_ready  # noqa: E402
+
+integration_ready("huggingface")
