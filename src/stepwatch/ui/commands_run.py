@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from .base import _console, _fit_text, _print_json, _reports_errors, _soft_wrap
+from .base import StoreTarget, _console, _fit_text, _print_json, _reports_errors, _soft_wrap
 from .commands_verdicts import load_cli_policy, policy_options
 from .commands_watch import watchdog_options
 from .feed_options import feed_options
@@ -197,12 +197,21 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 
 
-def _summary_of(target: Path, session_id: str | None, policy: Any = None) -> dict[str, Any]:
+def _summary_of(target: Path | str, session_id: str | None, policy: Any = None) -> dict[str, Any]:
     """The summary of a run directory, a history store or a final_summary.json; with a verdict
     ``policy`` it is recomputed (a written final_summary.json holds the default policy's)."""
     from ..analysis.summary import build_summary
     from ..store.sqlite import SqliteStore
 
+    if isinstance(target, str):  # a store URL (clickhouse://...), read-only
+        from ..store import open_store
+
+        store = open_store(target, read_only=True)
+        try:
+            _require_session(store, target, session_id)
+            return build_summary(store, session_id, None, policy=policy)
+        finally:
+            store.close()
     if target.is_file() and target.suffix == ".json":
         data = json.loads(target.read_text())
         if session_id is not None and isinstance(data, dict) and data.get("session_id") != session_id:
@@ -226,7 +235,7 @@ def _summary_of(target: Path, session_id: str | None, policy: Any = None) -> dic
         return build_summary(store, session_id, target if target.is_dir() else None, policy=policy)
 
 
-def _require_session(store: Any, target: Path, session_id: str | None) -> None:
+def _require_session(store: Any, target: Path | str, session_id: str | None) -> None:
     """A session the store does not hold is an error naming the ones it does, never an empty
     summary."""
     if session_id is None:
@@ -236,7 +245,7 @@ def _require_session(store: Any, target: Path, session_id: str | None) -> None:
         _no_such_session(target, session_id, sessions)
 
 
-def _no_such_session(target: Path, session_id: str, sessions: list[dict[str, Any]]) -> None:
+def _no_such_session(target: Path | str, session_id: str, sessions: list[dict[str, Any]]) -> None:
     from ..errors import ArtifactError
 
     listed = ", ".join(f"{s['session_id']} ({s.get('status')})" for s in sessions) or "none"
@@ -252,15 +261,16 @@ def _write_summary_files(run_dir: Path, data: dict[str, Any]) -> None:
 
 
 @click.command()
-@click.argument("target", type=click.Path(path_type=Path, exists=True))
+@click.argument("target", type=StoreTarget(exists=True))
 @click.option("--session", "session_id", help="Session id (default: the newest).")
 @click.option("--write", is_flag=True, help="(Re)write final_summary.json/.txt into the run directory.")
 @click.option("--json", "as_json", is_flag=True)
 @policy_options
 @_reports_errors
-def summary(target: Path, session_id: str | None, write: bool, as_json: bool, policy_file: Path | None = None,
+def summary(target: Path | str, session_id: str | None, write: bool, as_json: bool, policy_file: Path | None = None,
             overrides: tuple[str, ...] = ()) -> None:
-    """Final summary of a run directory, a history store, or a final_summary.json.
+    """Final summary of a run directory, a history store (a path or a clickhouse:// URL), or a
+    final_summary.json.
 
     Its diagnosis comes first; --policy/--set recompute it with other thresholds."""
     from ..analysis.summary import render_summary_text
@@ -268,7 +278,7 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool, po
 
     policy = load_cli_policy(policy_file, overrides)
 
-    if write and not target.is_dir():
+    if write and (isinstance(target, str) or not target.is_dir()):
         raise click.UsageError("--write needs a run directory (it writes final_summary.* into it)")
     if write and (target / "history.sqlite").is_file():
         from ..server.launcher import write_final_summary
@@ -347,11 +357,12 @@ def _workload(target: Path) -> str | None:
 
 @click.command("import")
 @click.argument("path", type=click.Path(path_type=Path, exists=True))
-@click.option("--into", "into", type=click.Path(path_type=Path), required=True,
-              help="History store: a .sqlite file or a run directory (its history.sqlite).")
+@click.option("--into", "into", type=StoreTarget(), required=True,
+              help="History store: a .sqlite file, a run directory (its history.sqlite), or a store URL "
+                   "(clickhouse://user@host:9000/db; its database and tables are made when missing).")
 @click.option("--json", "as_json", is_flag=True)
 @_reports_errors
-def import_command(path: Path, into: Path, as_json: bool) -> None:
+def import_command(path: Path, into: Path | str, as_json: bool) -> None:
     """Import artifacts (sink, JSON export, spool, heartbeat files, a whole run) into a store."""
     from ..store import open_store
     from ..store.importers import import_path
