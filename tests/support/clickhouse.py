@@ -32,6 +32,7 @@ from . import free_port
 from .shared import shared_dir
 
 BINARY = Path("/usr/sbin/clickhouse-server")
+_STARTED: dict[int, subprocess.Popen[bytes]] = {}  # the servers this worker started: reaped when stopped
 
 _CONFIG = """<yandex>
   <logger><level>warning</level><log>{home}/log/server.log</log><errorlog>{home}/log/error.log</errorlog>
@@ -117,6 +118,7 @@ def _start(home: Path) -> dict[str, Any]:
             raise RuntimeError(f"clickhouse-server did not start: "
                                f"{errors.read_text()[-2000:] if errors.exists() else '(no log)'}")
         time.sleep(0.05)  # /ping is the only readiness signal the server gives
+    _STARTED[process.pid] = process
     return {"pid": process.pid, "http_port": http_port, "tcp_port": tcp_port, "home": str(home)}
 
 
@@ -131,6 +133,9 @@ def _stop(state: dict[str, Any]) -> None:
         time.sleep(0.05)
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
+    process = _STARTED.pop(pid, None)
+    if process is not None:
+        process.wait(10)
 
 
 class ClickHouseServer:

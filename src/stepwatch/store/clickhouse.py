@@ -217,23 +217,30 @@ class ClickHouseStore:
         errors = (driver.errors.Error, OSError, EOFError)
         self._errors = errors
         settings = {"readonly": 1} if read_only else {}
+        server = driver.Client(self.url.host, port=self.url.port, user=self.url.user,
+                               password=self.url.password, database="default", connect_timeout=5,
+                               settings=settings)
         try:
-            server = driver.Client(self.url.host, port=self.url.port, user=self.url.user,
-                                   password=self.url.password, database="default", connect_timeout=5,
-                                   settings=settings)
-            (version,), = server.execute("SELECT version()")
-            self.features = ServerFeatures.from_version(str(version))
-            (exists,), = server.execute(f"SELECT count() FROM system.databases WHERE name = {literal(self.url.database)}")
-            if not exists:
-                if read_only:
-                    raise StoreError(f"{self.path}: no database {self.url.database!r} on the server")
-                server.execute(f"CREATE DATABASE IF NOT EXISTS {self.url.database}")
-            server.disconnect()
+            try:
+                (version,), = server.execute("SELECT version()")
+                self.features = ServerFeatures.from_version(str(version))
+                (exists,), = server.execute(f"SELECT count() FROM system.databases "
+                                            f"WHERE name = {literal(self.url.database)}")
+                if not exists:
+                    if read_only:
+                        raise StoreError(f"{self.path}: no database {self.url.database!r} on the server")
+                    server.execute(f"CREATE DATABASE IF NOT EXISTS {self.url.database}")
+            finally:
+                server.disconnect()
             self._client = driver.Client(self.url.host, port=self.url.port, user=self.url.user,
                                          password=self.url.password, database=self.url.database,
                                          connect_timeout=5, settings=settings)
             if not read_only:
-                self._create()
+                try:
+                    self._create()
+                except BaseException:
+                    self._client.disconnect()
+                    raise
         except errors as exc:
             raise StoreError(f"{self.path}: cannot open history store: {_problem(exc)}") from None
 

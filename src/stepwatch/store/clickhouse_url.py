@@ -50,7 +50,10 @@ def parse_clickhouse_url(text: str) -> ClickHouseURL:
         raise bad("scheme", "must be clickhouse://")
     if any(ch.isspace() for ch in text):
         raise bad("URL", "contains whitespace")
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as exc:  # an unbalanced [ or ] ("Invalid IPv6 URL")
+        raise bad("host", str(exc)) from None
     if parts.query or parts.fragment:
         raise bad("query" if parts.query else "fragment", "not accepted (settings are not passed in the URL)")
     netloc = parts.netloc
