@@ -113,7 +113,8 @@ def test_query_is_read_only_and_answers_like_sqlite(stores: dict[str, Any], tmp_
     assert ch.returncode == 0, ch.stderr
     assert json.loads(ch.stdout) == json.loads(sqlite.stdout)
     for write in ("INSERT INTO steps_rows (session_id, rank, step) VALUES ('x', 0, 1)",
-                  "DROP TABLE steps_rows", "CREATE TABLE evil (x Int64) ENGINE = Memory"):
+                  "DROP TABLE steps_rows", "CREATE TABLE evil (x Int64) ENGINE = Memory",
+                  "ALTER TABLE steps_rows DELETE WHERE 1"):
         refused = run_stepwatch("query", stores["url"], write, cwd=tmp_path)
         assert refused.returncode == 2
         assert "read-only" in refused.stderr or "readonly" in refused.stderr, refused.stderr

@@ -164,12 +164,16 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--session-id", help="Session of frames that name none (legacy senders).")
+@click.option("--store", "store", type=StoreTarget(), default=None, metavar="URL",
+              help="Write the history to this store instead of --out's history.sqlite: "
+                   "clickhouse://user@host:9000/db (docs/clickhouse.md).")
 @watchdog_options
 @feed_options
 @_reports_errors
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
           session_id: str | None, stall_after: float, throughput_window: float, ui_port: int | None = None,
-          metrics_port: int | None = None, alert_webhook: str | None = None, otlp_endpoint: str | None = None) -> None:
+          metrics_port: int | None = None, alert_webhook: str | None = None, otlp_endpoint: str | None = None,
+          store: Path | str | None = None) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
@@ -177,6 +181,11 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
     from ..server.serve import parse_duration
     from ..server.serve import serve as run_server
 
+    if store is not None and not isinstance(store, str):
+        raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is --out's history.sqlite",
+                                 param_hint="--store")
+    if store is not None and ui_port is not None:
+        raise click.UsageError("--ui-port reads --out's history.sqlite; with --store it is not served yet")
     retention_ns = None
     if retention:
         try:
@@ -190,7 +199,7 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
         if not token:
             raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
     stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
-                       retention_ns=retention_ns, ui_port=ui_port,
+                       retention_ns=retention_ns, ui_port=ui_port, store=store,
                        feeds={"metrics_port": metrics_port, "alert_webhook": alert_webhook,
                               "otlp_endpoint": otlp_endpoint},
                        watch={"stall_after_s": stall_after, "throughput_window_s": throughput_window})
