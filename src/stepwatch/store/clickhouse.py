@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -131,6 +132,7 @@ def _sessions_ddl() -> list[str]:
 
 # -- binding ``?`` parameters as literals ---------------------------------------------------
 
+_TINY = 2.0 ** -537  # a normal float; its square is the smallest subnormal, 2**-1074
 _TOKENS = re.compile(r"'(?:[^'\\]|\\.|'')*'|\"(?:[^\"]|\"\")*\"|`[^`]*`|--[^\n]*|/\*.*?\*/|\?(\d*)", re.S)
 
 
@@ -147,6 +149,10 @@ def literal(value: Any) -> str:
             return "nan"
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
+        if value != 0 and abs(value) < sys.float_info.min:
+            # the server's parser refuses a subnormal literal: k * 2**-1074 as two exact products
+            # of normal numbers
+            return f"(toFloat64({int(value / _TINY ** 2)}) * {_TINY!r} * {_TINY!r})"
         return repr(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         value = bytes(value).decode("utf-8", "replace")
