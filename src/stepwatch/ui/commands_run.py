@@ -39,6 +39,9 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
               help="Memory sampling interval in milliseconds.")
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
+@click.option("--store", "store", type=StoreTarget(), default=None, metavar="URL",
+              help="Write the history to this store instead of the run directory's history.sqlite: "
+                   "clickhouse://user@host:9000/db (docs/clickhouse.md).")
 @watchdog_options
 @click.option("--on-stall", type=click.Choice(["dump", "kill"]), default="dump", show_default=True,
               help="On STALL: dump every rank's stacks; kill: dump, then end the job (exit code 124).")
@@ -79,6 +82,13 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     if options.get("aggregator") and options.get("ui_port") is not None:
         raise click.UsageError("--ui-port serves the dashboard from this node's aggregator, and with --aggregator "
                                "there is none here: run it where the history is (or stepwatch ui there)")
+    store = options.get("store")
+    if store is not None and not isinstance(store, str):
+        raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is the run directory's "
+                                 "history.sqlite", param_hint="--store")
+    if store is not None and (options.get("ui_port") is not None or write_html):
+        raise click.UsageError("--ui-port and --report read the run directory's history.sqlite; with --store "
+                               "they are not served yet")
     _check_script(click.get_current_context(), script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it

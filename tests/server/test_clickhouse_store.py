@@ -1,7 +1,7 @@
-"""``stepwatch serve --store clickhouse://...``: a real rank (a tiny torch loop under
-``stepwatch.init``) ships to a real aggregator over TCP, which writes the history into Debian's
-real clickhouse-server instead of history.sqlite; the same rows as the rank's own artifacts
-imported into SQLite, and the live verdicts read back from ClickHouse."""
+"""``stepwatch serve --store clickhouse://...`` and ``run --store``: a real rank (a tiny torch
+loop) ships to a real aggregator over TCP, which writes the history into Debian's real
+clickhouse-server instead of history.sqlite; the same rows as the rank's own artifacts imported
+into SQLite, the live verdicts read back from ClickHouse, and ``run``'s final summary built from it."""
 
 from __future__ import annotations
 
@@ -104,3 +104,45 @@ def test_serve_refuses_a_store_path_and_an_unreachable_server(tmp_path: Path) ->
     down = run_stepwatch("serve", "--out", str(tmp_path / "o"), "--store",
                          f"clickhouse://default@127.0.0.1:{free_port()}/db", cwd=tmp_path, timeout=60)
     assert down.returncode == 2 and "cannot open history store" in down.stderr, down.stderr
+
+
+PLAIN = f"""
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range({STEPS}):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_run_store_writes_the_history_to_clickhouse_and_summarises_from_it(clickhouse_server: Any,
+                                                                           tmp_path: Path) -> None:
+    url = clickhouse_server.database_url("run")
+    (tmp_path / "train.py").write_text(PLAIN)
+    ran = run_stepwatch("run", "--interval", "100", "--quiet", "--view", "off", "--store", url,
+                        "--out", str(tmp_path / "run"), str(tmp_path / "train.py"), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "history.sqlite").exists()
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["extra"]["store"] == url
+    final = json.loads((run_dir / "final_summary.json").read_text())
+    assert final["status"] == "completed" and final["overall"]["steps"] >= STEPS - 2
+    read = run_stepwatch("summary", url, "--json", "--session", manifest["session_id"], cwd=tmp_path)
+    assert read.returncode == 0, read.stderr
+    again = json.loads(read.stdout)
+    # the same summary, but for what only the run directory knows (its run.json, its files)
+    for key in ("exit_code", "outcome", "error", "errors", "aggregator", "unrecorded_tail"):
+        final.pop(key, None)
+        again.pop(key, None)
+    assert again == final
+
+
+def test_run_store_refuses_a_path_and_the_dashboard(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("pass\n")
+    path = run_stepwatch("run", "--store", str(tmp_path / "h.sqlite"), str(tmp_path / "train.py"), cwd=tmp_path)
+    assert path.returncode == 2 and "--store" in path.stderr
+    ui = run_stepwatch("run", "--store", "clickhouse://h/db", "--ui-port", "0", str(tmp_path / "train.py"),
+                       cwd=tmp_path)
+    assert ui.returncode == 2 and "--ui-port" in ui.stderr
