@@ -146,3 +146,18 @@ def test_run_store_refuses_a_path_and_the_dashboard(tmp_path: Path) -> None:
     ui = run_stepwatch("run", "--store", "clickhouse://h/db", "--ui-port", "0", str(tmp_path / "train.py"),
                        cwd=tmp_path)
     assert ui.returncode == 2 and "--ui-port" in ui.stderr
+
+
+def test_run_with_its_store_down_still_trains_and_summarises_from_its_artifacts(tmp_path: Path) -> None:
+    """Fail open: no aggregator can start on a store that does not answer, the training runs
+    anyway, and its final summary comes from the ranks' own artifacts (no spill queue yet)."""
+    from tests.support import free_port
+
+    (tmp_path / "train.py").write_text(PLAIN)
+    down = f"clickhouse://default@127.0.0.1:{free_port()}/db"
+    ran = run_stepwatch("run", "--interval", "100", "--quiet", "--view", "off", "--store", down,
+                        "--out", str(tmp_path / "run"), str(tmp_path / "train.py"), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "training runs without it" in ran.stderr
+    final = json.loads((tmp_path / "run" / "final_summary.json").read_text())
+    assert final["overall"]["steps"] >= STEPS - 2

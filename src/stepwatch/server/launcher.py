@@ -648,7 +648,7 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
     from ..errors import StoreError
     from ..store import open_store
 
-    with contextlib.closing(open_store(store or run_dir / "history.sqlite")) as history:
+    def summarise(history: Any) -> dict[str, Any]:
         if session_id is not None and status is not None:
             session = {"session_id": session_id, "status": status, "started_at_ns": None,
                        "ended_at_ns": ended_at_ns, "host": None, "world_size": world_size,
@@ -658,7 +658,27 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
             except StoreError:
                 if not lenient:
                     raise
-        summary = build_summary(history, session_id, run_dir, policy=policy)  # policy: of the verdicts
+        return build_summary(history, session_id, run_dir, policy=policy)  # policy: of the verdicts
+
+    try:
+        opened = open_store(store or run_dir / "history.sqlite")
+    except StoreError as exc:
+        if not (lenient and store):
+            raise
+        # the store a URL names cannot be reached now: the summary from the run's own artifacts
+        import tempfile
+
+        from ..store.importers import import_path
+        from ..store.sqlite import SqliteStore
+
+        logger.warning("final summary: %s; built from the run directory's artifacts instead", exc)
+        with tempfile.TemporaryDirectory(prefix="stepwatch-summary-") as tmp, \
+                SqliteStore(Path(tmp) / "history.sqlite") as local:
+            import_path(run_dir, local)
+            summary = summarise(local)
+    else:
+        with contextlib.closing(opened) as history:
+            summary = summarise(history)
     if status is not None and summary.get("session_id") == session_id:
         summary["status"] = status
         summary["ended_at_ns"] = summary.get("ended_at_ns") or ended_at_ns
