@@ -357,7 +357,7 @@ class ClickHouseStore:
 
     def forget_batches(self, before_ns: int) -> int:
         self._writable()
-        (n,), = self._execute(f"SELECT count() FROM ingest_batches WHERE seen_at_ns < {int(before_ns)}")
+        (n,), = self._execute(f"SELECT count() FROM ingest_batches FINAL WHERE seen_at_ns < {int(before_ns)}")
         if n:
             self._execute(f"ALTER TABLE ingest_batches DELETE WHERE seen_at_ns < {int(before_ns)}")
         return int(n)
