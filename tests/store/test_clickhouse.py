@@ -245,3 +245,12 @@ def test_any_batches_with_repeats_read_back_as_sqlite_reads_them(clickhouse_serv
         finally:
             sqlite.close()
             ch.close()
+
+
+def test_compare_a_clickhouse_session_with_the_same_run_on_sqlite(stores: dict[str, Any], tmp_path: Path) -> None:
+    compared = run_stepwatch("compare", stores["url"], str(stores["sqlite"]), "--json", cwd=tmp_path)
+    assert compared.returncode == 0, compared.stderr
+    verdict = json.loads(compared.stdout)["verdict"]
+    assert verdict["verdict"] == "EQUIVALENT", verdict
+    same = run_stepwatch("compare", stores["url"], stores["url"], cwd=tmp_path)
+    assert same.returncode == 2 and "--session-a" in same.stderr

@@ -318,14 +318,17 @@ def summary(target: Path | str, session_id: str | None, write: bool, as_json: bo
 
 
 @click.command()
-@click.argument("a", type=click.Path(path_type=Path, exists=True))
-@click.argument("b", type=click.Path(path_type=Path, exists=True))
+@click.argument("a", type=StoreTarget(exists=True))
+@click.argument("b", type=StoreTarget(exists=True))
+@click.option("--session-a", help="A's session, where A holds several (a store URL, a serve --out store).")
+@click.option("--session-b", help="B's session, likewise.")
 @click.option("--max-step-time-regression-pct", "max_regression_pct", type=click.FloatRange(0, min_open=False),
               default=None, metavar="PCT",
               help="Exit 4 when B's median step time is more than PCT percent above A's (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print {verdict, metrics} as JSON instead of the table.")
 @_reports_errors
-def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -> None:
+def compare(a: Path | str, b: Path | str, max_regression_pct: float | None, as_json: bool,
+            session_a: str | None = None, session_b: str | None = None) -> None:
     """Differences of two runs' summaries (B relative to A), and a verdict: REGRESSION,
     IMPROVEMENT, MIXED, EQUIVALENT or INCONCLUSIVE (docs/compare.md).
 
@@ -335,10 +338,13 @@ def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -
     from ..analysis.compare import compare_verdict
     from ..analysis.summary import compare_summaries
 
-    summary_a, summary_b = _summary_of(a, None), _summary_of(b, None)
+    if a == b and (session_a is None or session_b is None or session_a == session_b):
+        raise click.UsageError("A and B are the same store: name two sessions with --session-a and --session-b")
+    summary_a, summary_b = _summary_of(a, session_a), _summary_of(b, session_b)
     rows = compare_summaries(summary_a, summary_b)
     verdict = compare_verdict(summary_a, summary_b, max_step_time_regression_pct=max_regression_pct,
-                              workload_a=_workload(a), workload_b=_workload(b))
+                              workload_a=_workload(a, summary_a.get("session_id")),
+                              workload_b=_workload(b, summary_b.get("session_id")))
     if as_json:
         _print_json({"verdict": verdict, "metrics": rows})
         sys.exit(verdict["exit_code"])
@@ -360,12 +366,29 @@ def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -
     sys.exit(verdict["exit_code"])
 
 
-def _workload(target: Path) -> str | None:
+def _workload(target: Path | str, session_id: str | None = None) -> str | None:
     """The script a run ran (run.json's command line, its first word that is not an option), so
-    two runs of different scripts are not compared as one workload."""
-    run_json = target / "run.json" if target.is_dir() else target.parent / "run.json"
+    two runs of different scripts are not compared as one workload; of a store URL, the
+    session's ``command_line`` column."""
     try:
-        command = json.loads(run_json.read_text()).get("command_line")
+        if isinstance(target, str):
+            from ..errors import StepwatchError
+            from ..store import open_store
+
+            try:
+                store = open_store(target, read_only=True)
+            except StepwatchError:
+                return None
+            try:
+                found = store.query("SELECT command_line FROM sessions WHERE session_id = ?", (session_id,))
+            except StepwatchError:
+                found = []
+            finally:
+                store.close()
+            command = json.loads(found[0]["command_line"]) if found and found[0]["command_line"] else None
+        else:
+            run_json = target / "run.json" if target.is_dir() else target.parent / "run.json"
+            command = json.loads(run_json.read_text()).get("command_line")
     except (OSError, ValueError, RecursionError, AttributeError):
         return None
     if not isinstance(command, list):
