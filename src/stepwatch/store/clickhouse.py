@@ -378,15 +378,11 @@ class ClickHouseStore:
         return self.query_columns(sql, params)[1]
 
     def iterate(self, sql: str, params: Iterable[Any] = (), size: int = 2048) -> Iterator[tuple[Any, ...]]:
-        """The rows of ``sql``, streamed block by block from the server."""
-        del size  # the server's blocks set the batch
-        text = bind(sql, params)
-        with self._lock:
-            try:
-                for row in self._client.execute_iter(text):
-                    yield tuple(row)
-            except self._errors as exc:
-                raise StoreError(f"{self.path}: query failed: {_problem(exc)}") from None
+        """The rows of ``sql``. Read whole before the first is given: one connection runs one
+        query at a time, and a reader may ask another question between rows (the Perfetto
+        export does), which a stream still open on the connection would block."""
+        del size
+        yield from self.query_tuples(sql, params)
 
     def count(self, table: str, session_id: str | None = None) -> int:
         if table not in COLUMNS:
