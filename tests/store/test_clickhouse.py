@@ -254,3 +254,28 @@ def test_compare_a_clickhouse_session_with_the_same_run_on_sqlite(stores: dict[s
     assert verdict["verdict"] == "EQUIVALENT", verdict
     same = run_stepwatch("compare", stores["url"], stores["url"], cwd=tmp_path)
     assert same.returncode == 2 and "--session-a" in same.stderr
+
+
+def test_tables_made_before_a_column_was_declared_are_moved_forward(clickhouse_server: Any) -> None:
+    """A database made by an older stepwatch (here: one whose steps and sessions lack a column)
+    gets the column, NULL in its old rows, and its views again, on the next open for writing."""
+    url = clickhouse_server.database_url("old")
+    store = open_store(url)
+    try:
+        store.append_many({"steps": [step("s", 0, 1, 10)]})
+        store.upsert_session({"session_id": "s", "status": "running"})
+        last_step, last_session = COLUMNS["steps"][-1][0], COLUMNS["sessions"][-1][0]
+        store.query_tuples(f"ALTER TABLE steps_rows DROP COLUMN {last_step}")
+        store.query_tuples(f"ALTER TABLE sessions_rows DROP COLUMN {last_session}")
+    finally:
+        store.close()
+    store = open_store(url)
+    try:
+        (row,) = store.query("SELECT * FROM steps")
+        assert list(row) == [name for name, _ in COLUMNS["steps"]] and row[last_step] is None
+        (session,) = store.sessions()
+        assert session["status"] == "running" and session[last_session] is None
+        store.append_many({"steps": [step("s", 0, 2, 20)]})
+        assert store.count("steps") == 2
+    finally:
+        store.close()

@@ -253,10 +253,27 @@ class ClickHouseStore:
             raise StoreError(f"{self.path}: cannot open history store: {_problem(exc)}") from None
 
     def _create(self) -> None:
+        """The tables and views, made where missing, and moved forward where stepwatch's tables
+        gained a column since they were made: the column is added (Nullable, NULL in the old
+        rows, as SQLite's ALTER TABLE ADD COLUMN leaves them) and the view made again."""
         statements = _sessions_ddl()
         for table in _LAYOUT:
             statements += ddl(table, self.features)
-        for statement in statements:
+        tables = [x for x in statements if x.startswith("CREATE TABLE")]
+        views = [x for x in statements if x.startswith("CREATE VIEW")]
+        for statement in tables:
+            self._client.execute(statement)
+        have: dict[str, set[str]] = {}
+        for table, column in self._client.execute(
+                f"SELECT table, name FROM system.columns WHERE database = {literal(self.url.database)}"):
+            have.setdefault(table, set()).add(column)
+        for table in ("sessions", *_LAYOUT):
+            missing = [(name, kind) for name, kind in COLUMNS[table] if name not in have.get(f"{table}_rows", set())]
+            for name, kind in missing:
+                self._client.execute(f"ALTER TABLE {table}_rows ADD COLUMN {name} Nullable({_TYPES[kind]})")
+            if missing:  # the view names the columns of its time: made again below
+                self._client.execute(f"DROP TABLE IF EXISTS {table}")
+        for statement in views:  # 18.16 reads a view's SELECT even when it exists: after the columns
             self._client.execute(statement)
 
     def _execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
