@@ -1009,6 +1009,7 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
                       health=server.health if fmt == "stepwatch" else None, senders=workers)
         if poller is not None:
             poller.stop()
+            poller.process_cpu_s = _cpu_s(server.ready.get("ui_pid"))
         results = [w.result(60) for w in workers]
         counter.close()
         if fmt == "stepwatch":
@@ -1062,6 +1063,7 @@ class DashboardPoller:
         self.loads: list[float] = []
         self.polls: list[float] = []
         self.errors: list[str] = []
+        self.process_cpu_s: float | None = None  # the dashboard's own process (ready line's ui_pid), if it has one
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _get(self, path: str) -> tuple[int, bytes]:
@@ -1101,7 +1103,7 @@ class DashboardPoller:
     def figures(self) -> dict[str, Any]:
         return {"page_loads": len(self.loads), "load_s_p50": pct(self.loads, 50) if self.loads else None,
                 "polls": len(self.polls), "poll_s_p50": pct(self.polls, 50) if self.polls else None,
-                "errors": self.errors[:5]}
+                "errors": self.errors[:5], "process_cpu_s": self.process_cpu_s}
 
 
 def batch_stats(batches: list[list[float]]) -> dict[str, Any]:
@@ -1278,6 +1280,19 @@ def run_profile(work: Path) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (None: no such process)."""
+    if not pid:
+        return None
+    try:
+        import psutil
+
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
+    except Exception:  # noqa: BLE001 - gone, or no psutil: the figure is left out
+        return None
+
+
 def _rss(pid: int) -> int | None:
     try:
         import psutil
@@ -1327,7 +1342,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     if dashboard:
         print(f"dashboard open during the TCP phase: {dashboard['page_loads']} page loads (median "
               f"{dashboard['load_s_p50'] or 0:.2f} s), {dashboard['polls']} update polls (median "
-              f"{dashboard['poll_s_p50'] or 0:.3f} s), errors {dashboard['errors'] or 'none'}")
+              f"{dashboard['poll_s_p50'] or 0:.3f} s), errors {dashboard['errors'] or 'none'}; "
+              + (f"the dashboard's process used {dashboard['process_cpu_s']:.1f} s of CPU"
+                 if dashboard.get("process_cpu_s") is not None else "served from the aggregator's process"))
         print()
     tcp = results.get("tcp")
     if tcp:
@@ -1438,7 +1455,7 @@ def main() -> None:
     parser.add_argument("--keep-data", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--dashboard", action="store_true",
-                        help="tcp: serve the dashboard from the aggregator (--ui-port) with a page open on the run, "
+                        help="tcp: the aggregator serves the dashboard (--ui-port; a child process) with a page open on the run, "
                              "loading its data and polling for updates every second")
     args = parser.parse_args()
     phases = [p.strip() for p in args.only.split(",") if p.strip()]

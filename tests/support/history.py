@@ -1,9 +1,12 @@
 """A synthetic run written straight into a history store (no process): the shapes the dashboard's
-views draw, at any size, for the tests that need many ranks or steps fast."""
+views draw, at any size, for the tests that need many ranks or steps fast; and a real run's
+history as the first stepwatch stored it, for the readers of older runs."""
 
 from __future__ import annotations
 
 import random
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 from stepwatch.phases import STEP_COLUMNS
@@ -38,3 +41,21 @@ def write_run(store: Any, session_id: str, ranks: int, steps: int, *, status: st
                                 "free": None, "total": None, "pid": 1, "host": "test", "context": None, "metadata": {}})
             t += step_ns
     store.append_many({"steps": rows, "telemetry": samples})
+
+
+# the tables of the first history layout (before the session keys, the alerts, the verdicts and
+# steps.recompute_ns): one plain table each, session_id in every row
+FIRST_LAYOUT = ("sessions", "telemetry", "spans", "marks", "snapshots", "heartbeats", "steps")
+
+
+def as_first_layout(source: Path, target: Path) -> None:
+    """``source``'s rows written to a new store at ``target`` as the first stepwatch wrote them."""
+    old = sqlite3.connect(target)
+    with sqlite3.connect(f"{source.resolve().as_uri()}?mode=ro", uri=True) as new:
+        for table in FIRST_LAYOUT:
+            columns = [row[1] for row in new.execute(f"PRAGMA table_info({table})") if row[1] != "recompute_ns"]
+            old.execute(f"CREATE TABLE {table} ({', '.join(columns)})")
+            old.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' for _ in columns)})",
+                            new.execute(f"SELECT {', '.join(columns)} FROM {table}"))
+    old.commit()
+    old.close()

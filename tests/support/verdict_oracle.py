@@ -108,7 +108,7 @@ def _rank(rank: int, rows: list[Mapping[str, Any]]) -> Rank:
         parts["h2d"].append(phases["h2d"])
         for name in COMPUTE:
             parts[name].append(phases[name])
-        values = [phases[name] for name in COMPUTE]
+        values = [phases[name] or 0 if name == "recompute" else phases[name] for name in COMPUTE]  # inside backward
         parts["compute"].append(None if None in values else sum(values))
     sums, known, denominators = {}, {}, {}
     for name, values in parts.items():

@@ -11,10 +11,10 @@ import pytest
 from stepwatch.views.run_page import run_page
 from stepwatch.views.sources import Catalog
 from tests.support import run_stepwatch
+from tests.support.web_runs import PROGRAM
 
 pytestmark = pytest.mark.real
 
-PROGRAM = Path(__file__).resolve().parents[1] / "web" / "programs" / "train_web.py"
 
 
 def test_a_track_run_without_history_is_drawn_from_its_artifacts(tmp_path: Path) -> None:

@@ -1,10 +1,8 @@
-"""Real runs for the dashboard's browser tests, trained once per test session (the xdist workers
-share them through a lock file: the first worker to ask trains, the others wait and reuse), a
-Chromium per worker, and a ``stepwatch ui`` over the runs' directory."""
+"""The dashboard's browser tests: the shared real runs (tests/support/web_runs.py), a Chromium
+per worker, and a ``stepwatch ui`` over the runs' directory."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -14,51 +12,16 @@ from typing import Any
 
 import pytest
 
-from tests.support import STEPWATCH, clean_env, free_port
+from tests.support import STEPWATCH, clean_env
 from tests.support.browser import CHROMIUM_ARGS, require_chromium
-
-PROGRAM = Path(__file__).resolve().parent / "programs" / "train_web.py"
-# name -> (ranks, program arguments): what each run shows on its page
-RUNS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "clean": (2, ("--steps", "60")),
-    "straggler": (2, ("--steps", "80", "--slow-rank", "1", "--slow-ms", "12")),
-    "crashed": (1, ("--steps", "60", "--nan-at", "10", "--crash-at", "20")),
-    "killed": (1, ("--steps", "60", "--kill-at", "25")),
-}
-
-
-def _train_all(base: Path) -> dict[str, dict[str, Any]]:
-    """Every run of RUNS at once (they wait on each other's sleeps, not on the CPU alone)."""
-    started = {}
-    for name, (ranks, args) in RUNS.items():
-        command = [*STEPWATCH, "run", "--interval", "200", "--out", str(base / name)]
-        if ranks > 1:
-            command += ["--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-        started[name] = subprocess.Popen([*command, str(PROGRAM), *args], cwd=base, env=clean_env(),
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    done = {}
-    for name, proc in started.items():
-        output, _ = proc.communicate(timeout=240)
-        done[name] = {"dir": str(base / name), "code": proc.returncode, "output": output[-4000:]}
-    return done
+from tests.support.web_runs import web_runs as shared_web_runs
 
 
 @pytest.fixture(scope="session")
-def web_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, Path]:
-    """name -> run directory of each run of RUNS (one directory holds them all: ``runs_root``)."""
-    pytest.importorskip("torch")
-    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    base = shared / "web-runs"
-    marker = shared / "web-runs.json"
-    with open(shared / "web-runs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not marker.exists():
-            base.mkdir(exist_ok=True)
-            marker.write_text(json.dumps(_train_all(base)))
-    done = json.loads(marker.read_text())
-    for name in ("clean", "straggler"):
-        assert done[name]["code"] == 0, done[name]["output"]
-    return {name: Path(run["dir"]) for name, run in done.items()}
+def web_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> run directory of each run of tests/support/web_runs.py's RUNS (one directory holds
+    them all: ``runs_root``)."""
+    return shared_web_runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

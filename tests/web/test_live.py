@@ -14,8 +14,7 @@ import pytest
 
 from tests.support import STEPWATCH, clean_env
 from tests.support.browser import open_page
-
-from .conftest import PROGRAM
+from tests.support.web_runs import PROGRAM
 
 pytestmark = pytest.mark.real
 

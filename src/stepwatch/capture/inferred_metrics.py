@@ -23,10 +23,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import repeat
+from math import isfinite
+from operator import attrgetter
+from operator import call as _call
 from typing import Any
 
 from ..guard import Site, report_internal
-from .spans import MarkRow, OpenSpan, SpanRecorder, mark_value
+from .spans import InferredColumns, MarkRow, OpenSpan, SpanRecorder, mark_value
 
 __all__ = ["GRAD_NORM_SOURCE", "LOSS_ATTRS", "LOSS_SOURCE", "PENDING_MAX", "InferredMetrics"]
 
@@ -38,6 +42,14 @@ _NORM_SCALER_ATTRS = {**_NORM_ATTRS, "scaler": True}
 PENDING_MAX = 4096  # values not yet read; past it the newest are dropped (counted)
 _SLOTS_MAX = 64  # pinned host slots per dtype for device values in flight
 _time_ns = time.time_ns
+_FLOAT = {float}
+_INT = {int}
+_SPAN_ID = attrgetter("id")
+_PHASE_NS = attrgetter("phase_ns")  # set on a step, None on any other span
+# Steps whose loss waits for the step's record: taken out as each step is written, a tick or two
+# later; past this (steps never written: evicted from a full table) the loss goes in the step's
+# own mark_ids, as before, and the table is emptied of them.
+_STEP_MARKS_MAX = 8192
 
 
 class _Slot:
@@ -178,7 +190,58 @@ class InferredMetrics:
 
     def resolve(self, wait: bool = False) -> int:
         """Turns the values read so far into mark rows (oldest first); a device value whose copy
-        has not completed stops the pass, unless ``wait`` (at stop). Returns the rows made."""
+        has not completed stops the pass, unless ``wait`` (at stop). Returns the rows made.
+
+        The usual batch (finite floats read on the host, one a step) is turned into rows column
+        by column (``_resolve_host``); anything else takes the loop (``_resolve_each``)."""
+        pending = self.pending
+        count = len(pending)
+        if not count:
+            return 0
+        if type(pending[0][2]) is not float:  # a device value (CUDA) or another type: one at a time
+            return self._resolve_each(wait)
+        taken = list(map(_call, repeat(pending.popleft, count)))  # only this thread takes them out
+        made = self._resolve_host(taken)
+        if made:
+            return made
+        pending.extendleft(reversed(taken))  # back in front, in order; training threads append behind
+        return self._resolve_each(wait)
+
+    def _resolve_host(self, taken: list[tuple[OpenSpan, str, Any, int, dict[str, Any]]]) -> int:
+        """``taken`` as marks when every value is a finite float (``mark_value``'s first case):
+        ids drawn, each span's marks noted (``SpanRecorder.step_marks``, or its ``mark_ids``), and
+        the columns handed to the recorder (``SpanRecorder.inferred``), which writes them with no
+        row per mark. Returns 0, having done nothing, when one value is anything else, or a span's
+        id is not the counter's."""
+        spans, names, values, stamps, attrs = zip(*taken)
+        if set(map(type, values)) != _FLOAT or not all(map(isfinite, values)):
+            return 0
+        span_ids = list(map(_SPAN_ID, spans))
+        if set(map(type, span_ids)) != _INT:
+            return 0
+        count = len(taken)
+        recorder = self.recorder
+        ids = list(map(_call, repeat(recorder.new_id, count)))
+        later = recorder.step_marks
+        if len(later) >= _STEP_MARKS_MAX:
+            later.clear()  # steps never written: their losses are still written, listed by no step
+        if None not in map(_PHASE_NS, spans) and len(set(span_ids)) == count and later.keys().isdisjoint(span_ids):
+            # one value a step (the loss), each on a step: listed by the step's record from the
+            # recorder's table, with no list per step
+            later.update(zip(span_ids, ids))
+        else:
+            for span, mark_id in zip(spans, ids):
+                held = span.mark_ids
+                if held is None:
+                    span.mark_ids = [mark_id]
+                else:
+                    held.append(mark_id)
+        recorder.inferred.append(InferredColumns(ids, span_ids, names, values, stamps, attrs))
+        return count
+
+    def _resolve_each(self, wait: bool) -> int:
+        """``resolve`` one value at a time: device values (their copy may still run), values of
+        other types, non-finite ones."""
         made = 0
         pending = self.pending
         marks = self.recorder.marks

@@ -18,6 +18,8 @@ import threading
 import time
 from array import array
 from collections.abc import Callable
+from itertools import repeat
+from operator import sub
 from typing import Any
 
 import msgspec
@@ -28,7 +30,7 @@ from ..phases import PHASES as PHASES_TABLE
 from ..phases import RESIDUAL, SPAN_NAMES
 from .tables import BoundedTable
 
-__all__ = ["MarkRow", "MarkWireRow", "OpenSpan", "SpanRecorder", "SpanWireRow", "SpoolMark", "SpoolSpan", "clean_attrs",
+__all__ = ["InferredColumns", "MarkRow", "MarkWireRow", "OneId", "OpenSpan", "SpanRecorder", "SpanWireRow", "SpoolMark", "SpoolSpan", "clean_attrs",
            "cut_utf8", "json_text", "mark_value", "step_attrs"]
 
 MAX_DEPTH = 64
@@ -165,7 +167,7 @@ class SpoolSpan(msgspec.Struct, gc=False):
     pid: int
     rank: int
     attrs: dict[str, Any]
-    mark_ids: list[str] | tuple[()]
+    mark_ids: list[str] | tuple[()] | OneId
 
 
 class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
@@ -180,6 +182,14 @@ class SpoolMark(msgspec.Struct, gc=False, omit_defaults=True):
     ts_ns: int
     kind: str
     value_nonfinite: str | None = None
+
+
+class OneId(msgspec.Struct, array_like=True, gc=False):
+    """A ``mark_ids`` of one id (a step's loss): encoded as the one-element array a list would
+    be, and, unlike a list, nothing the cyclic GC counts towards its next collection (which the
+    sampler's allocations set off for the whole process, and pay for)."""
+
+    id: str
 
 
 class SpanWireRow(msgspec.Struct, array_like=True, gc=False):
@@ -298,8 +308,9 @@ class SpanRecorder:
         self.max_depth = max_depth
         self._prefix = os.urandom(8).hex()
         self._base = int(self._prefix, 16) << 64  # an id is base | counter, written as 32 hex digits
-        self._pair = array("Q", [int(self._prefix, 16), 0])  # (prefix, counter) words: hex_ids
-        self._hex: dict[Any, Any] = {}  # ids the last span_records formatted, for mark_records
+        self._pair = array("Q", [int(self._prefix, 16), 0])  # (prefix, counter) words: _id_range
+        self._ids: tuple[int, int, list[str]] | None = None  # the run of hex ids span_records wrote, for mark_records
+        self._far: dict[int, str] = {}  # hex of ids outside a batch's run (_outside)
         self._counter = itertools.count(1)
         self.new_id = self._counter.__next__  # a plain counter on the hot path, formatted by ``format_id`` later
         self._local = threading.local()
@@ -313,6 +324,12 @@ class SpanRecorder:
         self._orphans: list[list[OpenSpan]] = []  # stacks of exited threads whose ident was reused
         self.closed = SpanTable("spans", rows)
         self.marks: BoundedTable[MarkRow] = BoundedTable("marks", rows)
+        # Marks the sampler made itself (inferred_metrics.py: the loss of each step), as columns
+        # (``InferredColumns``): written by ``mark_records`` with no row per mark in between.
+        self.inferred: list[InferredColumns] = []
+        # A step's one inferred mark (its loss), by the step's id, until the step is written: kept
+        # here rather than in the step's ``mark_ids``, a list made per step (InferredMetrics).
+        self.step_marks: dict[int, int] = {}
         self._deferred: list[OpenSpan] = []  # closed spans whose GPU time is not resolved yet
         # Called by the sampler before each drain of the marks: values the patches read late (the
         # loss of a step on the GPU, inferred_metrics.py) become mark rows first.
@@ -438,21 +455,60 @@ class SpanRecorder:
     #
     # One pass builds both what the spool writes (``SpoolSpan``, ``SpoolMark``) and, when ``rows``
     # is given, what the aggregator gets (``SpanWireRow``, ``MarkWireRow``: the columnar wire rows).
-    # Column by column: each field is read once for all records (a comprehension, whose attribute
-    # reads the interpreter specialises), the ids are written as hex in one C pass for the whole
-    # batch (``hex_ids``), and the records are made by ``map`` over the columns, in C. Python runs
-    # per record only where one needs it: a step's breakdown, attrs to clean, mark ids, a GPU time
-    # still pending. Both kinds of record are untracked Structs: a batch of thousands sets off no
-    # collection of the cyclic GC, whose cost the whole process would pay.
+    # The ids are written as hex once per batch, for the whole run of counter values the batch's
+    # spans and marks were made in (``_id_range``: one C pass, no dict), and each record finds its
+    # own id, its parent's and its marks' by index into that run. Python runs per record only
+    # where one needs it: a step's breakdown, attrs to clean, mark ids, a GPU time still pending.
+    # Both kinds of record are untracked Structs: a batch of thousands sets off no collection of
+    # the cyclic GC, whose cost the whole process would pay.
+
+    def _id_range(self, lowest: int, records: int) -> tuple[int, int, list[str]]:
+        """(lo, top, hexes): ``hexes[i - lo]`` is the 32-hex id of counter value ``i`` for
+        ``lo <= i < top``, ``top`` being the next value the counter gives. ``lowest`` is the
+        smallest id the batch holds; a run longer than the batch needs (a span opened long ago,
+        an epoch, the session) starts later, and the ids below it are formatted one by one
+        (``_outside``). One C pass: the (prefix, counter) pairs as big-endian 64-bit words,
+        written as hex with a space after each 16 bytes, then split (~1.2k instructions an id,
+        most of it the string made; 1.7k for ``to_bytes().hex()`` one by one, 2.3k for ``str``
+        of a 16-digit counter)."""
+        top = int(repr(self._counter)[6:-1])  # count(N): the next id, read without advancing
+        lo = max(lowest, top - 4 * records - 4096, 1)
+        if lo >= top:
+            return top, top, []
+        try:
+            words = array("Q", self._pair) * (top - lo)
+            words[1::2] = array("Q", range(lo, top))
+        except OverflowError:  # a counter past 64 bits: every id one by one
+            return top, top, []
+        if _LITTLE_ENDIAN:
+            words.byteswap()
+        return lo, top, words.tobytes().hex(" ", 16).split()
+
+    def _outside(self, value: int | str | None) -> str | None:
+        """The hex of an id outside the batch's run (an epoch, the session, a span opened long
+        ago), kept: the same few come back batch after batch. Strings (the legacy ``"root"``)
+        and None pass unchanged."""
+        if type(value) is not int:
+            return value  # type: ignore[return-value]
+        known = self._far
+        text = known.get(value)
+        if text is None:
+            if len(known) >= 4096:
+                known.clear()
+            text = known[value] = (self._base | value).to_bytes(16, "big").hex()
+        return text
 
     def span_records(self, timer: Any = None, *, final: bool = False,
                      rows: list[SpanWireRow] | None = None) -> list[SpoolSpan]:
         """Spool records of the spans closed since the last call, oldest first; ``rows``, when
         given, is extended with their wire rows.
 
-        A span whose GPU events ``timer`` has not resolved yet is held for a later call (every
-        span is written once); ``final`` writes them all.
+        Values read late (``before_marks``: the loss of each step) become marks first, so that a
+        step's record lists them. A span whose GPU events ``timer`` has not resolved yet is held
+        for a later call (every span is written once); ``final`` writes them all.
         """
+        if self.before_marks is not None:
+            self.before_marks()
         if timer is not None:
             timer.resolve()
         spans = self.closed.drain()
@@ -463,44 +519,112 @@ class SpanRecorder:
             return []
         if timer is not None:  # CUDA timed them: a span whose time is pending waits for a later call
             spans = self._settle_gpu(spans, timer, final)
-        base, pid, rank = self._base, self.pid, self.rank
-        # Backwards through the batch: a parent closes after its children, so it comes first, and
-        # its id is found for them; the ids of the batch are written as hex together (hex_ids).
-        # They stay for ``mark_records``: a step's mark ids, formatted here, are the marks' own.
-        known: dict[Any, Any] = {}
-        self._hex = known
-        get = known.get
+            if not spans:
+                return []
+        # The batch's ids are a run of the counter: a span's children and marks were made after it
+        # (its lowest id is among the first spans closed: a step, or the fetch opened before it; an
+        # older span, an epoch closing, is found outside the run)
+        lo, top, hexes = self._ids = self._id_range(min([span.id for span in spans[:16]]),
+                                                    len(spans) + len(self.marks) + 2 * len(self.inferred))
+        return self._records_in_run(spans, lo, hexes, rows)
+
+    def _records_in_run(self, spans: list[OpenSpan], lo: int, hexes: list[str],
+                        rows: list[SpanWireRow] | None) -> list[SpoolSpan]:
+        """The records of ``spans`` (and their wire rows into ``rows``), for a batch whose parents
+        are counter values below the run's end. A phase (no attrs, no marks) costs one record and
+        a lookup of each id; a step its breakdown and its marks. Written out inline: a call per
+        step costs more than the loop saves. From the first span that breaks the assumption (a
+        None parent raises TypeError, an id past the run IndexError, both before anything of that
+        span is taken or written) the rest go one by one (``_records``)."""
+        far = self._outside
+        known = self._far.get  # an epoch's id, formatted once (_outside)
+        step_marks = self.step_marks
+        pid, rank = self.pid, self.rank
+        top = lo + len(hexes)
         out: list[SpoolSpan] = []
         append = out.append
-        wired: list[SpanWireRow] = []
-        wire = wired.append if rows is not None else None
-        for span, own in zip(reversed(spans), reversed(self.hex_ids([span.id for span in spans]))):
-            known[span.id] = own
+        wire = rows.append if rows is not None else None
+        try:
+            for span in spans:
+                parent = span.parent_id
+                parent = hexes[parent - lo] if parent >= lo else known(parent) or far(parent)
+                own = span.id
+                own = hexes[own - lo] if own >= lo else far(own)
+                attrs = span.attrs
+                marks = span.mark_ids
+                if attrs is None and marks is None and span.phase_ns is None:  # a phase
+                    append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu,
+                                     None, span.thread_id, pid, rank, _NO_ATTRS, ()))
+                    if wire is not None:
+                        wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
+                                         span.thread_id, pid, _EMPTY_TEXT))
+                    continue
+                listed: list[str] | tuple[()] | OneId = ()
+                if span.phase_ns is not None:
+                    attrs = step_record_attrs(span)
+                    loss = step_marks.pop(span.id, None)
+                    if loss is not None:  # its loss (InferredMetrics)
+                        if marks is None and lo <= loss < top:
+                            listed = OneId(hexes[loss - lo])
+                        else:
+                            marks = [*(marks or ()), loss]
+                elif attrs:
+                    attrs = clean_attrs(attrs)
+                else:
+                    attrs = _NO_ATTRS
+                if marks is not None:
+                    listed = [hexes[m - lo] if type(m) is int and lo <= m < top else far(m) for m in marks]
+                append(SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
+                                 span.thread_id, pid, rank, attrs, listed))
+                if wire is not None:
+                    wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
+                                     span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
+        except (TypeError, IndexError):
+            out.extend(self._records(spans[len(out):], lo, top, hexes, rows))
+        return out
+
+    def _record(self, span: OpenSpan, own: str, parent: str | None, lo: int, top: int, hexes: list[str]) -> SpoolSpan:
+        """One span's record, its ids formatted already: a step's breakdown, attrs cleaned, its
+        marks' ids."""
+        marks = span.mark_ids
+        if span.phase_ns is not None:
+            attrs = step_record_attrs(span)
+            loss = self.step_marks.pop(span.id, None)  # its loss (InferredMetrics)
+            if loss is not None:
+                marks = [*(marks or ()), loss]
+        elif span.attrs:
+            attrs = clean_attrs(span.attrs)
+        else:
+            attrs = _NO_ATTRS
+        if marks is None:
+            listed: list[str] | tuple[()] | OneId = ()
+        elif len(marks) == 1 and type(first := marks[0]) is int and lo <= first < top:  # a step's loss, usually
+            listed = OneId(hexes[first - lo])
+        else:
+            listed = [hexes[m - lo] if type(m) is int and lo <= m < top else self._outside(m) for m in marks]
+        return SpoolSpan(own, span.name, parent, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
+                         span.thread_id, self.pid, self.rank, attrs, listed)
+
+    def _records(self, spans: list[OpenSpan], lo: int, top: int, hexes: list[str],
+                 rows: list[SpanWireRow] | None) -> list[SpoolSpan]:
+        """The records of ``spans`` (and their wire rows into ``rows``), any id inside the run
+        ``hexes`` (from ``lo`` to ``top``) or not."""
+        far = self._outside
+        pid = self.pid
+        out: list[SpoolSpan] = []
+        append = out.append
+        wire = rows.append if rows is not None else None
+        for span in spans:
+            own = span.id
+            own = hexes[own - lo] if lo <= own < top else far(own)
             parent = span.parent_id
-            parent_hex = get(parent)
-            if parent_hex is None and parent is not None:  # outside the batch (an epoch, the session)
-                parent_hex = known[parent] = (base | parent).to_bytes(16, "big").hex() if type(parent) is int else parent
-            if span.phase_ns is not None:
-                attrs = step_record_attrs(span)
-            elif span.attrs:
-                attrs = clean_attrs(span.attrs)
-            else:
-                attrs = _NO_ATTRS
-            marks = span.mark_ids
-            if marks:
-                listed: list[str] | tuple[()] = [(base | m).to_bytes(16, "big").hex() for m in marks]
-                known.update(zip(marks, listed))
-            else:
-                listed = ()
-            append(SpoolSpan(own, span.name, parent_hex, span.index, span.start_ns, span.end_ns, None, span.gpu, None,
-                             span.thread_id, pid, rank, attrs, listed))
+            parent = hexes[parent - lo] if type(parent) is int and lo <= parent < top else far(parent)
+            record = self._record(span, own, parent, lo, top, hexes)  # type: ignore[arg-type]
+            append(record)
             if wire is not None:
-                wire(SpanWireRow(own, parent_hex, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
+                attrs = record.attrs
+                wire(SpanWireRow(own, parent, span.name, span.index, span.start_ns, span.end_ns, span.gpu,
                                  span.thread_id, pid, _EMPTY_TEXT if attrs is _NO_ATTRS else json_text(attrs)))
-        out.reverse()
-        if rows is not None:
-            wired.reverse()
-            rows.extend(wired)
         return out
 
     def _settle_gpu(self, spans: list[OpenSpan], timer: Any, final: bool) -> list[OpenSpan]:
@@ -518,58 +642,96 @@ class SpanRecorder:
             kept.append(span)
         return kept
 
-    def hex_ids(self, ids: list[int]) -> list[str]:
-        """``format_id`` of each counter value, in one C pass: the (prefix, counter) pairs as
-        big-endian 64-bit words, written as hex with a space after each 16 bytes, then split
-        (about 1.2k instructions an id against 1.7k for ``to_bytes().hex()`` one by one)."""
-        try:
-            words = array("Q", self._pair) * len(ids)
-            words[1::2] = array("Q", ids)
-        except (OverflowError, TypeError):  # a counter past 64 bits
-            return [self.format_id(value) for value in ids]  # type: ignore[misc]
-        if _LITTLE_ENDIAN:
-            words.byteswap()
-        return words.tobytes().hex(" ", 16).split()
-
     def mark_records(self, rows: list[MarkWireRow] | None = None) -> list[SpoolMark]:
-        """Spool records of the marks made since the last call, oldest first; ``rows``, when
-        given, is extended with their wire rows. The ids the last ``span_records`` formatted
-        (a step's marks, the step itself) are not formatted again."""
+        """Spool records of the marks made since the last call, oldest first (the sampler's own,
+        ``inferred``, after those of the training threads); ``rows``, when given, is extended
+        with their wire rows. Their ids come from the run the last ``span_records`` wrote (a
+        step's marks and the step itself are in it)."""
         if self.before_marks is not None:
             self.before_marks()
-        known, self._hex = self._hex, {}
+        ids, self._ids = self._ids, None
         drained = self.marks.drain()
-        if not drained:
+        inferred, self.inferred = self.inferred, []
+        if not (drained or inferred):
             return []
-        base = self._base
-        get = known.get
+        if ids is None:
+            mark_ids = [row.id for row in drained]
+            for columns in inferred:
+                mark_ids.extend(columns.ids)
+            lowest = min([i for i in mark_ids if type(i) is int], default=0)
+            ids = self._id_range(lowest, len(mark_ids)) if lowest else (0, 0, [])
+        lo, top, hexes = ids
+        far = self._outside
         # Marks share their attrs (the inferred loss's are one dict): each distinct one is cleaned,
         # and encoded for the wire, once.
         cleaned: dict[int, tuple[dict[str, Any], str | None]] = {}
+        last: Any = cleaned  # the previous mark's attrs (never a mark's: the dict above)
+        attrs: dict[str, Any] = _NO_ATTRS
+        text: str | None = None
         out: list[SpoolMark] = []
         append = out.append
         wire = rows.append if rows is not None else None
         for row in drained:
-            mark_id = row.id
-            own = get(mark_id)
-            if own is None:
-                own = (base | mark_id).to_bytes(16, "big").hex() if type(mark_id) is int else mark_id
+            own = row.id
+            own = hexes[own - lo] if type(own) is int and lo <= own < top else far(own)
             span_id = row.span_id
-            span_hex = get(span_id)
-            if span_hex is None:
-                span_hex = known[span_id] = (base | span_id).to_bytes(16, "big").hex() if type(span_id) is int else span_id
+            span_id = hexes[span_id - lo] if type(span_id) is int and lo <= span_id < top else far(span_id)
             raw = row.attrs
-            seen = cleaned.get(id(raw))
-            if seen is None:
-                attrs = clean_attrs(raw) if raw else _NO_ATTRS
-                seen = cleaned[id(raw)] = (attrs, json_text(attrs) if wire is not None else None)
-            attrs = seen[0]
-            append(SpoolMark(own, span_hex, row.name, row.value_type, row.value, attrs, row.ts_ns, row.kind,
+            if raw is not last:
+                last = raw
+                seen = cleaned.get(id(raw))
+                if seen is None:
+                    made = clean_attrs(raw) if raw else _NO_ATTRS
+                    seen = cleaned[id(raw)] = (made, json_text(made) if wire is not None else None)
+                attrs, text = seen
+            append(SpoolMark(own, span_id, row.name, row.value_type, row.value, attrs, row.ts_ns, row.kind,
                              row.nonfinite))
             if wire is not None:
-                wire(MarkWireRow(own, span_hex, row.name, row.value_type, row.value, row.nonfinite, row.ts_ns,
-                                 row.kind, seen[1]))
+                wire(MarkWireRow(own, span_id, row.name, row.value_type, row.value, row.nonfinite, row.ts_ns,
+                                 row.kind, text))
+        for columns in inferred:
+            self._inferred_records(columns, lo, top, hexes, out, rows)
         return out
+
+    def _inferred_records(self, columns: InferredColumns, lo: int, top: int, hexes: list[str],
+                          out: list[SpoolMark], rows: list[MarkWireRow] | None) -> None:
+        """The sampler's own marks (finite floats, attrs of plain values) as records, made by
+        ``map`` over their columns: no Python per mark where the ids are in the batch's run."""
+        ids, span_ids = columns.ids, columns.span_ids
+        count = len(ids)
+        if min(ids) >= lo and max(ids) < top:
+            own: Any = list(map(hexes.__getitem__, map(sub, ids, repeat(lo, count))))
+        else:
+            own = [hexes[i - lo] if lo <= i < top else self._outside(i) for i in ids]
+        if min(span_ids) >= lo and max(span_ids) < top:
+            spans: Any = list(map(hexes.__getitem__, map(sub, span_ids, repeat(lo, count))))
+        else:
+            spans = [hexes[i - lo] if lo <= i < top else self._outside(i) for i in span_ids]
+        attrs = columns.attrs
+        out.extend(map(SpoolMark, own, spans, columns.names, repeat("float", count), columns.values, attrs,
+                       columns.stamps, repeat("point", count)))
+        if rows is not None:
+            first = attrs[0]
+            if all(map(first.__eq__, attrs)):  # one dict for all (the loss's): encoded once
+                texts: Any = repeat(json_text(first), count)
+            else:
+                known: dict[int, str] = {}
+                texts = [known.get(id(a)) or known.setdefault(id(a), json_text(a)) for a in attrs]
+            rows.extend(map(MarkWireRow, own, spans, columns.names, repeat("float", count), columns.values,
+                            repeat(None, count), columns.stamps, repeat("point", count), texts))
+
+
+class InferredColumns(msgspec.Struct, gc=False):
+    """Marks the sampler made from values the training thread read (the loss of each step: finite
+    floats, attrs of plain values shared by many), as columns: ``ids[i]`` is mark ``i``'s id,
+    ``span_ids[i]`` its span's."""
+
+    ids: list[int]
+    span_ids: list[int]
+    names: tuple[str, ...]
+    values: tuple[float, ...]
+    stamps: tuple[int, ...]
+    attrs: tuple[dict[str, Any], ...]
 
 
 _EMPTY_TEXT = "{}"

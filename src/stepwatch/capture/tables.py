@@ -44,6 +44,11 @@ class BoundedTable(Generic[T]):
         self._rows.append(row)
         self.appended += 1
 
+    def extend(self, rows: list[T]) -> None:
+        """Appends ``rows`` in order (one C call: the sampler's batch of inferred marks)."""
+        self._rows.extend(rows)
+        self.appended += len(rows)
+
     def drain(self, limit: int | None = None) -> list[T]:
         """Takes the rows appended so far (at most ``limit`` of them), oldest first."""
         rows = self._rows

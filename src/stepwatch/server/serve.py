@@ -54,7 +54,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
                  say_losses: bool = True, watch: dict[str, Any] | None = None,
                  ui_port: int | None = None, feeds: dict[str, Any] | None = None,
-                 store_url: str | None = None) -> dict[str, Any]:
+                 children: list[Any] | None = None, store_url: str | None = None) -> dict[str, Any]:
     from ..artifacts.run_manifest import run_session_id
     from ..store import open_store
     from .aggregator import Aggregator
@@ -63,7 +63,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     store = open_store(store_url or run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
-    tcp = runner = ui_runner = fed = None
+    tcp = runner = dashboard = fed = None
     http_bound = ui_url = None
     try:
         try:
@@ -85,13 +85,15 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                 raise ListenError(f"cannot listen for HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
             http_bound = runner.addresses[0][1] if runner.addresses else http_port
         if ui_port is not None:
-            ui_runner, ui_url = await _start_dashboard(run_dir, host, ui_port, token)
+            dashboard, ui_url = _start_dashboard(run_dir, host, ui_port, token)
+            if children is not None:  # serve() stops it whatever ends this coroutine
+                children.append(dashboard)
         fed = _start_feeds(feeds, run_dir, aggregator, host, token)
     except BaseException:
         if fed is not None:
             fed.close()
-        if ui_runner is not None:
-            await ui_runner.cleanup()
+        if dashboard is not None:
+            dashboard.stop()
         if runner is not None:
             await runner.cleanup()
         if tcp is not None:
@@ -106,7 +108,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     watcher = asyncio.create_task(aggregator.watch_loop())
     live = _start_live_verdicts(aggregator, run_dir, loop, store_url)
     ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
-                 "ui": ui_url, "store": str(getattr(store, "path", run_dir / "history.sqlite")), "pid": os.getpid(),
+                 "ui": ui_url, "ui_pid": dashboard.pid if dashboard is not None else None,
+                 "store": str(getattr(store, "path", run_dir / "history.sqlite")), "pid": os.getpid(),
                  **({"metrics": fed.metrics_url} if fed is not None and fed.metrics_url else {})})
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
     assert tcp is not None
@@ -123,9 +126,9 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
     if fed is not None:  # the last alerts posted, the last spans and metrics exported (each bounded in time)
         await asyncio.to_thread(fed.close)
-    if ui_runner is not None:  # last: an open page's next poll takes the run's end, then the page stops
+    if dashboard is not None:  # last: an open page's next poll takes the run's end, then the page stops
         await asyncio.sleep(UI_LAST_POLL_S)
-        await ui_runner.cleanup()
+        await asyncio.to_thread(dashboard.stop)
     if say_losses:
         aggregator.report_losses()
     stats = aggregator.stats()
@@ -140,21 +143,23 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     return stats
 
 
-async def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
-    """The dashboard (web/app.py) over this server's directory, a second aiohttp app on this loop:
-    its reads run on threads of its own against read-only connections, so the writer never waits
-    on a page. It binds the aggregator's host when that is loopback or a token is set, else
-    127.0.0.1 (a dashboard is never open to a network without a token)."""
-    from ..views.sources import Catalog
-    from ..web.app import is_loopback, start_ui
+def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
+    """The dashboard (web/app.py) over this server's directory, in a process of its own
+    (server/dashboard.py): building a page's data never takes the writer's GIL, heap or garbage
+    collector, and the child reads the store read-only (WAL: it never blocks the writer). It
+    binds the aggregator's host when that is loopback or a token is set, else 127.0.0.1 (a
+    dashboard is never open to a network without a token). Called on the loop's thread, which
+    lives as long as the process: the child's parent-death signal follows it."""
+    from ..web.app import is_loopback
+    from .dashboard import DashboardProcess
 
     bind = host if token is not None or is_loopback(host) else "127.0.0.1"
+    dashboard = DashboardProcess(run_dir, bind, port, token)
     try:
-        runner, bound = await start_ui(Catalog(run_dir), bind, port, token)
+        url = dashboard.start()
     except OSError as exc:
         raise ListenError(f"cannot listen for the dashboard on {bind}:{port}: {exc.strerror or exc}") from None
-    shown = f"[{bind}]" if ":" in bind else bind
-    return runner, f"http://{shown}:{bound}/"
+    return dashboard, url
 
 
 def _start_feeds(feeds: dict[str, Any] | None, run_dir: Path, aggregator: Any, host: str, token: str | None) -> Any:
@@ -280,12 +285,15 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = EventLines(ready or sys.stdout)
+    children: list[Any] = []  # the dashboard's process, stopped here whatever ended the loop
     try:
         stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, lines, session_id,
-                                   retention_ns, say_losses, watch, ui_port, feeds, store))
+                                   retention_ns, say_losses, watch, ui_port, feeds, children, store))
         stats["event_lines_dropped"] = lines.dropped
         _write_stats(run_dir, stats, lines)
     finally:
+        for child in children:  # already stopped on the way out; after an error, stopped now
+            child.stop()
         lines.close()
     return stats
 

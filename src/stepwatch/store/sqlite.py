@@ -33,7 +33,7 @@ from ..schema.tables import TABLES as HISTORY_TABLES
 from .base import COLUMNS
 from .rows import row_tuples
 
-__all__ = ["SESSION_RANKS", "SqliteStore"]
+__all__ = ["SESSION_RANKS", "SqliteStore", "see_todays_tables"]
 
 # The ranks of session ?1 as the table `ranks(rank)` (a last NULL row ends it), one index seek a
 # rank down steps_unique (session, rank, step): SELECT DISTINCT would read every step row. The
@@ -132,6 +132,7 @@ class SqliteStore:
                     raise StoreError(f"{self.path}: no history store here")
                 self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
                                            check_same_thread=False)
+                see_todays_tables(self._db)
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -448,6 +449,25 @@ class SqliteStore:
     @staticmethod
     def now_ns() -> int:
         return time.time_ns()
+
+
+def see_todays_tables(db: sqlite3.Connection) -> None:
+    """Lets a read-only connection to a store an older stepwatch wrote read today's tables and
+    columns: each one it lacks (``alerts``, ``verdicts``, ``steps.recompute_ns``) becomes a TEMP
+    view, NULL where a column was not kept yet and empty where a table did not exist. TEMP names
+    shadow the file's own and write nothing to it; a writable open moves the file itself
+    (``_create``). A store of today's layout gets no view."""
+    kinds = dict(db.execute("SELECT name, type FROM main.sqlite_master").fetchall())
+    for table, cols in COLUMNS.items():
+        names = [name for name, _ in cols]
+        if table not in kinds:
+            db.execute(f"CREATE TEMP VIEW {table} ({', '.join(names)}) AS SELECT "
+                       f"{', '.join('NULL' for _ in names)} WHERE 0")
+            continue
+        have = {row[1] for row in db.execute(f"PRAGMA main.table_info({table})")}
+        if not have.issuperset(names):
+            db.execute(f"CREATE TEMP VIEW {table} ({', '.join(names)}) AS SELECT "
+                       f"{', '.join(n if n in have else 'NULL' for n in names)} FROM main.{table}")
 
 
 def _column_defs(columns: Iterable[tuple[str, str]]) -> str:

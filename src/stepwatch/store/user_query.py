@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from ..errors import StoreError
 from ..phases import STEP_COLUMNS
 from ..schema.tables import TABLES
+from .sqlite import see_todays_tables
 
 __all__ = ["NAMED_QUESTIONS", "QUERY_VIEWS", "Answer", "ask", "ask_url", "named_question", "read_only_connection"]
 
@@ -98,8 +99,9 @@ def read_only_connection(path: str | Path) -> sqlite3.Connection:
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
                              check_same_thread=False)
         db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-        db.execute("PRAGMA query_only = ON")
         db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # "file is not a database" here, not later
+        see_todays_tables(db)  # an older stepwatch's store answers with today's views
+        db.execute("PRAGMA query_only = ON")
     except sqlite3.Error as exc:
         raise StoreError(f"{path}: cannot open history store: {exc}") from None
     return db

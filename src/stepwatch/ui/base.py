@@ -81,7 +81,10 @@ def _reports_errors(func: F) -> F:
             return func(*args, **kwargs)
         except StepwatchError as exc:
             # soft_wrap: one line however long the path in it (the console wraps at 160 columns)
-            _console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+            from rich.markup import escape  # a message's own brackets ("stepwatch[mlflow]") are text
+
+            _console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False,
+                                        soft_wrap=True)
             sys.exit(EXIT_UNREADABLE)
 
     return wrapper  # type: ignore[return-value]

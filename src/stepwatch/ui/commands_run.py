@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from .base import StoreTarget, _console, _fit_text, _print_json, _reports_errors, _soft_wrap
+from .commands_export import TRACKERS
 from .commands_verdicts import load_cli_policy, policy_options
 from .commands_watch import watchdog_options
 from .feed_options import feed_options
@@ -57,11 +58,14 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
 @click.option("--ui-port", type=click.IntRange(0, 65535), default=None,
               help="Serve the dashboard on this port while the run trains (0: any free; docs/dashboard.md).")
 @click.option("--report", "write_html", is_flag=True, help="Write RUN_DIR/report.html (one self-contained file) at the end.")
+@click.option("--export", "exports", multiple=True, type=click.Choice(TRACKERS),
+              help="At the end, export the run to this tracker (repeatable; defaults as `stepwatch export`, "
+                   "docs/export.md). A failed export is one line and leaves the exit code alone.")
 @feed_options
 @click.argument("script", nargs=-1, required=True, type=click.UNPROCESSED)
 @_reports_errors
 def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: str, view_every: float | None,
-        write_html: bool, **options: Any) -> None:
+        write_html: bool, exports: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank under stepwatch, with the aggregator and final summary.
 
     The training script needs no change. Exits with the training's exit code, or 124 when
@@ -106,6 +110,10 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
         sys.stdout.write(_fit_text(render_summary_text(summary)))  # from memory: a full disk may not hold the file
     if write_html:
         _write_html_report(run_dir, options.get("session_id"), console)
+    if exports:
+        from .commands_export import export_after_run
+
+        export_after_run(run_dir, options.get("session_id"), exports)
     console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
     console.print(f"[stepwatch] look at: {run_dir}/final_summary.txt, stepwatch inspect {run_dir}", markup=False)
     sys.exit(code)

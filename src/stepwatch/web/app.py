@@ -4,9 +4,10 @@ Pages: ``/`` (the runs), ``/run/<session id>`` (one run), ``/compare?a=<id>&b=<i
 under ``/api/``; the script, style and the charting library (uPlot) under ``/static/``, read
 once as the server starts. Every read of a store runs on the app's own two threads (and
 ``stepwatch ui``'s first build of its default session's page on one more), so a slow page never
-holds the event loop, and in the aggregator (``--ui-port``) never holds its writer (that has
-threads of its own; SQLite in WAL mode lets readers and the writer go on together). A finished
-session's page is kept in memory and on disk (``views.page_cache``): a later server reads it back.
+holds the event loop. With the aggregator (``--ui-port``) the app runs in a process of its own
+(``web/process.py``), so it never shares the writer's GIL or heap either (SQLite in WAL mode
+lets readers and the writer go on together). A finished session's page is kept in memory and
+on disk (``views.page_cache``): a later server reads it back.
 
 Security: with no token only loopback clients are answered, and ``serve_ui`` refuses to bind
 anything but loopback without one. A token is compared in constant time (``hmac.compare_digest``)
@@ -45,9 +46,9 @@ _STATIC = {"app.js": ("text/javascript", 0), "app.css": ("text/css", 0),
            "uPlot.iife.min.js": ("text/javascript", 86400), "uPlot.min.css": ("text/css", 86400),
            "uPlot.LICENSE": ("text/plain", 86400)}
 # A running run's store changes at every write, so its page would be built again for each reload
-# (4-5 s of CPU in the aggregator's process at 64 ranks while it ingests): the page built last is
-# served again while younger than this many times its build time (2 s at least), so a page open
-# during a burst costs the writer at most about a fifth of a core.
+# (4-5 s of CPU at 64 ranks while it ingests): the page built last is served again while younger
+# than this many times its build time (2 s at least), so a page open during a burst costs the
+# machine at most about a fifth of a core.
 _LIVE_REUSE_FACTOR, _LIVE_REUSE_MIN_S = 4.0, 2.0
 
 
@@ -239,7 +240,7 @@ class Dashboard:
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"ok": True, "path": str(self.catalog.path)})
+        return web.json_response({"ok": True, "path": str(self.catalog.path), "pid": os.getpid()})
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -435,7 +436,7 @@ def _error_response(status: int, message: str) -> Any:
 
 async def start_ui(catalog: Catalog, host: str, port: int, token: str | None, *,
                    prewarm: bool = False) -> tuple[Any, int]:
-    """Starts the dashboard on the running loop (the aggregator's): (its runner, the bound port).
+    """Starts the dashboard on the running loop (``stepwatch ui``'s): (its runner, the bound port).
     Raises ValueError for a non-loopback bind without a token, OSError when it cannot listen."""
     from aiohttp import web
 

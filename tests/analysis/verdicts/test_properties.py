@@ -101,14 +101,19 @@ def test_a_missing_phase_is_never_read_as_zero(column: str, ranks: int, count: i
         if r["rank"] == lacking:
             r[column] = 0
     window = build_window(rows, None)
+    # recompute is carved out of backward: where it was not timed apart it is inside backward, so
+    # compute stays whole and only the recompute share itself is unknown
     affected = {"data_load_ns": ("input", "residual"), "wait_ns": ("residual",), "h2d_ns": ("h2d",),
-                "recompute_ns": ("compute", "recompute")}.get(column, ("compute", column.removesuffix("_ns")))
+                "recompute_ns": ("recompute",)}.get(column, ("compute", column.removesuffix("_ns")))
     for component in affected:
         assert window.ranks[lacking].share(component, 0.5) is None
         if ranks > 1:
             assert window.ranks[0].share(component, 0.5) is not None
     diagnosis = diagnose(rows)
     incomplete = [v for v in diagnosis.step_time if v.name == "INCOMPLETE_DATA"]
+    if column == "recompute_ns":
+        assert window.ranks[lacking].share("compute", 0.5) is not None and not incomplete
+        return
     assert incomplete and lacking in incomplete[0].ranks
     for verdict in diagnosis.step_time:
         if verdict.name in ("INPUT_BOUND", "H2D_BOUND", "RESIDUAL_HEAVY", "COMPUTE_BOUND"):

@@ -194,7 +194,7 @@ def _balanced(window: StepWindow, shares: _Shares, base: dict[str, Any]) -> Verd
                    None, {**base, "shares": shares.evidence()})
 
 
-_NEEDED = {"input": "data_load_ns", "h2d": "h2d_ns", "compute": "forward_ns, backward_ns, optimizer_ns, recompute_ns",
+_NEEDED = {"input": "data_load_ns", "h2d": "h2d_ns", "compute": "forward_ns, backward_ns, optimizer_ns",
            "residual": "wait_ns and data_load_ns", "backward": "backward_ns"}
 
 

@@ -187,7 +187,10 @@ def _reduce(columns: StepColumns, window: int | None) -> tuple[list[RankWindow],
     totals = step_ns + overhang
     residual = np.where(both, np.maximum(wait - fetch, 0.0), np.nan)
     phases = {share: col(column) for share, column in _IN_STEP.items()}
-    compute = sum(phases[p] for p in COMPUTE_PHASES)  # NaN where any part is unknown
+    # NaN where a part is unknown, but for recompute: activation checkpointing's forwards are
+    # carved out of backward, so where they were not timed apart (a store from before they were)
+    # they are inside backward, and compute is still whole
+    compute = sum(np.nan_to_num(phases[p]) if p == "recompute" else phases[p] for p in COMPUTE_PHASES)
     starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
     components = {"input": fetch, "h2d": phases["h2d"], "compute": compute, "residual": residual,
                   **{p: phases[p] for p in COMPUTE_PHASES}}

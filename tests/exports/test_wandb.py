@@ -1,0 +1,91 @@
+"""``stepwatch export wandb`` on the shared real two-rank run: the W&B offline run it writes,
+read back record by record with wandb's own protobuf classes (tests/support/wandb_records.py
+gives the file's framing), holds a history row per step with every rank's scalars at the
+history's values, the params as config, the summary, and the run's files."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import run_stepwatch
+from tests.support.shared import once
+from tests.support.trace_run import STEPS_PER_RANK, trace_run
+from tests.support.wandb_records import history_rows, read_records
+
+pytestmark = pytest.mark.real  # the run is a real stepwatch run (torchrun, two ranks)
+
+pytest.importorskip("torch")
+pytest.importorskip("wandb")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trace_run(tmp_path_factory)
+
+
+def _offline(out: Path, run: Path) -> Path:
+    proc = run_stepwatch("export", "wandb", str(run), "--dir", str(out), "--project", "tests", cwd=out)
+    assert proc.returncode == 0, proc.stderr
+    (found,) = (out / "wandb").glob("offline-run-*")
+    assert proc.stdout.strip() == str(found) and f"wandb sync {found}" in proc.stderr
+    return found
+
+
+@pytest.fixture(scope="module")
+def offline(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline run directory, written once for every worker (by a process of its own: wandb
+    starts its core service)."""
+    return once(tmp_path_factory, "exports-wandb-offline", lambda base: _offline(base, run))
+
+
+def _records(offline: Path, kind: str) -> list[Any]:
+    (path,) = offline.glob("run-*.wandb")
+    return [getattr(r, kind) for r in read_records(path) if r.WhichOneof("record_type") == kind]
+
+
+def test_a_history_row_per_step_with_every_ranks_scalars_at_the_historys_values(run: Path, offline: Path) -> None:
+    (path,) = offline.glob("run-*.wandb")
+    rows = history_rows(path)
+    assert [r["_step"] for r in rows] == list(range(STEPS_PER_RANK))
+    with sqlite3.connect(f"{(run / 'history.sqlite').as_uri()}?mode=ro", uri=True) as db:
+        steps = db.execute("SELECT rank, step, step_ns, forward_ns, end_ns FROM steps").fetchall()
+        losses = db.execute("SELECT rank, value_num FROM marks WHERE name = 'loss' AND attrs NOT LIKE '%inferred%' "
+                            "ORDER BY rank, ts_ns").fetchall()
+    for rank, step, step_ns, forward_ns, end_ns in steps:
+        row = rows[step]
+        assert row[f"rank_{rank}/step_time_ms"] == pytest.approx(step_ns / 1e6, rel=1e-9)
+        assert row[f"rank_{rank}/phase_share/forward"] == pytest.approx(forward_ns / step_ns, rel=1e-9)
+        assert row[f"rank_{rank}/step_end_unix_s"] == pytest.approx(end_ns / 1e9)
+        assert row[f"rank_{rank}/steps_per_s"] > 0 and row[f"rank_{rank}/memory/rss_bytes"] > 1e6
+    for rank in (0, 1):
+        assert [r[f"rank_{rank}/mark/loss"] for r in rows] == pytest.approx(
+            [v for r, v in losses if r == rank], rel=1e-9)
+
+
+def test_the_run_record_holds_the_params_tags_and_the_summary_its_figures(run: Path, offline: Path) -> None:
+    (record,) = _records(offline, "run")
+    assert record.project == "tests" and record.display_name.startswith("stepwatch ")
+    config = {u.key: json.loads(u.value_json) for u in record.config.update}
+    assert config["world_size"] == "2" and config["optimizer/class"] == "SGD" and config["dataloader/batch_size"] == "16"
+    assert "stepwatch" in record.tags and "succeeded" in record.tags
+    summary: dict[str, Any] = {}
+    for update in _records(offline, "summary"):
+        for item in update.update:
+            summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    final = json.loads((run / "final_summary.json").read_text())
+    assert summary["summary/steps"] == final["overall"]["steps"]
+    assert summary["verdict"] == final["diagnosis"]["primary"]["name"]
+    (exit_record,) = _records(offline, "exit")
+    assert exit_record.exit_code == 0
+
+
+def test_the_summary_diagnosis_report_and_trace_are_run_files(offline: Path) -> None:
+    named = {f.path for record in _records(offline, "files") for f in record.files}
+    assert {"summary.json", "summary.txt", "diagnosis.json", "report.html", "trace.json"} <= named
+    trace = json.loads((offline / "files" / "trace.json").read_text())
+    assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}
