@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # wait on their processes, so more workers than cores keep both cores busy.
 TEST_WORKERS ?= 4
 
-.PHONY: demo test test-fast bench clean browser
+.PHONY: demo test test-fast bench clean browser clickhouse
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,15 @@ browser:
 	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
 
-test: $(VENV)/.installed browser
+# the ClickHouse store's tests (tests/support/clickhouse.py) start Debian's clickhouse-server from a
+# private directory: installed here like the browser, with a policy-rc.d that keeps the package
+# from starting a default server
+clickhouse:
+	@if [ ! -x /usr/sbin/clickhouse-server ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clickhouse-server clickhouse-client >/dev/null; fi
+
+test: $(VENV)/.installed browser clickhouse
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out), and

@@ -97,3 +97,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("real") is not None:
             real[module] = real.get(module, 0) + 1
     items.sort(key=lambda item: (-real.get(module := item.nodeid.split("::")[0], 0), first[module]))
+
+
+@pytest.fixture(scope="session")
+def clickhouse_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Debian's clickhouse-server on 127.0.0.1, one for the whole test session and every worker
+    (tests/support/clickhouse.py); each test takes a database of its own with ``database_url()``.
+    Skips where the server is not installed, unless STEPWATCH_REQUIRE_CLICKHOUSE=1."""
+    from tests.support.clickhouse import clickhouse_server as serve
+
+    yield from serve(tmp_path_factory)

@@ -102,7 +102,8 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
             drops[str(row["rank"])] = {k: v for k, v in dropped.items() if isinstance(v, int) and v}
     health = store.query(
         "SELECT rank, collector, event_type, COUNT(*) AS n FROM telemetry WHERE session_id = ? "
-        "AND event_type IN ('collector_degraded', 'collector_recovered') GROUP BY rank, collector, event_type",
+        "AND event_type IN ('collector_degraded', 'collector_recovered') GROUP BY rank, collector, event_type "
+        "ORDER BY rank, collector, event_type",  # the order SQLite's GROUP BY gave, on any store
         (session_id,),
     )
     aggregator_stats = _read_aggregator_stats(run_dir)
@@ -119,7 +120,8 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
     overall["throughput_steps_per_s"] = min(rates) if rates else None
     world_seen, workers = session_processes(store, session_id)
     ranks_seen = sorted({r["rank"] for r in store.query(
-        "SELECT DISTINCT rank FROM telemetry WHERE session_id = ? UNION SELECT DISTINCT rank FROM steps WHERE session_id = ?",
+        # UNION ALL: SQL both the SQLite and the ClickHouse store take (18.16 has no plain UNION)
+        "SELECT DISTINCT rank FROM telemetry WHERE session_id = ? UNION ALL SELECT DISTINCT rank FROM steps WHERE session_id = ?",
         (session_id, session_id))})
     return {
         "schema_version": SUMMARY_SCHEMA_VERSION,

@@ -4,6 +4,7 @@ torchrun for several), an env contract between them, signals forwarded, the fina
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,8 +42,11 @@ class LaunchOptions:
                  token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
                  on_stall: str = "dump", on_nonfinite: str = "alert", ui_port: int | None = None,
                  metrics_port: int | None = None, alert_webhook: str | None = None,
-                 otlp_endpoint: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, store: str | None = None) -> None:
         self.script = list(script)
+        # a store URL the history goes to instead of the run directory's history.sqlite
+        # (docs/clickhouse.md); the run directory keeps the artifacts and the summary files
+        self.store = store
         # the watchdog (docs/watchdog.md): its thresholds go to the aggregator, the actions are ours
         self.stall_after = stall_after
         self.throughput_window = throughput_window
@@ -86,6 +90,8 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--alert-webhook", options.alert_webhook]
     if options.otlp_endpoint:
         command += ["--otlp-endpoint", options.otlp_endpoint]
+    if options.store:
+        command += ["--store", options.store]
     # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
                                preexec_fn=preexec_die_with_parent())
@@ -396,6 +402,10 @@ def launch(options: LaunchOptions, *, echo: Any = print,
                            launcher="run", world_size=options.nproc_per_node * options.nnodes,
                            versions=current_versions(), extra={"nnodes": options.nnodes, "node_rank": options.node_rank,
                                                                **({"master_port": rendezvous} if rendezvous is not None else {})})
+    if options.store:  # where the history is (without the password), for whoever reads the run later
+        from ..store.clickhouse_url import parse_clickhouse_url
+
+        manifest.extra["store"] = str(parse_clickhouse_url(options.store))
     write_run_manifest(run_dir, manifest)
     aggregator_process = None
     events: AggregatorEvents | None = None
@@ -452,9 +462,10 @@ def launch(options: LaunchOptions, *, echo: Any = print,
         code = STALL_KILL_EXIT  # the watchdog ended it: a scheduler may restart it
     manifest.extra["training_ended_ns"] = time.time_ns()  # the summary's bound on a killed rank's unrecorded tail
     if local_history and aggregator_process is None:
-        _rebuild_history(run_dir, echo)
+        _rebuild_history(run_dir, echo, options.store)
     if aggregator_process is not None and options.nnodes > 1 and aggregator_process.poll() is None:
-        _wait_for_remote_ranks(run_dir, options.session_id, options.nproc_per_node * options.nnodes, echo)
+        _wait_for_remote_ranks(run_dir, options.session_id, options.nproc_per_node * options.nnodes, echo,
+                               store=options.store)
     aggregator_stats: dict[str, Any] = {}
     if aggregator_process is not None and events is not None:
         died = aggregator_process.poll()  # before our SIGTERM: did it die during the run?
@@ -468,9 +479,9 @@ def launch(options: LaunchOptions, *, echo: Any = print,
         if died is not None:
             echo(f"[stepwatch] the aggregator died during the run (exit code {died}); "
                  "rebuilding history.sqlite from the local artifacts")
-            _rebuild_history(run_dir, echo)
+            _rebuild_history(run_dir, echo, options.store)
     if local_history:
-        _fill_from_ledgers(run_dir, options.session_id, echo)
+        _fill_from_ledgers(run_dir, options.session_id, echo, options.store)
     status = _close_rank_sessions(run_dir, options.session_id)
     manifest.status, manifest.exit_code, manifest.ended_at_ns = status, code, time.time_ns()
     if hangup:  # the terminal closed: the job was stopped, whatever the ranks' SIGTERM handler said
@@ -482,7 +493,8 @@ def launch(options: LaunchOptions, *, echo: Any = print,
     summary = None
     if local_history:
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
-                                      options.nproc_per_node * options.nnodes, options.script, lenient=True)
+                                      options.nproc_per_node * options.nnodes, options.script, lenient=True,
+                                      store=options.store)
         _note_processes(run_dir, manifest, summary)
     _report_disk_losses(run_dir, aggregator_stats, summary, echo)
     return code, run_dir, summary
@@ -507,18 +519,21 @@ def _note_processes(run_dir: Path, manifest: RunManifest, summary: dict[str, Any
         write_run_manifest(run_dir, manifest)
 
 
-def _fill_from_ledgers(run_dir: Path, session_id: str, echo: Any) -> None:
+def _fill_from_ledgers(run_dir: Path, session_id: str, echo: Any, store_url: str | None = None) -> None:
     """Steps a killed rank closed after its last send are in its step ledger only: into the
     history with them, before the summary is built (the aggregator has stopped: one writer)."""
     import sqlite3
 
     from ..errors import StepwatchError
+    from ..store import open_store
     from ..store.importers import import_ledgers
-    from ..store.sqlite import SqliteStore
 
     try:
-        with SqliteStore(run_dir / "history.sqlite") as store:
+        store = open_store(store_url or run_dir / "history.sqlite")
+        try:
             added = import_ledgers(run_dir, session_id, store)
+        finally:
+            store.close()
     except (StepwatchError, OSError, sqlite3.Error) as exc:
         echo(f"[stepwatch] could not add the step ledgers' steps to the history: {exc}")
         return
@@ -528,7 +543,7 @@ def _fill_from_ledgers(run_dir: Path, session_id: str, echo: Any) -> None:
 
 
 def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo: Any,
-                           timeout_s: float = REMOTE_DRAIN_S) -> None:
+                           timeout_s: float = REMOTE_DRAIN_S, store: str | None = None) -> None:
     """This node's ranks are done, but other nodes' may still be sending: keep the aggregator up
     until every rank's ``stop`` record is in the history, or ``timeout_s`` has passed."""
     import sqlite3
@@ -537,6 +552,12 @@ def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo
     deadline = time.monotonic() + timeout_s
     stopped = 0
     while time.monotonic() < deadline:
+        if store is not None:
+            stopped = _stopped_ranks(store, session_id)
+            if stopped >= world_size:
+                return
+            time.sleep(0.25)
+            continue
         try:
             db = sqlite3.connect(f"{history.resolve().as_uri()}?mode=ro", uri=True)
             try:
@@ -554,15 +575,49 @@ def _wait_for_remote_ranks(run_dir: Path, session_id: str, world_size: int, echo
          "the others' local artifacts hold the rest")
 
 
-def _rebuild_history(run_dir: Path, echo: Any) -> None:
+def _stopped_ranks(store_url: str, session_id: str) -> int:
+    """How many ranks of the session have a ``stop`` record in the store a URL names (0 when it
+    cannot be read now: asked again)."""
+    from ..errors import StepwatchError
+    from ..store import open_store
+
+    try:
+        store = open_store(store_url, read_only=True)
+    except StepwatchError:
+        return 0
+    try:
+        rows = store.query("SELECT COUNT(DISTINCT rank) AS n FROM telemetry WHERE session_id = ? "
+                           "AND event_type = 'stop'", (session_id,))
+        return int(rows[0]["n"]) if rows else 0
+    except StepwatchError:
+        return 0
+    finally:
+        store.close()
+
+
+def _rebuild_history(run_dir: Path, echo: Any, store_url: str | None = None) -> None:
     """The history a dead aggregator left holds only what arrived before it died; the ranks'
     local artifacts hold everything. Import them into a new history.sqlite, keeping the partial
-    one beside it as history.partial.sqlite."""
+    one beside it as history.partial.sqlite; into a store a URL names, import them as they are
+    (the store keeps each row once)."""
     import sqlite3
 
     from ..errors import StepwatchError
     from ..store.importers import import_path
     from ..store.sqlite import SqliteStore
+
+    if store_url is not None:
+        from ..store import open_store
+
+        try:
+            store = open_store(store_url)
+            try:
+                import_path(run_dir, store)
+            finally:
+                store.close()
+        except (StepwatchError, OSError) as exc:
+            echo(f"[stepwatch] could not import the local artifacts into {store_url}: {exc}")
+        return
 
     history = run_dir / "history.sqlite"
     partial = run_dir / "history.partial.sqlite"
@@ -582,7 +637,7 @@ def _rebuild_history(run_dir: Path, echo: Any) -> None:
 
 def write_final_summary(run_dir: Path, session_id: str | None, status: str | None, ended_at_ns: int | None,
                         world_size: int | None, command_line: list[str] | None, *,
-                        lenient: bool = False, policy: Any = None) -> dict[str, Any]:
+                        lenient: bool = False, policy: Any = None, store: str | None = None) -> dict[str, Any]:
     """Writes final_summary.json and final_summary.txt from the run's history store.
 
     A full disk does not lose the summary: it is built all the same (the status given here
@@ -591,19 +646,39 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
     ``lenient`` the error is raised (``stepwatch summary --write``)."""
     from ..analysis.summary import build_summary, render_summary_text
     from ..errors import StoreError
-    from ..store.sqlite import SqliteStore
+    from ..store import open_store
 
-    with SqliteStore(run_dir / "history.sqlite") as store:
+    def summarise(history: Any) -> dict[str, Any]:
         if session_id is not None and status is not None:
             session = {"session_id": session_id, "status": status, "started_at_ns": None,
                        "ended_at_ns": ended_at_ns, "host": None, "world_size": world_size,
                        "source": None, "command_line": command_line}
             try:
-                store.upsert_session(session)
+                history.upsert_session(session)
             except StoreError:
                 if not lenient:
                     raise
-        summary = build_summary(store, session_id, run_dir, policy=policy)  # policy: of the verdicts
+        return build_summary(history, session_id, run_dir, policy=policy)  # policy: of the verdicts
+
+    try:
+        opened = open_store(store or run_dir / "history.sqlite")
+    except StoreError as exc:
+        if not (lenient and store):
+            raise
+        # the store a URL names cannot be reached now: the summary from the run's own artifacts
+        import tempfile
+
+        from ..store.importers import import_path
+        from ..store.sqlite import SqliteStore
+
+        logger.warning("final summary: %s; built from the run directory's artifacts instead", exc)
+        with tempfile.TemporaryDirectory(prefix="stepwatch-summary-") as tmp, \
+                SqliteStore(Path(tmp) / "history.sqlite") as local:
+            import_path(run_dir, local)
+            summary = summarise(local)
+    else:
+        with contextlib.closing(opened) as history:
+            summary = summarise(history)
     if status is not None and summary.get("session_id") == session_id:
         summary["status"] = status
         summary["ended_at_ns"] = summary.get("ended_at_ns") or ended_at_ns

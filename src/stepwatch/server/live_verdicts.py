@@ -156,9 +156,9 @@ class LiveVerdicts:
 
     def _open(self) -> Any:
         if self._store is None:
-            from ..store.sqlite import SqliteStore
+            from ..store import open_store
 
-            self._store = SqliteStore(self.store_path, read_only=True)
+            self._store = open_store(self.store_path, read_only=True)  # a path or a store URL
         return self._store
 
     def evaluate(self, session_id: str, ranks: list[int]) -> Any:

@@ -54,12 +54,13 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
                  say_losses: bool = True, watch: dict[str, Any] | None = None,
                  ui_port: int | None = None, feeds: dict[str, Any] | None = None,
-                 children: list[Any] | None = None) -> dict[str, Any]:
+                 children: list[Any] | None = None, store_url: str | None = None) -> dict[str, Any]:
     from ..artifacts.run_manifest import run_session_id
-    from ..store.sqlite import SqliteStore
+    from ..store import open_store
     from .aggregator import Aggregator
 
-    store = SqliteStore(run_dir / "history.sqlite")
+    # the history: run_dir's history.sqlite, or the store a URL names (docs/clickhouse.md)
+    store = open_store(store_url or run_dir / "history.sqlite")
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
     tcp = runner = dashboard = fed = None
@@ -105,10 +106,10 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         loop.add_signal_handler(sig, aggregator.stop)
     writer = asyncio.create_task(aggregator.write_loop())
     watcher = asyncio.create_task(aggregator.watch_loop())
-    live = _start_live_verdicts(aggregator, run_dir, loop)
+    live = _start_live_verdicts(aggregator, run_dir, loop, store_url)
     ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
                  "ui": ui_url, "ui_pid": dashboard.pid if dashboard is not None else None,
-                 "store": str(run_dir / "history.sqlite"), "pid": os.getpid(),
+                 "store": str(getattr(store, "path", run_dir / "history.sqlite")), "pid": os.getpid(),
                  **({"metrics": fed.metrics_url} if fed is not None and fed.metrics_url else {})})
     await aggregator._stopping.wait()  # noqa: SLF001 - the one stop signal
     assert tcp is not None
@@ -184,7 +185,8 @@ def _watchdog(run_dir: Path, watch: dict[str, Any] | None) -> Any:
                          throughput_window_s=watch.get("throughput_window_s") or AlertPolicy.throughput_window_s)
     return Watchdog(run_dir, policy, actions={"STALL": watch.get("on_stall") or "dump",
                                               "NONFINITE": watch.get("on_nonfinite") or "alert"})
-def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractEventLoop) -> Any:
+def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractEventLoop,
+                         store_url: str | None = None) -> Any:
     """The live verdicts' thread (server/live_verdicts.py), or None when turned off."""
     from .live_verdicts import LiveVerdicts, interval_from_env
 
@@ -198,7 +200,7 @@ def _start_live_verdicts(aggregator: Any, run_dir: Path, loop: asyncio.AbstractE
         except RuntimeError:  # the loop has closed: the aggregator is gone
             pass
 
-    live = LiveVerdicts(run_dir / "history.sqlite", progress=aggregator.live_progress, emit=aggregator.emit,
+    live = LiveVerdicts(store_url or run_dir / "history.sqlite", progress=aggregator.live_progress, emit=aggregator.emit,
                         store_row=store_row, interval_s=interval, run_dir=run_dir,
                         busy=aggregator.under_load)
     live.start()
@@ -272,20 +274,21 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
           token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
           session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True,
           watch: dict[str, Any] | None = None, ui_port: int | None = None,
-          feeds: dict[str, Any] | None = None) -> dict[str, Any]:
+          feeds: dict[str, Any] | None = None, store: str | None = None) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
     nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank;
     ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself);
     ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md); ``ui_port``: also serve
     the dashboard (docs/dashboard.md) on that port (0: any free); ``feeds``: ``metrics_port``,
-    ``alert_webhook``, ``otlp_endpoint`` (server/feeds.py, docs/metrics.md)."""
+    ``alert_webhook``, ``otlp_endpoint`` (server/feeds.py, docs/metrics.md); ``store``: a store URL
+    (``clickhouse://...``) the rows go to instead of ``run_dir/history.sqlite`` (docs/clickhouse.md)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = EventLines(ready or sys.stdout)
     children: list[Any] = []  # the dashboard's process, stopped here whatever ended the loop
     try:
         stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, lines, session_id,
-                                   retention_ns, say_losses, watch, ui_port, feeds, children))
+                                   retention_ns, say_losses, watch, ui_port, feeds, children, store))
         stats["event_lines_dropped"] = lines.dropped
         _write_stats(run_dir, stats, lines)
     finally:
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port (0: any free)")
     parser.add_argument("--alert-webhook", default=None, help="POST each alert and verdict change to this URL")
     parser.add_argument("--otlp-endpoint", default=None, help="export metrics and spans over OTLP/HTTP to this URL")
+    parser.add_argument("--store", default=None,
+                        help="write the history to this store URL (clickhouse://host:9000/db) instead of OUT/history.sqlite")
     args = parser.parse_args(argv)
     if not args.stall_after > 0 or not args.throughput_window > 0:
         parser.error("--stall-after and --throughput-window must be positive")
@@ -344,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
               session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched, ui_port=args.ui_port,
+              store=args.store,
               feeds={"metrics_port": args.metrics_port, "alert_webhook": args.alert_webhook,
                      "otlp_endpoint": args.otlp_endpoint},
               watch={"stall_after_s": args.stall_after, "throughput_window_s": args.throughput_window,

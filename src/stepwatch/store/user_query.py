@@ -22,7 +22,7 @@ from ..phases import STEP_COLUMNS
 from ..schema.tables import TABLES
 from .sqlite import see_todays_tables
 
-__all__ = ["NAMED_QUESTIONS", "QUERY_VIEWS", "Answer", "ask", "named_question", "read_only_connection"]
+__all__ = ["NAMED_QUESTIONS", "QUERY_VIEWS", "Answer", "ask", "ask_url", "named_question", "read_only_connection"]
 
 # the views a query may read (each table's columns in docs/query.md); every one a view or a
 # table of every stepwatch store
@@ -134,6 +134,27 @@ def ask(path: str | Path, sql: str, params: tuple[Any, ...] = ()) -> Iterator[An
         yield Answer(columns, _rows(cursor))
     finally:
         db.close()
+
+
+@contextmanager
+def ask_url(url: str, sql: str, params: tuple[Any, ...] = ()) -> Iterator[Answer]:
+    """The answer to ``sql`` over the store a URL names (``clickhouse://...``), read-only by the
+    server: the connection and each query carry ClickHouse's ``readonly=1`` setting, under which
+    the server refuses any write or settings change, whatever the SQL says."""
+    from .clickhouse import ClickHouseStore
+
+    store = ClickHouseStore(url, read_only=True)
+    try:
+        try:
+            columns, rows = store.query_columns(sql, params, settings={"readonly": 1})
+        except StoreError as exc:
+            text = str(exc)
+            if "readonly mode" in text or "Code: 164" in text:
+                raise StoreError(f"query: refused: stepwatch query is read-only and nothing was changed ({text})") from None
+            raise
+        yield Answer(columns, iter(rows))
+    finally:
+        store.close()
 
 
 def _rows(cursor: sqlite3.Cursor) -> Iterator[tuple[Any, ...]]:

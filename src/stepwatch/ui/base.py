@@ -96,3 +96,33 @@ legacy_option = click.option(
     default=True,
     help="Reject records without schema_version (default), or convert them as legacy records.",
 )
+
+
+class StoreTarget(click.ParamType):
+    """A run directory or history store path (a ``Path``), or a store URL (``clickhouse://...``,
+    kept as the ``str`` it is: a Path would fold its ``//``). A URL is checked here, so a bad one
+    is a usage error naming its bad part before anything connects; ``exists``: a path must exist."""
+
+    name = "PATH|URL"
+
+    def __init__(self, exists: bool = False) -> None:
+        self.exists = exists
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from pathlib import Path
+
+        if isinstance(value, str) and "://" in value:
+            from ..errors import StoreError
+            from ..store.clickhouse_url import is_clickhouse_url, parse_clickhouse_url
+
+            try:
+                if not is_clickhouse_url(value):
+                    raise StoreError(f"store URL {value!r}: scheme: only clickhouse:// URLs name a store")
+                parse_clickhouse_url(value)
+            except StoreError as exc:
+                self.fail(str(exc), param, ctx)
+            return value
+        path = Path(value)
+        if self.exists and not path.exists():
+            self.fail(f"{str(path)!r}: no such file or directory", param, ctx)
+        return path

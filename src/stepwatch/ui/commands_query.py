@@ -19,7 +19,7 @@ from typing import Any
 import click
 import msgspec
 
-from .base import _console, _reports_errors
+from .base import StoreTarget, _console, _reports_errors
 
 __all__ = ["query"]
 
@@ -61,7 +61,7 @@ def _plain(value: Any) -> Any:
 
 
 @click.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=StoreTarget())
 @click.argument("sql", required=False)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
               help="table for people; json (an array of objects) or csv for scripts.")
@@ -72,9 +72,10 @@ def _plain(value: Any) -> Any:
 @click.option("--slowest-steps", type=click.IntRange(1, 1_000_000), metavar="N", help="The N slowest steps.")
 @click.option("--session", "session_id", help="Named questions: only this session (default: every one).")
 @_reports_errors
-def query(path: Path, sql: str | None, fmt: str, named: str | None, slowest_steps: int | None,
+def query(path: Path | str, sql: str | None, fmt: str, named: str | None, slowest_steps: int | None,
           session_id: str | None) -> None:
-    """Read-only SQL over a run's history (PATH: a run directory or a history store), or a named
+    """Read-only SQL over a run's history (PATH: a run directory, a history store, or a store URL
+    such as clickhouse://default@host:9000/stepwatch), or a named
     question. Views: sessions, steps, telemetry, spans, marks, alerts, verdicts, heartbeats,
     snapshots (their columns: docs/query.md). Example:
 
@@ -94,16 +95,30 @@ def query(path: Path, sql: str | None, fmt: str, named: str | None, slowest_step
     if session_id is not None and named is None:
         raise click.UsageError("--session narrows a named question; in SQL write WHERE session_id = '...'")
     statement, params = (sql, ()) if sql is not None else named_question(named or "", session_id, slowest_steps)
+    if isinstance(path, str):  # a store URL
+        if named is not None:
+            raise click.UsageError("the named questions use SQLite's functions; on a clickhouse:// store "
+                                   "write the SQL (the views and columns are the same: docs/clickhouse.md)")
+        from ..store.user_query import ask_url
+
+        with ask_url(path, statement or "", params) as answer:
+            _answer(answer, fmt, "query")
+        return
     with _history_file(path) as history, ask(history, statement or "", params) as answer:
-        if fmt == "json":
-            _write_json(answer.columns, answer.rows)
-        elif fmt == "csv":
-            writer = csv.writer(sys.stdout, lineterminator="\n")
-            writer.writerow(answer.columns)
-            for row in answer.rows:
-                writer.writerow([_plain(v) for v in row])
-        else:
-            _print_table(answer.columns, answer.rows, named or "query")
+        _answer(answer, fmt, named or "query")
+
+
+def _answer(answer: Any, fmt: str, title: str) -> None:
+    """Prints ``answer`` (store.user_query.Answer) in ``fmt``."""
+    if fmt == "json":
+        _write_json(answer.columns, answer.rows)
+    elif fmt == "csv":
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(answer.columns)
+        for row in answer.rows:
+            writer.writerow([_plain(v) for v in row])
+    else:
+        _print_table(answer.columns, answer.rows, title)
 
 
 def _write_json(columns: list[str], rows: Iterator[tuple[Any, ...]]) -> None:

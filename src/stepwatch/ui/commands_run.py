@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from .base import _console, _fit_text, _print_json, _reports_errors, _soft_wrap
+from .base import StoreTarget, _console, _fit_text, _print_json, _reports_errors, _soft_wrap
 from .commands_export import TRACKERS
 from .commands_verdicts import load_cli_policy, policy_options
 from .commands_watch import watchdog_options
@@ -40,6 +40,9 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
               help="Memory sampling interval in milliseconds.")
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
+@click.option("--store", "store", type=StoreTarget(), default=None, metavar="URL",
+              help="Write the history to this store instead of the run directory's history.sqlite: "
+                   "clickhouse://user@host:9000/db (docs/clickhouse.md).")
 @watchdog_options
 @click.option("--on-stall", type=click.Choice(["dump", "kill"]), default="dump", show_default=True,
               help="On STALL: dump every rank's stacks; kill: dump, then end the job (exit code 124).")
@@ -83,6 +86,13 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     if options.get("aggregator") and options.get("ui_port") is not None:
         raise click.UsageError("--ui-port serves the dashboard from this node's aggregator, and with --aggregator "
                                "there is none here: run it where the history is (or stepwatch ui there)")
+    store = options.get("store")
+    if store is not None and not isinstance(store, str):
+        raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is the run directory's "
+                                 "history.sqlite", param_hint="--store")
+    if store is not None and (options.get("ui_port") is not None or write_html):
+        raise click.UsageError("--ui-port and --report read the run directory's history.sqlite; with --store "
+                               "they are not served yet")
     _check_script(click.get_current_context(), script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
@@ -172,12 +182,16 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--session-id", help="Session of frames that name none (legacy senders).")
+@click.option("--store", "store", type=StoreTarget(), default=None, metavar="URL",
+              help="Write the history to this store instead of --out's history.sqlite: "
+                   "clickhouse://user@host:9000/db (docs/clickhouse.md).")
 @watchdog_options
 @feed_options
 @_reports_errors
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
           session_id: str | None, stall_after: float, throughput_window: float, ui_port: int | None = None,
-          metrics_port: int | None = None, alert_webhook: str | None = None, otlp_endpoint: str | None = None) -> None:
+          metrics_port: int | None = None, alert_webhook: str | None = None, otlp_endpoint: str | None = None,
+          store: Path | str | None = None) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
@@ -185,6 +199,11 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
     from ..server.serve import parse_duration
     from ..server.serve import serve as run_server
 
+    if store is not None and not isinstance(store, str):
+        raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is --out's history.sqlite",
+                                 param_hint="--store")
+    if store is not None and ui_port is not None:
+        raise click.UsageError("--ui-port reads --out's history.sqlite; with --store it is not served yet")
     retention_ns = None
     if retention:
         try:
@@ -198,19 +217,28 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
         if not token:
             raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
     stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
-                       retention_ns=retention_ns, ui_port=ui_port,
+                       retention_ns=retention_ns, ui_port=ui_port, store=store,
                        feeds={"metrics_port": metrics_port, "alert_webhook": alert_webhook,
                               "otlp_endpoint": otlp_endpoint},
                        watch={"stall_after_s": stall_after, "throughput_window_s": throughput_window})
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 
 
-def _summary_of(target: Path, session_id: str | None, policy: Any = None) -> dict[str, Any]:
+def _summary_of(target: Path | str, session_id: str | None, policy: Any = None) -> dict[str, Any]:
     """The summary of a run directory, a history store or a final_summary.json; with a verdict
     ``policy`` it is recomputed (a written final_summary.json holds the default policy's)."""
     from ..analysis.summary import build_summary
     from ..store.sqlite import SqliteStore
 
+    if isinstance(target, str):  # a store URL (clickhouse://...), read-only
+        from ..store import open_store
+
+        store = open_store(target, read_only=True)
+        try:
+            _require_session(store, target, session_id)
+            return build_summary(store, session_id, None, policy=policy)
+        finally:
+            store.close()
     if target.is_file() and target.suffix == ".json":
         data = json.loads(target.read_text())
         if session_id is not None and isinstance(data, dict) and data.get("session_id") != session_id:
@@ -234,7 +262,7 @@ def _summary_of(target: Path, session_id: str | None, policy: Any = None) -> dic
         return build_summary(store, session_id, target if target.is_dir() else None, policy=policy)
 
 
-def _require_session(store: Any, target: Path, session_id: str | None) -> None:
+def _require_session(store: Any, target: Path | str, session_id: str | None) -> None:
     """A session the store does not hold is an error naming the ones it does, never an empty
     summary."""
     if session_id is None:
@@ -244,7 +272,7 @@ def _require_session(store: Any, target: Path, session_id: str | None) -> None:
         _no_such_session(target, session_id, sessions)
 
 
-def _no_such_session(target: Path, session_id: str, sessions: list[dict[str, Any]]) -> None:
+def _no_such_session(target: Path | str, session_id: str, sessions: list[dict[str, Any]]) -> None:
     from ..errors import ArtifactError
 
     listed = ", ".join(f"{s['session_id']} ({s.get('status')})" for s in sessions) or "none"
@@ -260,15 +288,16 @@ def _write_summary_files(run_dir: Path, data: dict[str, Any]) -> None:
 
 
 @click.command()
-@click.argument("target", type=click.Path(path_type=Path, exists=True))
+@click.argument("target", type=StoreTarget(exists=True))
 @click.option("--session", "session_id", help="Session id (default: the newest).")
 @click.option("--write", is_flag=True, help="(Re)write final_summary.json/.txt into the run directory.")
 @click.option("--json", "as_json", is_flag=True)
 @policy_options
 @_reports_errors
-def summary(target: Path, session_id: str | None, write: bool, as_json: bool, policy_file: Path | None = None,
+def summary(target: Path | str, session_id: str | None, write: bool, as_json: bool, policy_file: Path | None = None,
             overrides: tuple[str, ...] = ()) -> None:
-    """Final summary of a run directory, a history store, or a final_summary.json.
+    """Final summary of a run directory, a history store (a path or a clickhouse:// URL), or a
+    final_summary.json.
 
     Its diagnosis comes first; --policy/--set recompute it with other thresholds."""
     from ..analysis.summary import render_summary_text
@@ -276,7 +305,7 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool, po
 
     policy = load_cli_policy(policy_file, overrides)
 
-    if write and not target.is_dir():
+    if write and (isinstance(target, str) or not target.is_dir()):
         raise click.UsageError("--write needs a run directory (it writes final_summary.* into it)")
     if write and (target / "history.sqlite").is_file():
         from ..server.launcher import write_final_summary
@@ -297,14 +326,17 @@ def summary(target: Path, session_id: str | None, write: bool, as_json: bool, po
 
 
 @click.command()
-@click.argument("a", type=click.Path(path_type=Path, exists=True))
-@click.argument("b", type=click.Path(path_type=Path, exists=True))
+@click.argument("a", type=StoreTarget(exists=True))
+@click.argument("b", type=StoreTarget(exists=True))
+@click.option("--session-a", help="A's session, where A holds several (a store URL, a serve --out store).")
+@click.option("--session-b", help="B's session, likewise.")
 @click.option("--max-step-time-regression-pct", "max_regression_pct", type=click.FloatRange(0, min_open=False),
               default=None, metavar="PCT",
               help="Exit 4 when B's median step time is more than PCT percent above A's (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print {verdict, metrics} as JSON instead of the table.")
 @_reports_errors
-def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -> None:
+def compare(a: Path | str, b: Path | str, max_regression_pct: float | None, as_json: bool,
+            session_a: str | None = None, session_b: str | None = None) -> None:
     """Differences of two runs' summaries (B relative to A), and a verdict: REGRESSION,
     IMPROVEMENT, MIXED, EQUIVALENT or INCONCLUSIVE (docs/compare.md).
 
@@ -314,10 +346,13 @@ def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -
     from ..analysis.compare import compare_verdict
     from ..analysis.summary import compare_summaries
 
-    summary_a, summary_b = _summary_of(a, None), _summary_of(b, None)
+    if a == b and (session_a is None or session_b is None or session_a == session_b):
+        raise click.UsageError("A and B are the same store: name two sessions with --session-a and --session-b")
+    summary_a, summary_b = _summary_of(a, session_a), _summary_of(b, session_b)
     rows = compare_summaries(summary_a, summary_b)
     verdict = compare_verdict(summary_a, summary_b, max_step_time_regression_pct=max_regression_pct,
-                              workload_a=_workload(a), workload_b=_workload(b))
+                              workload_a=_workload(a, summary_a.get("session_id")),
+                              workload_b=_workload(b, summary_b.get("session_id")))
     if as_json:
         _print_json({"verdict": verdict, "metrics": rows})
         sys.exit(verdict["exit_code"])
@@ -339,12 +374,29 @@ def compare(a: Path, b: Path, max_regression_pct: float | None, as_json: bool) -
     sys.exit(verdict["exit_code"])
 
 
-def _workload(target: Path) -> str | None:
+def _workload(target: Path | str, session_id: str | None = None) -> str | None:
     """The script a run ran (run.json's command line, its first word that is not an option), so
-    two runs of different scripts are not compared as one workload."""
-    run_json = target / "run.json" if target.is_dir() else target.parent / "run.json"
+    two runs of different scripts are not compared as one workload; of a store URL, the
+    session's ``command_line`` column."""
     try:
-        command = json.loads(run_json.read_text()).get("command_line")
+        if isinstance(target, str):
+            from ..errors import StepwatchError
+            from ..store import open_store
+
+            try:
+                store = open_store(target, read_only=True)
+            except StepwatchError:
+                return None
+            try:
+                found = store.query("SELECT command_line FROM sessions WHERE session_id = ?", (session_id,))
+            except StepwatchError:
+                found = []
+            finally:
+                store.close()
+            command = json.loads(found[0]["command_line"]) if found and found[0]["command_line"] else None
+        else:
+            run_json = target / "run.json" if target.is_dir() else target.parent / "run.json"
+            command = json.loads(run_json.read_text()).get("command_line")
     except (OSError, ValueError, RecursionError, AttributeError):
         return None
     if not isinstance(command, list):
@@ -355,11 +407,12 @@ def _workload(target: Path) -> str | None:
 
 @click.command("import")
 @click.argument("path", type=click.Path(path_type=Path, exists=True))
-@click.option("--into", "into", type=click.Path(path_type=Path), required=True,
-              help="History store: a .sqlite file or a run directory (its history.sqlite).")
+@click.option("--into", "into", type=StoreTarget(), required=True,
+              help="History store: a .sqlite file, a run directory (its history.sqlite), or a store URL "
+                   "(clickhouse://user@host:9000/db; its database and tables are made when missing).")
 @click.option("--json", "as_json", is_flag=True)
 @_reports_errors
-def import_command(path: Path, into: Path, as_json: bool) -> None:
+def import_command(path: Path, into: Path | str, as_json: bool) -> None:
     """Import artifacts (sink, JSON export, spool, heartbeat files, a whole run) into a store."""
     from ..store import open_store
     from ..store.importers import import_path

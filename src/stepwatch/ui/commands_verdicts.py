@@ -7,6 +7,7 @@ run directory, a damaged history, an unknown session, a bad policy file or ``--s
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .base import _fit_text, _print_json, _reports_errors
+from .base import StoreTarget, _fit_text, _print_json, _reports_errors
 
 __all__ = ["explain", "load_cli_policy", "open_run_history", "policy_options"]
 
@@ -49,7 +50,7 @@ def load_cli_policy(policy_file: Path | None, overrides: tuple[str, ...]) -> Any
         raise ArtifactError(where if where not in message else "policy", message) from None
 
 
-def _pick_session(store: Any, target: Path, session_id: str | None) -> str:
+def _pick_session(store: Any, target: Path | str, session_id: str | None) -> str:
     """The session asked for (an error naming the ones there when it is not), else the run's own
     (run.json), else the newest in the store."""
     from ..artifacts.run_manifest import run_session_id
@@ -62,7 +63,7 @@ def _pick_session(store: Any, target: Path, session_id: str | None) -> str:
             listed = ", ".join(f"{s['session_id']} ({s.get('status')})" for s in sessions) or "none"
             raise ArtifactError(target, f"no session {session_id!r} here; its sessions: {listed}")
         return session_id
-    own = run_session_id(target) if target.is_dir() else None
+    own = run_session_id(target) if isinstance(target, Path) and target.is_dir() else None
     if own in known:
         return own  # type: ignore[return-value]
     if not sessions:
@@ -71,8 +72,8 @@ def _pick_session(store: Any, target: Path, session_id: str | None) -> str:
 
 
 @contextmanager
-def open_run_history(target: Path, session_id: str | None) -> Iterator[tuple[Any, str, str]]:
-    """(store, session id, source) of a run directory or a history store: its history.sqlite,
+def open_run_history(target: Path | str, session_id: str | None) -> Iterator[tuple[Any, str, str]]:
+    """(store, session id, source) of a run directory, a history store or a store URL: its history.sqlite,
     read-only, or, for a run with no history (``track``, ``stepwatch.init`` alone), a temporary
     store its artifacts are imported into (nothing is written into the run directory)."""
     import tempfile
@@ -80,6 +81,12 @@ def open_run_history(target: Path, session_id: str | None) -> Iterator[tuple[Any
     from ..errors import ArtifactError
     from ..store.sqlite import SqliteStore
 
+    if isinstance(target, str):  # a store URL (clickhouse://...), read-only
+        from ..store import open_store
+
+        with contextlib.closing(open_store(target, read_only=True)) as store:
+            yield store, _pick_session(store, target, session_id), str(getattr(store, "path", target))
+        return
     if target.is_file() and target.suffix in (".sqlite", ".db"):
         history = target
     elif target.is_dir():
@@ -104,14 +111,14 @@ def open_run_history(target: Path, session_id: str | None) -> Iterator[tuple[Any
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=StoreTarget())
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @click.option("--window", type=click.IntRange(1, 10_000_000), default=None,
               help="Only the last N steps completed on every rank (default: every step).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @policy_options
 @_reports_errors
-def explain(run_dir: Path, session_id: str | None, window: int | None, as_json: bool, policy_file: Path | None,
+def explain(run_dir: Path | str, session_id: str | None, window: int | None, as_json: bool, policy_file: Path | None,
             overrides: tuple[str, ...]) -> None:
     """Why the run's steps took the time they did: the verdicts, with their evidence.
 

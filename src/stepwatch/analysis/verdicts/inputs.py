@@ -43,7 +43,10 @@ def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int
     """The rows of ``session_id``'s window: the last ``last_steps`` steps completed on every rank
     (None: every step completed on every rank), the memory samples taken during them, and the
     NVML utilisation samples of the same span. Raises StoreError on a damaged history."""
-    lasts = [r for r in store.query(_LAST_STEPS, (session_id,)) if r["last"] is not None]
+    # a store whose SQL has no recursive CTE (ClickHouse) answers the same question its own way
+    own = getattr(store, "rank_last_steps", None)
+    found = own(session_id) if own is not None else store.query(_LAST_STEPS, (session_id,))
+    lasts = [r for r in found if r["last"] is not None]
     expected = _expected_ranks(store, session_id)
     if not lasts:
         return VerdictInputs([], [], [], expected, last_steps)
