@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # wait on their processes, so more workers than cores keep both cores busy.
 TEST_WORKERS ?= 4
 
-.PHONY: demo test test-fast bench clean browser clickhouse
+.PHONY: demo test test-fast bench clean browser clickhouse prometheus
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,13 @@ clickhouse:
 	  [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clickhouse-server clickhouse-client >/dev/null; fi
 
-test: $(VENV)/.installed browser clickhouse
+# the Prometheus test (tests/server/test_metrics.py) lets Debian's prometheus scrape a live run
+prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; fi
+
+test: $(VENV)/.installed browser clickhouse prometheus
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out), and
