@@ -79,3 +79,18 @@ def test_the_trace_and_the_report_of_an_older_run(runs: tuple[Path, Path], tmp_p
                         (tmp_path / "report.html").read_text())
     assert any("STRAGGLER" in gzip.decompress(base64.b64decode(text)).decode() for text in packed)
     assert _digest(older) == before
+
+
+def test_an_older_run_goes_to_tensorboard_with_every_step(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, older = runs
+    before = _digest(older)
+    proc = run_stepwatch("export", "tensorboard", str(older), "-o", str(tmp_path / "tb"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        acc = EventAccumulator(str(tmp_path / "tb" / f"rank_{rank}"), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("step_time_ms")] == list(range(80))
+    assert _digest(older) == before

@@ -220,6 +220,7 @@ def _rank_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats
     where, window = ("", ()) if r.window is None else (_SPAN_IN_WINDOW, _span_window(r.window))
     # spans, thread by thread, each thread's by start (longest first): what Lanes needs
     lanes, lane_tids, current = Lanes(), [0], object()
+    last_spanned = -1  # the last step with a span: a killed rank's unshipped steps come after it
     for span_id, parent_id, name, index, start, end, gpu, thread, os_pid, attrs in store.iterate(
             "SELECT span_id, parent_id, name, idx, start_ns, end_ns, gpu_ns, thread_id, pid, attrs FROM spans "
             f"WHERE session_id = ? AND rank = ?{where} ORDER BY thread_id, start_ns, end_ns DESC",
@@ -250,11 +251,31 @@ def _rank_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats
             args["os_pid"] = os_pid
         if attrs and attrs != "{}":
             args.update(_args(attrs))
+        if name == "step" and type(index) is int and index > last_spanned:
+            last_spanned = index
         event = complete(span_title(name, index), span_category(name), pid, lane_tids[lane], start, end, origin, args)
         yield event
-    yield from _gpu_events(store, sid, r, origin, stats, next_tid)
+    yield from _ledger_steps(store, sid, r, origin, next_tid, last_spanned)
+    yield from _gpu_events(store, sid, r, origin, stats, next_tid + 1)
     yield from _counter_events(store, sid, r, origin, stats)
     yield from _mark_events(store, sid, r, origin, stats)
+
+
+def _ledger_steps(store: Any, sid: str, r: _Rank, origin: int, tid: int, after: int) -> Iterator[dict[str, Any]]:
+    """The steps the history holds past the last step span: a rank killed (SIGKILL) before its
+    last spans were shipped keeps every step it closed in its step ledger, and the trace shows
+    them on a track of their own rather than end the rank early."""
+    where, window = ("", ()) if r.window is None else (_SPAN_IN_WINDOW, _span_window(r.window))
+    named = False
+    for step, start, end in store.iterate("SELECT step, start_ns, end_ns FROM steps WHERE session_id = ? AND rank = ? "
+                                          f"AND step > ?{where} ORDER BY step", (sid, r.rank, after, *window)):
+        if not isinstance(start, int) or not isinstance(end, int):
+            continue
+        if not named:
+            named = True
+            yield from thread_metadata(r.rank + 1, tid, "steps (from the step ledger: their spans were not shipped)", tid)
+        yield complete(span_title("step", step), span_category("step"), r.rank + 1, tid, start, end, origin,
+                       {"source": "step ledger"})
 
 
 def _gpu_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats,
