@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
+from ..errors import StoreError
 from ..schema.tables import TABLES as HISTORY_TABLES
 from ..schema.tables import column_types
 
-__all__ = ["COLUMNS", "TABLES", "HistoryStore"]
+__all__ = ["COLUMNS", "TABLES", "HistoryStore", "SqlReads"]
 
 # table -> (column, SQL type); `json` columns hold encoded JSON text. Declared once, with where
 # each column comes from, in ``schema.tables``.
@@ -59,3 +60,31 @@ class HistoryStore(Protocol):
     def forget_batches(self, before_ns: int) -> int: ...
 
     def close(self) -> None: ...
+
+
+class SqlReads:
+    """The reads every SQL store answers with the same SQL over the same views: one copy, each
+    store bringing its own ``query``."""
+
+    def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def count(self, table: str, session_id: str | None = None) -> int:
+        if table not in COLUMNS:
+            raise StoreError(f"unknown table {table!r}")
+        where, params = ("WHERE session_id = ?", (session_id,)) if session_id else ("", ())
+        return int(self.query(f"SELECT COUNT(*) AS n FROM {table} {where}", params)[0]["n"])
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM sessions ORDER BY started_at_ns DESC")
+
+    def step_rows(self, session_id: str) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM steps WHERE session_id = ? ORDER BY rank, step", (session_id,))
+
+    def memory_peaks(self, session_id: str) -> list[dict[str, Any]]:
+        return self.query(
+            "SELECT rank, collector, device_id, MAX(allocated) AS peak_allocated, MAX(reserved) AS peak_reserved, "
+            "MAX(total) AS total FROM telemetry WHERE session_id = ? AND event_type = 'sample' "
+            "GROUP BY rank, collector, device_id ORDER BY rank, device_id",
+            (session_id,),
+        )

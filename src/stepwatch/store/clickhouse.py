@@ -43,7 +43,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from ..errors import StoreError
-from .base import COLUMNS
+from .base import COLUMNS, SqlReads
 from .clickhouse_url import ClickHouseURL, parse_clickhouse_url
 from .rows import row_tuples
 
@@ -205,7 +205,7 @@ def _driver() -> Any:
     return clickhouse_driver
 
 
-class ClickHouseStore:
+class ClickHouseStore(SqlReads):
     """Example::
 
         store = ClickHouseStore("clickhouse://default@127.0.0.1:9000/stepwatch")
@@ -400,26 +400,6 @@ class ClickHouseStore:
         export does), which a stream still open on the connection would block."""
         del size
         yield from self.query_tuples(sql, params)
-
-    def count(self, table: str, session_id: str | None = None) -> int:
-        if table not in COLUMNS:
-            raise StoreError(f"unknown table {table!r}")
-        where, params = ("WHERE session_id = ?", (session_id,)) if session_id else ("", ())
-        return int(self.query(f"SELECT COUNT(*) AS n FROM {table} {where}", params)[0]["n"])
-
-    def sessions(self) -> list[dict[str, Any]]:
-        return self.query("SELECT * FROM sessions ORDER BY started_at_ns DESC")
-
-    def step_rows(self, session_id: str) -> list[dict[str, Any]]:
-        return self.query("SELECT * FROM steps WHERE session_id = ? ORDER BY rank, step", (session_id,))
-
-    def memory_peaks(self, session_id: str) -> list[dict[str, Any]]:
-        return self.query(
-            "SELECT rank, collector, device_id, MAX(allocated) AS peak_allocated, MAX(reserved) AS peak_reserved, "
-            "MAX(total) AS total FROM telemetry WHERE session_id = ? AND event_type = 'sample' "
-            "GROUP BY rank, collector, device_id ORDER BY rank, device_id",
-            (session_id,),
-        )
 
     def rank_last_steps(self, session_id: str) -> list[dict[str, Any]]:
         """Each rank of the session and its last step (the SQLite store's recursive seek down

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import StoreError
 from ..log import logger
 from ..schema.tables import TABLES as HISTORY_TABLES
-from .base import COLUMNS
+from .base import COLUMNS, SqlReads
 from .rows import row_tuples
 
 __all__ = ["SESSION_RANKS", "SqliteStore", "see_todays_tables"]
@@ -112,7 +112,7 @@ _PAGE_SIZE = 16384  # takes effect for a new file only (set before WAL mode)
 _CACHE_KIB = 32 * 1024
 
 
-class SqliteStore:
+class SqliteStore(SqlReads):
     """Example::
 
         store = SqliteStore(run_dir / "history.sqlite")
@@ -396,26 +396,6 @@ class SqliteStore:
                 del rows  # not held while the next batch is fetched
         finally:
             cursor.close()
-
-    def count(self, table: str, session_id: str | None = None) -> int:
-        if table not in COLUMNS:
-            raise StoreError(f"unknown table {table!r}")
-        where, params = ("WHERE session_id = ?", (session_id,)) if session_id else ("", ())
-        return int(self.query(f"SELECT COUNT(*) AS n FROM {table} {where}", params)[0]["n"])
-
-    def sessions(self) -> list[dict[str, Any]]:
-        return self.query("SELECT * FROM sessions ORDER BY started_at_ns DESC")
-
-    def step_rows(self, session_id: str) -> list[dict[str, Any]]:
-        return self.query("SELECT * FROM steps WHERE session_id = ? ORDER BY rank, step", (session_id,))
-
-    def memory_peaks(self, session_id: str) -> list[dict[str, Any]]:
-        return self.query(
-            "SELECT rank, collector, device_id, MAX(allocated) AS peak_allocated, MAX(reserved) AS peak_reserved, "
-            "MAX(total) AS total FROM telemetry WHERE session_id = ? AND event_type = 'sample' "
-            "GROUP BY rank, collector, device_id ORDER BY rank, device_id",
-            (session_id,),
-        )
 
     def _checkpoint_soon(self) -> None:
         """After a commit (lock held): the checkpointer's turn, or the writer's own past the bound."""
