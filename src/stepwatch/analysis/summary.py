@@ -8,7 +8,7 @@ give the same numbers. ``final_summary.json`` carries ``schema_version``.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections.abc import Sequence
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
 from .epochs import epoch_report, render_epoch_line
 from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
+from .verdicts.inputs import session_steps
+from .verdicts.step_columns import StepColumns
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
            "render_summary_text", "run_outcome"]
@@ -29,9 +31,9 @@ _COLUMNS = STEP_COLUMNS  # each share's column in the history's steps table, in 
 _OUTSIDE_RESIDUAL = tuple(p.column for p in PHASE_TABLE if not p.in_residual)
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default), on pre-sorted values."""
-    if not sorted_values:
+    if len(sorted_values) == 0:
         return None
     position = (len(sorted_values) - 1) * q
     low = int(position)
@@ -39,28 +41,51 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    times = sorted(r["step_ns"] / 1e6 for r in rows if r["step_ns"] is not None)
-    total = sum(times)
+def _step_stats(steps: StepColumns) -> dict[str, Any]:
+    """Step-time statistics and phase shares of ``steps`` (one rank's rows, or every rank's)."""
+    import numpy as np
+
+    step_ns = steps.arrays["step_ns"]
+    known = step_ns[~np.isnan(step_ns)]
+    times = np.sort(known) / 1e6
+    total = float(known.sum()) / 1e6  # whole nanoseconds below 2**53 sum exactly as float64
+    count = len(times)
+    phase = {column: np.nan_to_num(steps.arrays[column]) for column in _COLUMNS}  # unknown: none spent
     shares = {}
-    for phase, column in zip(PHASES, _COLUMNS):
-        if phase == RESIDUAL.share:
+    for name, column in zip(PHASES, _COLUMNS):
+        if name == RESIDUAL.share:
             # wait_ns is the spec's residual (step - h2d - forward - backward - optimizer), which
             # still holds the step's own fetch; its share excludes data_load (the phases outside
             # the residual) so shares sum to 1.
-            spent = sum(max(0, (r.get(column) or 0) - sum((r.get(c) or 0) for c in _OUTSIDE_RESIDUAL))
-                        for r in rows) / 1e6
+            outside = sum((phase[c] for c in _OUTSIDE_RESIDUAL), np.zeros(len(steps)))
+            spent = float(np.maximum(0.0, phase[column] - outside).sum()) / 1e6
         else:
-            spent = sum((r.get(column) or 0) for r in rows) / 1e6
-        shares[phase] = round(spent / total, 4) if total > 0 else None
-    span_s = (max(r["end_ns"] for r in rows) - min(r["start_ns"] for r in rows)) / 1e9 if rows else 0.0
+            spent = float(phase[column].sum()) / 1e6
+        shares[name] = round(spent / total, 4) if total > 0 else None
+    span = steps.span()
+    span_s = (span[1] - span[0]) / 1e9 if span is not None else 0.0
+
+    def at(q: float) -> float | None:
+        value = percentile(times, q)
+        return None if value is None else float(value)
+
     return {
-        "steps": len(times),
-        "step_ms": {"median": percentile(times, 0.5), "p90": percentile(times, 0.9), "p99": percentile(times, 0.99),
-                    "mean": total / len(times) if times else None, "max": times[-1] if times else None},
+        "steps": count,
+        "step_ms": {"median": at(0.5), "p90": at(0.9), "p99": at(0.99),
+                    "mean": total / count if count else None, "max": float(times[-1]) if count else None},
         "phase_share": shares,
-        "throughput_steps_per_s": round(len(times) / span_s, 3) if span_s > 0 else None,
+        "throughput_steps_per_s": round(count / span_s, 3) if span_s > 0 else None,
     }
+
+
+def _per_rank(steps: StepColumns) -> dict[int, StepColumns]:
+    """Each rank's rows, from rows ordered by rank."""
+    import numpy as np
+
+    rank = steps.arrays["rank"]
+    starts = np.flatnonzero(np.insert(rank[1:] != rank[:-1], 0, True)) if len(rank) else np.array([], dtype=int)
+    bounds = [*starts.tolist(), len(rank)]
+    return {int(rank[a]): steps.take(slice(a, b)) for a, b in zip(bounds, bounds[1:]) if rank[a] == rank[a]}
 
 
 def _read_aggregator_stats(run_dir: Path | None) -> dict[str, Any]:
@@ -86,10 +111,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         session_id = session["session_id"]
     else:
         session = next((s for s in sessions if s["session_id"] == session_id), {"session_id": session_id})
-    steps = store.step_rows(session_id)
-    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for row in steps:
-        by_rank[row["rank"]].append(row)
+    steps = session_steps(store, session_id)  # one read: the statistics and the diagnosis share it
     stops = store.query(
         "SELECT rank, metadata FROM telemetry WHERE session_id = ? AND event_type = 'stop' ORDER BY timestamp_ns",
         (session_id,),
@@ -113,7 +135,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         run = read_json_file(run_dir / "run.json")  # ArtifactError naming it, nesting included
         if run.get("session_id") == session_id:
             exit_code = run.get("exit_code")
-    per_rank = {str(rank): _step_stats(rows) for rank, rows in sorted(by_rank.items())}
+    per_rank = {str(rank): _step_stats(rows) for rank, rows in sorted(_per_rank(steps).items())}
     overall = _step_stats(steps)
     # A training step is done when every rank has done it: the run's rate is its slowest rank's.
     rates = [r["throughput_steps_per_s"] for r in per_rank.values() if r["throughput_steps_per_s"] is not None]
@@ -151,7 +173,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
         "alerts": session_alerts(store, session_id, run_dir),
-        "diagnosis": summary_diagnosis(store, session_id, policy),
+        "diagnosis": summary_diagnosis(store, session_id, policy, steps),
     }
 
 

@@ -8,7 +8,7 @@ import this module without this module importing it back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..errors import StoreError
@@ -50,6 +50,10 @@ class HistoryStore(Protocol):
 
     def step_rows(self, session_id: str) -> list[dict[str, Any]]: ...
 
+    def step_tuples(self, session_id: str, columns: Sequence[str]) -> list[tuple[Any, ...]]: ...
+
+    def query_tuples(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]: ...
+
     def memory_peaks(self, session_id: str) -> list[dict[str, Any]]: ...
 
     def apply_retention(self, window_ns: int, now_ns: int | None = None) -> int: ...
@@ -80,6 +84,15 @@ class SqlReads:
 
     def step_rows(self, session_id: str) -> list[dict[str, Any]]:
         return self.query("SELECT * FROM steps WHERE session_id = ? ORDER BY rank, step", (session_id,))
+
+    def step_tuples(self, session_id: str, columns: Sequence[str]) -> list[tuple[Any, ...]]:
+        """Every step row of ``session_id`` as a tuple of ``columns``, in no set order: the
+        summary's one read of a session, which it orders itself (a store reads fastest in the
+        order it keeps them)."""
+        return self.query_tuples(f"SELECT {', '.join(columns)} FROM steps WHERE session_id = ?", (session_id,))
+
+    def query_tuples(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
 
     def memory_peaks(self, session_id: str) -> list[dict[str, Any]]:
         return self.query(
