@@ -93,6 +93,10 @@ def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path
         steps = names(spool, "step")
         assert len(steps) == 5
         assert all(sorted(kids(spool, s)) == ["backward", "data_load", "forward", "optimizer_step"] for s in steps)
+        # the versions the process trains with, once a runtime, as its patches went in
+        versions = [m for m in spool.marks if m["name"] == "stepwatch.versions"]
+        assert [(m["value"], m["kind"], m["attrs"]["torch"]) for m in versions] == [
+            (torch.__version__, "summary", torch.__version__)]
 
 
 @pytest.mark.real

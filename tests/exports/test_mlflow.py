@@ -99,6 +99,8 @@ def test_one_run_per_session_with_the_params_tags_and_status(run: Path, session_
     assert params["optimizer/class"] == "SGD" and params["optimizer/lr"] == "0.01"
     assert params["dataloader/batch_size"] == "16" and params["dataloader/num_workers"] == "0"
     assert params["version/stepwatch"]
+    torch = pytest.importorskip("torch")
+    assert params["version/torch"] == torch.__version__  # from the ranks: the launcher never imports torch
     summary = json.loads((run / "final_summary.json").read_text())
     assert (info.start_time, info.end_time) == (summary["started_at_ns"] // 1_000_000, summary["ended_at_ns"] // 1_000_000)
 

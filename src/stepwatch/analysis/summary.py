@@ -18,6 +18,7 @@ from ..phases import PHASES as PHASE_TABLE
 from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
 from .epochs import epoch_report, render_epoch_line
+from .program_settings import session_versions
 from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
@@ -134,6 +135,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "world_size": max(session.get("world_size") or 0, world_seen) or (len(ranks_seen) - len(workers) or None),
         "ranks": [rank for rank in ranks_seen if rank not in workers],
         "workers": workers,
+        "versions": session_versions(store, session_id),
         "overall": overall,
         "per_rank": per_rank,
         "epochs": session_epochs(store, session_id),
@@ -282,6 +284,10 @@ def render_summary_text(summary: dict[str, Any]) -> str:
         f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}"
         + (f", workers {summary['workers']}" if summary.get("workers") else ""),
     ]
+    versions = summary.get("versions") or {}
+    if versions.get("torch"):
+        lines.append(f"versions torch {versions['torch']}" + (f" (cuda {versions['cuda']})" if versions.get("cuda") else "")
+                     + "".join(f", {k} {versions[k]}" for k in ("python", "stepwatch") if versions.get(k)))
     lines[1:1] = outcome_lines(summary)
     lines.extend(diagnosis_lines(summary.get("diagnosis")))  # first after the header: what to do
     overall = summary["overall"]

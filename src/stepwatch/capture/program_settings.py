@@ -9,6 +9,10 @@ to the spool, the aggregator and the history's ``marks`` table; ``attrs`` holds 
 * ``stepwatch.optimizer``: at an optimizer's first ``step()``; value its class name;
 * ``stepwatch.h2d``: at the first host-to-device copy of each kind (``non_blocking`` or not);
   value ``"non_blocking"`` or ``"blocking"``;
+* ``stepwatch.versions``: once, when the torch patches go in: the versions this process trains
+  with, ``torch``, ``cuda`` (the CUDA torch was built for; none on a CPU build), ``python``,
+  ``stepwatch`` and ``platform``; value the torch version. A run started by ``stepwatch run`` has
+  them only from here: its launcher never imports torch, so run.json's ``versions`` lack it;
 * ``stepwatch.plan``: what the run will do, where the program says it: ``epochs`` (from
   ``stepwatch.epochs(n)``), ``max_steps`` (a framework's: Hugging Face's ``TrainerState.max_steps``,
   Lightning's estimated stepping batches); the live view's total is ``max_steps``, else
@@ -21,6 +25,7 @@ program: a setting that cannot be read is left out.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import weakref
 from typing import Any
@@ -28,13 +33,14 @@ from typing import Any
 from ..guard import Site, report_internal
 from .spans import SpanRecorder
 
-__all__ = ["DATALOADER_MARK", "H2D_MARK", "OPTIMIZER_MARK", "PLAN_MARK", "ProgramSettings", "dataloader_settings",
-           "host_cpus", "optimizer_settings"]
+__all__ = ["DATALOADER_MARK", "H2D_MARK", "OPTIMIZER_MARK", "PLAN_MARK", "VERSIONS_MARK", "ProgramSettings",
+           "dataloader_settings", "host_cpus", "optimizer_settings", "training_versions"]
 
 DATALOADER_MARK = "stepwatch.dataloader"
 OPTIMIZER_MARK = "stepwatch.optimizer"
 H2D_MARK = "stepwatch.h2d"
 PLAN_MARK = "stepwatch.plan"
+VERSIONS_MARK = "stepwatch.versions"
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -101,6 +107,19 @@ def optimizer_settings(optimizer: Any) -> dict[str, Any]:
     return settings
 
 
+def training_versions(torch: Any) -> dict[str, str | None]:
+    """The versions a training process runs with (``torch``: the module its patches use)."""
+    from .. import __version__
+
+    version = getattr(torch, "version", None)
+    return {"torch": str(getattr(torch, "__version__", "?")), "cuda": _text(getattr(version, "cuda", None)),
+            "python": platform.python_version(), "stepwatch": __version__, "platform": platform.platform()}
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 class ProgramSettings:
     """Records each loader's and optimizer's settings once, and the kinds of copies seen."""
 
@@ -140,6 +159,14 @@ class ProgramSettings:
         try:
             settings = optimizer_settings(optimizer)
             self._mark(OPTIMIZER_MARK, settings["class"] or "?", settings)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, Site.INFERRED_SETTINGS)
+
+    def versions(self, torch: Any) -> None:
+        """Once per process, as the torch patches go in."""
+        try:
+            versions = training_versions(torch)
+            self._mark(VERSIONS_MARK, versions["torch"], versions)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.INFERRED_SETTINGS)
 
