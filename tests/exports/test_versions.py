@@ -1,6 +1,6 @@
 """The versions a run trained with, on the shared real two-rank ``stepwatch run``: its launcher
-never imports torch (run.json has no torch version), so each rank records its own as the torch
-patches go in (``stepwatch.versions``), and the summary and the trackers' params read them there."""
+never imports torch (run.json has no torch version), so each rank records its own as it first
+trains (``stepwatch.versions``), and the summary and the trackers' params read them there."""
 
 from __future__ import annotations
 

@@ -40,12 +40,11 @@ class TorchPatches:
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self.installed = False
-        self.installed_once = False
         from torch.optim import optimizer
 
         self.inferred = InferredMetrics(state.recorder, torch, state.threads,
                                         optimizer.register_optimizer_step_post_hook)
-        self.settings = ProgramSettings(state.recorder)
+        self.settings = ProgramSettings(state.recorder, torch)
 
     def install(self) -> None:
         with self._lock:
@@ -80,9 +79,6 @@ class TorchPatches:
             except BaseException:
                 self._restore()  # all or nothing: never leave half the patches in place
                 raise
-            if not self.installed_once:
-                self.settings.versions(torch)  # once a process: what the exports' params name
-                self.installed_once = True
             self.installed = True
 
     def uninstall(self) -> None:
