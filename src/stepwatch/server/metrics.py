@@ -202,7 +202,7 @@ def start_metrics(state: FeedState, aggregator: Any, host: str, port: int, token
         from prometheus_client import CollectorRegistry
     except ImportError:
         raise StepwatchError("--metrics-port needs prometheus_client: pip install 'stepwatch[metrics]'") from None
-    from .serve import http_bind
+    from .binds import http_bind
 
     address = http_bind(host, token, bind, "--metrics-host")
     registry = CollectorRegistry(auto_describe=False)

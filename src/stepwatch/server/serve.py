@@ -153,6 +153,7 @@ def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None,
     host when that is loopback or a token is set, else 127.0.0.1 (a dashboard is never open to a
     network without a token). Called on the loop's thread, which lives as long as the process:
     the child's parent-death signal follows it."""
+    from .binds import http_bind
     from .dashboard import DashboardProcess
 
     bind = http_bind(host, token, ui_host, "--ui-host")
@@ -162,20 +163,6 @@ def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None,
     except OSError as exc:
         raise ListenError(f"cannot listen for the dashboard on {bind}:{port}: {exc.strerror or exc}") from None
     return dashboard, url
-
-
-def http_bind(host: str, token: str | None, asked: str | None, option: str) -> str:
-    """Where an HTTP surface of the aggregator (the dashboard, /metrics) binds: ``asked`` (its
-    ``--ui-host``, ``--metrics-host``) when given, else ``host`` when that is loopback or a token
-    is set, else 127.0.0.1. ListenError for an ``asked`` beyond loopback with no token (the CLI
-    refuses it first; this guards every other caller)."""
-    from ..web.app import is_loopback
-
-    if asked is not None:
-        if token is None and not is_loopback(asked):
-            raise ListenError(f"{option} {asked} is not loopback: it then needs a token (--token-env VAR)")
-        return asked
-    return host if token is not None or is_loopback(host) else "127.0.0.1"
 
 
 def _start_feeds(feeds: dict[str, Any] | None, run_dir: Path, aggregator: Any, host: str, token: str | None) -> Any:
