@@ -284,10 +284,6 @@ def render_summary_text(summary: dict[str, Any]) -> str:
         f"ranks {summary.get('ranks')} of world size {summary.get('world_size')}"
         + (f", workers {summary['workers']}" if summary.get("workers") else ""),
     ]
-    versions = summary.get("versions") or {}
-    if versions.get("torch"):
-        lines.append(f"versions torch {versions['torch']}" + (f" (cuda {versions['cuda']})" if versions.get("cuda") else "")
-                     + "".join(f", {k} {versions[k]}" for k in ("python", "stepwatch") if versions.get(k)))
     lines[1:1] = outcome_lines(summary)
     lines.extend(diagnosis_lines(summary.get("diagnosis")))  # first after the header: what to do
     overall = summary["overall"]
@@ -326,6 +322,10 @@ def render_summary_text(summary: dict[str, Any]) -> str:
                                          if degraded else "all healthy"))
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
+    versions = summary.get("versions") or {}
+    if versions.get("torch"):  # last: what it ran on, after what to do about it
+        lines.append(f"versions torch {versions['torch']}" + (f" (cuda {versions['cuda']})" if versions.get("cuda") else "")
+                     + "".join(f", {k} {versions[k]}" for k in ("python", "stepwatch") if versions.get(k)))
     return "\n".join(lines) + "\n"
 
 
