@@ -18,6 +18,7 @@ from ..phases import PHASES as PHASE_TABLE
 from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
 from ..store.base import HistoryStore
 from .epochs import epoch_report, render_epoch_line
+from .program_settings import session_versions
 from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
 from .verdicts.inputs import session_steps
 from .verdicts.step_columns import StepColumns
@@ -156,6 +157,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "world_size": max(session.get("world_size") or 0, world_seen) or (len(ranks_seen) - len(workers) or None),
         "ranks": [rank for rank in ranks_seen if rank not in workers],
         "workers": workers,
+        "versions": session_versions(store, session_id),
         "overall": overall,
         "per_rank": per_rank,
         "epochs": session_epochs(store, session_id),
@@ -342,6 +344,10 @@ def render_summary_text(summary: dict[str, Any]) -> str:
                                          if degraded else "all healthy"))
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
+    versions = summary.get("versions") or {}
+    if versions.get("torch"):  # last: what it ran on, after what to do about it
+        lines.append(f"versions torch {versions['torch']}" + (f" (cuda {versions['cuda']})" if versions.get("cuda") else "")
+                     + "".join(f", {k} {versions[k]}" for k in ("python", "stepwatch") if versions.get(k)))
     return "\n".join(lines) + "\n"
 
 

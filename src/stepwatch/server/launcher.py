@@ -42,7 +42,8 @@ class LaunchOptions:
                  token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
                  on_stall: str = "dump", on_nonfinite: str = "alert", ui_port: int | None = None,
                  metrics_port: int | None = None, alert_webhook: str | None = None,
-                 otlp_endpoint: str | None = None, store: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, store: str | None = None, metrics_host: str | None = None,
+                 ui_host: str | None = None) -> None:
         self.script = list(script)
         # a store URL the history goes to instead of the run directory's history.sqlite
         # (docs/clickhouse.md); the run directory keeps the artifacts and the summary files
@@ -67,6 +68,9 @@ class LaunchOptions:
         self.interval_ms = interval_ms
         self.token_env = token_env
         self.ui_port = ui_port  # the aggregator also serves the dashboard (docs/dashboard.md)
+        # where the dashboard and /metrics bind (None: the aggregator's host, loopback without a token)
+        self.ui_host = ui_host
+        self.metrics_host = metrics_host
         # the aggregator's feeds (docs/metrics.md)
         self.metrics_port = metrics_port
         self.alert_webhook = alert_webhook
@@ -86,6 +90,9 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--ui-port", str(options.ui_port)]
     if options.metrics_port is not None:
         command += ["--metrics-port", str(options.metrics_port)]
+    for flag, value in (("--ui-host", options.ui_host), ("--metrics-host", options.metrics_host)):
+        if value is not None:
+            command += [flag, value]
     if options.alert_webhook:
         command += ["--alert-webhook", options.alert_webhook]
     if options.otlp_endpoint:
