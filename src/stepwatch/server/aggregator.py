@@ -634,6 +634,15 @@ class Aggregator:
         for writer in list(self._writers):
             writer.close()
 
+    def written_rows(self) -> int:
+        """Rows the history took (with a remote store: what its server took)."""
+        return self.rows_written + (self.feed.rows_written if self.feed is not None else 0)
+
+    def lost_rows(self) -> int:
+        """Rows accepted that the history will never have (failed writes; a remote store's batches
+        refused for good or not spillable)."""
+        return self.rows_lost + (self.feed.rows_lost if self.feed is not None else 0)
+
     def stats(self) -> dict[str, Any]:
         batches = (self.feed.write_batches if self.feed is not None else self.write_batches)[-100:]
         stats = {
