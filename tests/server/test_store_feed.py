@@ -18,6 +18,7 @@ import pytest
 
 from stepwatch.analysis.summary import build_summary, render_summary_text
 from stepwatch.store import open_store
+from stepwatch.store.base import COLUMNS
 from stepwatch.transport.sender import FrameSender
 from tests.support.aggregator import Aggregator, wait_for
 from tests.support.clickhouse import PrivateClickHouse
@@ -230,3 +231,44 @@ def test_the_summary_counts_the_degraded_store(spilled: dict[str, Any]) -> None:
     assert aggregator["store_degraded_episodes"] == 1 and aggregator["store_spill_pending_rows"] == 0, aggregator
     assert aggregator["store_replayed_rows"] == aggregator["store_spilled_rows"] > 0
     assert "history store: degraded 1 time(s)" in spilled["summary_text"] and "none lost" in spilled["summary_text"]
+
+
+def test_batches_left_by_an_earlier_aggregator_are_replayed_first_and_a_refused_one_does_not_block(
+        clickhouse_server: Any, tmp_path: Path) -> None:
+    """In process, on the shared server: a spill file left by an aggregator that stopped while the
+    server was down holds a batch the server can never take (a step index that is not a number)
+    between two good ones. A new feed replays them in order on its own, counts the bad batch's
+    row lost after three refusals while the server answered, and writes the next tick's batch
+    after them."""
+    from stepwatch.server.store_feed import StoreFeed
+    from stepwatch.store.rows import row_tuples
+    from stepwatch.store.spill import SpillBatch, SpillQueue
+    from tests.store.test_sqlite import step
+
+    sid = "left-over"
+    good = row_tuples("steps", [step(sid, 0, n, 100 * n) for n in range(3)])
+    bad = [tuple("x" if name == "step" else value for (name, _), value in zip(COLUMNS["steps"], good[0]))]
+    left = SpillQueue(tmp_path / "store_spill.sqlite")
+    left.push(SpillBatch(1, {"steps": good[:2]}, [], [{"session_id": sid, "status": "running",
+                                                      "started_at_ns": 1}], []))
+    left.push(SpillBatch(2, {"steps": bad}, [], [], []))
+    left.push(SpillBatch(3, {"steps": good[2:]}, [], [], [{"session_id": sid, "status": "completed",
+                                                          "ended_at_ns": 9}]))
+    left.close()
+    store = open_store(clickhouse_server.database_url("leftover"))
+    feed = StoreFeed(store, tmp_path / "store_spill.sqlite", backoff_s=(0.05, 0.1))
+    try:
+        assert feed.take_events()[0]["reason"] == "queued"
+        feed.submit({"steps": row_tuples("steps", [step(sid, 1, 0, 50)])}, [], [], [])
+        assert wait_for(lambda: not feed.stats()["store_degraded"] and feed.rows_written == 4, 20), feed.stats()
+        assert [e["event"] for e in feed.take_events()] == ["recovered"]
+        stats = feed.stats()
+        # the new tick's batch went behind them (spilled: the store was behind), then all were replayed
+        assert (stats["store_spilled_rows"], stats["store_replayed_rows"], stats["store_spill_pending_rows"]) == (1, 4, 0)
+        assert (feed.rows_lost, feed.write_errors) == (1, 1) and stats["store_write_failures"] == 3, stats
+        assert store.query("SELECT rank, step FROM steps ORDER BY rank, step") == [
+            {"rank": 0, "step": 0}, {"rank": 0, "step": 1}, {"rank": 0, "step": 2}, {"rank": 1, "step": 0}]
+        assert store.query("SELECT status, ended_at_ns FROM sessions") == [{"status": "completed", "ended_at_ns": 9}]
+    finally:
+        assert feed.close()
+        store.close()
