@@ -128,7 +128,7 @@ def _scenario(base: Path) -> dict[str, Any]:
             run.step_frame()
             wait_for(lambda: health(agg)["store_degraded"], 0.3)
         run.accepted()
-        seen["hung"] = health(agg)
+        seen["hung"], seen["hung_frames"] = health(agg), run.frames
         seen["hung_ship_s"] = max(run.ship_s)
 
         server.kill()  # down: the hung write fails, every batch since waits in the spill file
@@ -202,11 +202,13 @@ def test_the_ranks_never_wait_while_the_server_hangs_or_is_down(spilled: dict[st
     """Every ``ship`` returned at once (a blocked aggregator would make the sender's send wait
     its 1 s timeout), and the aggregator took every frame within seconds of it being sent, the
     60,000-row burst while the server hung included."""
-    assert spilled["max_ship_s"] < 0.5, spilled["max_ship_s"]
+    assert spilled["max_ship_s"] < 0.9, spilled["max_ship_s"]  # blocked: the send waits its 1 s timeout
     assert spilled["burst_accepted_s"] < 5 and spilled["down_accepted_s"] < 5, spilled
     hung, down = spilled["hung"], spilled["down"]
-    assert hung["store_degraded"] and hung["frames_accepted"] == hung["frames_accepted"]
-    assert hung["store_spilled_rows"] >= spilled["burst_marks"] and hung["pending_rows"] < 50_000, hung
+    assert hung["store_degraded"] and hung["frames_accepted"] == spilled["hung_frames"], hung
+    # the burst is waiting for the store (in the write under way, or spilled), not in the intake queue
+    assert hung["rows_accepted"] - hung["rows_written"] >= spilled["burst_marks"], hung
+    assert hung["store_spill_pending_rows"] > 0 and hung["pending_rows"] < 50_000, hung
     assert down["store_write_failures"] >= 1 and down["store_spill_pending_rows"] > 0, down
     assert "Connection refused" in (down["store_last_error"] or "") or down["store_last_error"], down
 
