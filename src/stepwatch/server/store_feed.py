@@ -44,7 +44,7 @@ from typing import Any
 from ..errors import StoreError
 from ..store.spill import SpillBatch, SpillQueue, UnreadableBatch
 
-__all__ = ["SLOW_ENV", "StoreFeed", "slow_s_from_env"]
+__all__ = ["SLOW_ENV", "StoreFeed", "UnopenedStore", "open_remote_store", "slow_s_from_env"]
 
 log = logging.getLogger("stepwatch.aggregator")
 _REFUSALS_BEFORE_DROP = 3
@@ -72,6 +72,52 @@ def slow_s_from_env(default: float = 5.0) -> float:
 def _problem(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if isinstance(exc, StoreError) else f"{type(exc).__name__}: {text}"
+
+
+class UnopenedStore:
+    """A store URL whose server did not answer when the aggregator started: opened by the first
+    call that needs it (the feed's thread, on its backoff: meanwhile every batch is spilled);
+    until then each call raises the StoreError of that try."""
+
+    def __init__(self, url: str, error: StoreError) -> None:
+        from ..store.clickhouse_url import parse_clickhouse_url
+
+        self.url = url
+        self.path = str(parse_clickhouse_url(url))  # without the password, as the store's own
+        self.error = error
+        self._store: Any = None
+        self._lock = threading.Lock()
+
+    def _opened(self) -> Any:
+        with self._lock:
+            if self._store is None:
+                from ..store import open_store
+
+                self._store = open_store(self.url)
+            return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._opened(), name)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+def open_remote_store(url: str) -> Any:
+    """The store of ``url``; an ``UnopenedStore`` when its server does not answer yet (any other
+    failure, a wrong password or a missing driver, is raised: waiting would not mend it)."""
+    from ..store import open_store
+
+    try:
+        return open_store(url)
+    except StoreError as exc:
+        if not getattr(exc, "unreachable", False):
+            raise
+        log.warning("aggregator: %s; the rows are spilled until it answers", exc)
+        return UnopenedStore(url, exc)
 
 
 class StoreFeed:
@@ -117,6 +163,8 @@ class StoreFeed:
         if self.queue.batches:  # left by an earlier aggregator on this directory: replayed first
             self._degrade("queued", f"{self.queue.batches} batches ({self.queue.rows} rows) left in "
                                     f"{self.queue.path} by an earlier run")
+        elif isinstance(store, UnopenedStore):
+            self._degrade("failed", str(store.error))
         self._thread = threading.Thread(target=self._run, name="stepwatch-store-feed", daemon=True)
         self._thread.start()
 
@@ -168,19 +216,26 @@ class StoreFeed:
         return events
 
     def close(self) -> bool:
-        """Writes what waits for up to ``drain_s`` (a failure ends the try at once), then spills
-        what is still in memory. True when the thread ended (False: a write still hangs on the
-        server; the store must not be closed under it)."""
+        """Writes what waits for up to ``drain_s`` (a failure ends the try at once; so does a
+        write that has hung on the server for ``slow_s``), then spills what is still in memory.
+        True when the thread ended (False: a write still hangs on the server; the store must not
+        be closed under it)."""
         with self._cond:
             self._stopping = True
             self._drain_until = self.clock() + self.drain_s
             self._cond.notify()
-        self._thread.join(self.drain_s + 5.0)
+        deadline = time.monotonic() + self.drain_s + 5.0
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(0.1)
+            with self._cond:
+                if self._in_flight_since is not None and self.clock() - self._in_flight_since > self.slow_s:
+                    break  # hung: what waits is spilled now, the hung batch with it (a replay reads once)
         finished = not self._thread.is_alive()
         with self._cond:
             self._spill_memory()
             self._end_episode()
-        self.queue.close()
+        if finished:  # else the hung write may still come back and touch the queue; the process ends anyway
+            self.queue.close()
         return finished
 
     def stats(self) -> dict[str, Any]:

@@ -261,7 +261,12 @@ class ClickHouseStore(SqlReads):
                     self._client.disconnect()
                     raise
         except errors as exc:
-            raise StoreError(f"{self.path}: cannot open history store: {_problem(exc)}") from None
+            error = StoreError(f"{self.path}: cannot open history store: {_problem(exc)}")
+            # no answer at all (refused, reset, timed out), as opposed to an answer that refuses
+            # (a wrong password): the aggregator may start and spill until the server answers
+            error.unreachable = isinstance(exc, (driver.errors.NetworkError, driver.errors.SocketTimeoutError,
+                                                 OSError, EOFError))  # type: ignore[attr-defined]
+            raise error from None
 
     def _create(self) -> None:
         """The tables and views, made where missing, and moved forward where stepwatch's tables
