@@ -176,8 +176,9 @@ class StoreFeed:
 
     @property
     def busy(self) -> bool:
-        """Degraded, or batches wait: the store is behind (live verdicts skip their round)."""
-        return self._degraded_at is not None or bool(self._memory)
+        """Degraded, or a batch waits behind the one being written: the store is behind (live
+        verdicts skip their round, they would read the past)."""
+        return self._degraded_at is not None or len(self._memory) > 1
 
     def submit(self, tables: dict[str, list[Any]], batch_ids: list[Any], opens: list[dict[str, Any]],
                closes: list[dict[str, Any]]) -> None:
