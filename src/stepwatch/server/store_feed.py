@@ -1,6 +1,6 @@
 """Between the aggregator's ticks and a remote store (ClickHouse): the ticks never wait on the
-server, and no row is lost while it is slow or down (docs/clickhouse.md, "When the server is
-down or slow").
+server, and no row is lost while it is slow or down
+(docs/clickhouse.md, "When the server is down or slow").
 
 The aggregator hands each tick's batch to ``submit`` (on a worker thread; it only ever touches
 local memory or the local spill file) and goes back to reading the ranks. A thread of this
