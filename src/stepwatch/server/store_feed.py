@@ -240,17 +240,19 @@ class StoreFeed:
         return finished
 
     def stats(self) -> dict[str, Any]:
-        with self._cond:
-            degraded_s = self._degraded_s + (self.clock() - self._degraded_at if self._degraded_at is not None else 0.0)
-            return {
-                "store_degraded": self._degraded_at is not None, "store_degraded_episodes": self.episodes,
-                "store_degraded_s": round(degraded_s, 3), "store_write_failures": self.write_failures,
-                "store_spilled_batches": self.spilled_batches, "store_spilled_rows": self.spilled_rows,
-                "store_replayed_batches": self.replayed_batches, "store_replayed_rows": self.replayed_rows,
-                "store_spill_pending_batches": self.queue.batches, "store_spill_pending_rows": self.queue.rows,
-                "store_memory_batches": len(self._memory), "store_last_error": self.last_error,
-                "store_spill_path": str(self.queue.path),
-            }
+        """The counters, read without the lock (``/healthz`` asks on the event loop, which must
+        not wait for a spill's fsync): each is one value the GIL reads whole."""
+        since = self._degraded_at
+        degraded_s = self._degraded_s + (self.clock() - since if since is not None else 0.0)
+        return {
+            "store_degraded": since is not None, "store_degraded_episodes": self.episodes,
+            "store_degraded_s": round(degraded_s, 3), "store_write_failures": self.write_failures,
+            "store_spilled_batches": self.spilled_batches, "store_spilled_rows": self.spilled_rows,
+            "store_replayed_batches": self.replayed_batches, "store_replayed_rows": self.replayed_rows,
+            "store_spill_pending_batches": self.queue.batches, "store_spill_pending_rows": self.queue.rows,
+            "store_memory_batches": len(self._memory), "store_last_error": self.last_error,
+            "store_spill_path": str(self.queue.path),
+        }
 
     # -- under the lock ------------------------------------------------------------------------
 
