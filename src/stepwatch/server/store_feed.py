@@ -15,7 +15,7 @@ feed writes the batches to the store, oldest first:
   batch then goes to the spill queue (store/spill.py: an SQLite file beside the run, durable
   when ``submit`` returns), the ones still in memory first, each with its sequence number so
   the order is kept. The thread retries with exponential backoff (``backoff_s``: 0.5 s doubling
-  to 30 s) and, once a write succeeds, replays the queue in order, removing each batch only
+  to 30 s, ``STEPWATCH_STORE_RETRY_MAX_S``) and, once a write succeeds, replays the queue in order, removing each batch only
   after the store took it; when the queue is empty the feed is healthy again.
 
 Exactly once: a batch whose write failed part way (ClickHouse has no transaction over tables)
@@ -44,19 +44,20 @@ from typing import Any
 from ..errors import StoreError
 from ..store.spill import SpillBatch, SpillQueue, UnreadableBatch
 
-__all__ = ["SLOW_ENV", "StoreFeed", "UnopenedStore", "open_remote_store", "slow_s_from_env"]
+__all__ = ["RETRY_MAX_ENV", "SLOW_ENV", "StoreFeed", "UnopenedStore", "backoff_from_env", "open_remote_store",
+           "seconds_from_env", "slow_s_from_env"]
 
 log = logging.getLogger("stepwatch.aggregator")
 _REFUSALS_BEFORE_DROP = 3
 SLOW_ENV = "STEPWATCH_STORE_SLOW_S"
+RETRY_MAX_ENV = "STEPWATCH_STORE_RETRY_MAX_S"
 
 
-def slow_s_from_env(default: float = 5.0) -> float:
-    """``STEPWATCH_STORE_SLOW_S``: how long a write may wait on the server before the next batch
-    is spilled instead of waiting behind it (a bad value: the default, said once)."""
+def seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (a bad value: the default, said once)."""
     import os
 
-    text = os.environ.get(SLOW_ENV)
+    text = os.environ.get(name)
     if not text:
         return default
     try:
@@ -64,9 +65,22 @@ def slow_s_from_env(default: float = 5.0) -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        log.warning("%s=%r is not a positive number of seconds: %.1f s is used", SLOW_ENV, text, default)
+        log.warning("%s=%r is not a positive number of seconds: %.1f s is used", name, text, default)
         return default
     return value
+
+
+def slow_s_from_env(default: float = 5.0) -> float:
+    """``STEPWATCH_STORE_SLOW_S``: how long a write may wait on the server before the next batch
+    is spilled instead of waiting behind it."""
+    return seconds_from_env(SLOW_ENV, default)
+
+
+def backoff_from_env(first: float = 0.5, longest: float = 30.0) -> tuple[float, float]:
+    """(first wait, longest wait) between tries of a store that failed; the longest from
+    ``STEPWATCH_STORE_RETRY_MAX_S`` (how late a server that is back may be noticed)."""
+    longest = seconds_from_env(RETRY_MAX_ENV, longest)
+    return min(first, longest), longest
 
 
 def _problem(exc: BaseException) -> str:
