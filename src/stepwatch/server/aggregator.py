@@ -108,7 +108,7 @@ class Aggregator:
         # the remote store's writer (server/store_feed.py): ticks go to it and never wait on the server
         self.feed = feed
         self._session_opens: list[dict[str, Any]] = []  # upserts of ranks first seen, written with the next tick
-        self.store_alerts = 0  # STORE_DEGRADED alerts raised (one per running session and episode)
+        self.store_alerts = 0  # STORE_DEGRADED alert rows queued for the history (one per running session and episode)
         # the alert rules' runner (server/watchdog.py), fed the rows of every accepted frame
         self.watchdog = watchdog
         # live event lines (a verdict change, an alert) for whoever started this server: ``stepwatch
@@ -508,15 +508,15 @@ class Aggregator:
         for session_id in running or [None]:
             alert = Alert(ts=float(event["ts"]), kind="STORE_DEGRADED", severity="warn", ranks=(), step=None,
                           message=message, evidence=evidence, session_id=session_id)
-            if session_id is not None:
+            if session_id is not None:  # none running yet (at start): said and logged, not stored
                 self._pending.setdefault("alerts", []).append(alert_row(alert, session_id))
                 self._pending_rows += 1
+                self.store_alerts += 1
             if self.watchdog is not None:
                 try:
                     self.watchdog.log.append(alert.to_dict())
                 except OSError as exc:
                     log.debug("cannot write the STORE_DEGRADED alert to alerts.jsonl: %s", exc)
-            self.store_alerts += 1
             self.emit({"event": "alert", "line": alert.line(), "alert": alert.to_dict()})
 
     def close_feed(self) -> bool:
