@@ -547,7 +547,8 @@ class Aggregator:
         cause = "the disk is full" if self.disk_full_errors else "writes failed"
         line = (f"aggregator: {cause}: {stats['write_errors']} writes to the history failed, "
                 f"{stats['rows_lost']} of {self.rows_accepted} rows are not in it "
-                f"(the ranks' local artifacts keep what they could write); first error: {self._first_write_error}")
+                f"(the ranks' local artifacts keep what they could write); first error: "
+                f"{self._first_write_error or (self.feed.last_error if self.feed is not None else None)}")
         log.warning("%s", line)
         return line
 

@@ -33,11 +33,12 @@ episode starts: it raises the ``STORE_DEGRADED`` alert) and ``recovered``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ class StoreFeed:
         self.queue = SpillQueue(spill_path)
         self.memory_batches, self.memory_rows = memory_batches, memory_rows
         self.backoff_s, self.drain_s, self.slow_s, self.clock = backoff_s, drain_s, slow_s, clock
-        self._in_flight_since: float | None = None  # clock() when the write under way began
+        self._in_flight_since: float | None = None  # clock() when the call to the server under way began
         self._memory: deque[SpillBatch] = deque()
         self._memory_rows = 0
         self._cond = threading.Condition()
@@ -209,7 +210,7 @@ class StoreFeed:
                 self._cond.notify()
                 return
             if self._degraded_at is None:
-                self._degrade("slow", f"a write has waited {waited:.1f} s on the server" if waited >= self.slow_s
+                self._degrade("slow", f"a call has waited {waited:.1f} s on the server" if waited >= self.slow_s
                               else f"{len(self._memory)} batches ({self._memory_rows} rows) still wait for it")
                 while len(self._memory) > 1:  # behind the write under way: durable now, written after it
                     behind = self._memory.pop()
@@ -343,7 +344,8 @@ class StoreFeed:
                     task, self._maintenance = self._maintenance, None
             if task is not None:
                 try:
-                    task()
+                    with self._on_server():
+                        task()
                 except Exception as exc:  # noqa: BLE001 - retention fails alone, it is tried again later
                     log.warning("aggregator: retention failed (tried again later): %s", _problem(exc))
                 continue
@@ -367,13 +369,10 @@ class StoreFeed:
                         self._end_episode()
                     continue
             started = time.perf_counter()
-            with self._cond:
-                self._in_flight_since = self.clock()
             try:
-                self._write(batch)
+                with self._on_server():
+                    self._write(batch)
             except Exception as exc:  # noqa: BLE001 - the feed outlives every failed write
-                with self._cond:
-                    self._in_flight_since = None
                 self._failed(source, batch, exc)
                 with self._cond:
                     if self._stopping:
@@ -390,9 +389,20 @@ class StoreFeed:
         for row in batch.closes:
             self.store.upsert_session(row)
 
+    @contextlib.contextmanager
+    def _on_server(self) -> Iterator[None]:
+        """Marks a call to the server (a write, the probe, retention) as under way: a call that
+        has hung on it for ``slow_s`` makes the next batch spill, and ends ``close``'s wait."""
+        with self._cond:
+            self._in_flight_since = self.clock()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight_since = None
+
     def _written(self, source: str, batch: SpillBatch, seconds: float) -> None:
         with self._cond:
-            self._in_flight_since = None
             if source == "memory":
                 if self._memory and self._memory[0] is batch:
                     self._memory.popleft()
@@ -410,7 +420,8 @@ class StoreFeed:
 
     def _answers(self) -> bool:
         try:
-            self.store.query("SELECT 1 AS one")
+            with self._on_server():
+                self.store.query("SELECT 1 AS one")
         except Exception:  # noqa: BLE001 - any failure: the server does not answer
             return False
         return True
