@@ -1,8 +1,10 @@
-"""When ClickHouse is slow or down (issue 23 §3): a real ``stepwatch serve --store clickhouse://``
-with two simulated ranks (FrameSender, as a rank's runtime ships) writes into a real
+"""When ClickHouse is slow or down (issue 23 §3): real ``stepwatch serve --store clickhouse://``
+processes with two simulated ranks (FrameSender, as a rank's runtime ships) write into a real
 clickhouse-server of this module's own, which the test hangs (SIGSTOP), kills (SIGKILL) and
-starts again mid-run. The ranks never wait, the aggregator spills to its local queue and
-replays it, and every row is in ClickHouse exactly once. One run, shared by the tests here."""
+starts again mid-run, stopping one aggregator while a write hangs and starting the next while
+the server is down. The ranks never wait, the aggregators spill to the local queue and replay
+it, and every row is in ClickHouse exactly once. One run, shared by the tests here (``_scenario``);
+the last test drives a feed in process on the shared server."""
 
 from __future__ import annotations
 
