@@ -89,6 +89,11 @@ def _per_rank(steps: StepColumns) -> dict[int, StepColumns]:
     return {int(rank[a]): steps.take(slice(a, b)) for a, b in zip(bounds, bounds[1:]) if rank[a] == rank[a]}
 
 
+# a remote store's degraded episodes and spill queue (server/store_feed.py; docs/clickhouse.md)
+STORE_COUNTERS = ("store_degraded_episodes", "store_degraded_s", "store_write_failures", "store_spilled_rows",
+                  "store_replayed_rows", "store_spill_pending_rows")
+
+
 def _read_aggregator_stats(run_dir: Path | None) -> dict[str, Any]:
     """The aggregator's counters; a file a full disk left empty or cut short counts as none."""
     if run_dir is None:
@@ -171,7 +176,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "unrecorded_tail": _unrecorded_tail(run_dir, session_id),
         "collector_health": [dict(h) for h in health],
         "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted", "rows_lost",
-                                                        "write_errors", "disk_full_errors")
+                                                        "write_errors", "disk_full_errors", *STORE_COUNTERS)
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
         "alerts": session_alerts(store, session_id, run_dir),
@@ -406,6 +411,13 @@ def _loss_lines(summary: dict[str, Any]) -> list[str]:
         cause = "the disk was full" if aggregator.get("disk_full_errors") else "writes failed"
         lines.append(f"history: {aggregator['rows_lost']} rows lost ({cause}: {aggregator.get('write_errors', '?')} "
                      "failed writes); the ranks' own files keep what fit")
+    if aggregator.get("store_degraded_episodes"):
+        pending = aggregator.get("store_spill_pending_rows") or 0
+        lines.append(f"history store: degraded {aggregator['store_degraded_episodes']} time(s) for "
+                     f"{aggregator.get('store_degraded_s', 0):.1f} s; {aggregator.get('store_spilled_rows', 0)} rows "
+                     f"spilled to the local queue, {aggregator.get('store_replayed_rows', 0)} replayed"
+                     + (f", {pending} still queued (store_spill.sqlite: replayed by the next serve --out on "
+                        f"this directory)" if pending else ", none lost"))
     if summary.get("unwritten"):
         lines.append(f"not written: {summary['unwritten']}")
     return lines

@@ -357,12 +357,19 @@ def _write_manifest_or_say(run_dir: Path, manifest: RunManifest, echo: Any) -> N
 def _report_disk_losses(run_dir: Path, stats: dict[str, Any], summary: dict[str, Any] | None, echo: Any) -> None:
     """A full disk is one line: what the history lost (counted), and whether the final summary
     could be written; the summary, printed after, carries the same counts."""
+    from ..analysis.summary import STORE_COUNTERS
+
     lost = int(stats.get("rows_lost") or 0)
     if summary is not None and stats:
         aggregator = summary.setdefault("aggregator", {})
-        for key in ("rows_written", "rows_lost", "write_errors", "disk_full_errors", "frames_accepted"):
+        for key in ("rows_written", "rows_lost", "write_errors", "disk_full_errors", "frames_accepted",
+                    *STORE_COUNTERS):
             if key in stats:
                 aggregator.setdefault(key, stats[key])
+    if stats.get("store_spill_pending_rows"):  # --store: the server did not take them before the end
+        echo(f"[stepwatch] {stats['store_spill_pending_rows']} rows wait in {stats.get('store_spill_path')} for the "
+             f"history store (it was down or slow at the end): `stepwatch serve --out {run_dir} --store URL` "
+             f"replays them, or `stepwatch import {run_dir} --into URL` adds the ranks' own rows")
     unwritten = summary.get("unwritten") if summary is not None else None
     if not stats.get("write_errors") and not unwritten:
         return

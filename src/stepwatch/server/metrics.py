@@ -110,9 +110,19 @@ class StepwatchCollector:
         yield rejected
         yield CounterMetricFamily("stepwatch_aggregator_rows_accepted", "Rows accepted", value=agg.rows_accepted)
         yield CounterMetricFamily("stepwatch_aggregator_rows_written", "Rows written to the history",
-                                  value=agg.rows_written)
+                                  value=agg.written_rows())
         yield CounterMetricFamily("stepwatch_aggregator_rows_lost", "Rows accepted whose write failed",
-                                  value=agg.rows_lost)
+                                  value=agg.lost_rows())
+        if agg.feed is not None:  # a remote store (docs/clickhouse.md): its spill queue
+            store = agg.feed.stats()
+            yield GaugeMetricFamily("stepwatch_store_degraded", "1 while the history store is down or slow",
+                                    value=int(store["store_degraded"]))
+            yield GaugeMetricFamily("stepwatch_store_spill_pending_rows", "Rows waiting in the spill queue",
+                                    value=store["store_spill_pending_rows"])
+            yield CounterMetricFamily("stepwatch_store_spilled_rows", "Rows spilled to the local queue",
+                                      value=store["store_spilled_rows"])
+            yield CounterMetricFamily("stepwatch_store_replayed_rows", "Spilled rows the store took later",
+                                      value=store["store_replayed_rows"])
         yield GaugeMetricFamily("stepwatch_aggregator_pending_rows", "Rows waiting for the writer (queue depth)",
                                 value=agg.pending_rows)
         yield GaugeMetricFamily("stepwatch_aggregator_ranks", "Ranks seen", value=len(agg.ranks))

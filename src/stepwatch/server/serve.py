@@ -61,9 +61,22 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     from .aggregator import Aggregator
 
     # the history: run_dir's history.sqlite, or the store a URL names (docs/clickhouse.md)
-    store = open_store(store_url or run_dir / "history.sqlite")
+    feed = None
+    if store_url is None:
+        store = open_store(run_dir / "history.sqlite")
+    else:  # a remote store: written off the ticks, spilled to run_dir while it is down or slow
+        from ..store.spill import SPILL_FILE
+        from .store_feed import StoreFeed, backoff_from_env, open_remote_store, slow_s_from_env
+
+        store = open_remote_store(store_url)  # a server that does not answer yet: opened later
+        try:
+            feed = StoreFeed(store, run_dir / SPILL_FILE, slow_s=slow_s_from_env(), backoff_s=backoff_from_env())
+        except BaseException:
+            store.close()
+            raise
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
-                            retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
+                            retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch),
+                            feed=feed)
     tcp = runner = dashboard = fed = None
     http_bound = ui_url = None
     try:
@@ -100,7 +113,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         if tcp is not None:
             tcp.close()
             await tcp.wait_closed()
-        store.close()
+        if aggregator.close_feed():
+            store.close()
         raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -125,6 +139,10 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     await watcher
     await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
     await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
+    # a remote store: what waits is written now if the server takes it (for up to 30 s), else it
+    # stays in the spill file for the next aggregator on this directory
+    store_done = await asyncio.to_thread(aggregator.close_feed)
+    aggregator.store_events()
     if fed is not None:  # the last alerts posted, the last spans and metrics exported (each bounded in time)
         await asyncio.to_thread(fed.close)
     if dashboard is not None:  # last: an open page's next poll takes the run's end, then the page stops
@@ -138,7 +156,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     if fed is not None:
         stats["feeds"] = fed.stats()
     try:
-        store.close()
+        if store_done:  # else a write still hangs on the server, holding the store: the process exits anyway
+            store.close()
     except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
         logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
     return stats
