@@ -350,3 +350,21 @@ def test_alerts_and_verdicts_made_as_merge_tree_are_moved_to_replacing_merge_tre
         assert store.query("SELECT message FROM alerts") == [{"message": "STORE_DEGRADED at 1000"}]
     finally:
         store.close()
+
+
+def test_the_cluster_questions_of_the_scale_out_page_run_on_the_server(stores: dict[str, Any]) -> None:
+    """Every SQL statement docs/scale-out.md shows a cluster's users runs, read-only, on 18.16."""
+    from stepwatch.store.user_query import ask_url
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
+    block = page.split("```sql\n", 1)[1].split("```", 1)[0]
+    statements = [" ".join(line for line in chunk.splitlines() if not line.startswith("--"))
+                  for chunk in block.split("\n\n")]
+    assert len(statements) == 3
+    named = [["session_id", "steps", "median_ms"], ["session_id", "name", "ranks", "message"], ["kind", "n"]]
+    for sql, columns in zip(statements, named):
+        with ask_url(stores["url"], sql) as answer:
+            assert answer.columns == columns, sql
+    with ask_url(stores["url"], statements[0].replace("1795478400000000000", "0")) as answer:
+        rows = list(answer.rows)
+    assert len(rows) == 1 and rows[0][1] == 2 * STEPS_PER_RANK  # the imported run, its every step
