@@ -40,10 +40,22 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import StoreError
 from .base import COLUMNS, SqlReads
+from .clickhouse_ddl import (
+    LAYOUT,
+    RETENTION_TIME,
+    ServerFeatures,
+    column_type,
+    ddl,
+    key_columns,
+    partition_of,
+    retention_ddl,
+    sessions_ddl,
+    time_ns,
+)
 from .clickhouse_url import ClickHouseURL, parse_clickhouse_url
 from .rows import row_tuples
 
@@ -53,83 +65,9 @@ _TYPES = {"text": "String", "int": "Int64", "real": "Float64", "json": "String"}
 _ZERO = {"text": "", "int": 0, "real": 0.0, "json": ""}
 # the value types each column kind takes as they are (None: a Nullable column's NULL)
 _AS_IS = {"text": {str, type(None)}, "json": {str, type(None)}, "int": {int, type(None)}, "real": {float, type(None)}}
-
-
-class _Layout(NamedTuple):
-    key: tuple[str, ...]  # the sorting key (ReplacingMergeTree: also what makes a row unique)
-    time: str | None  # the column partitioned by day
-    unique: bool  # ReplacingMergeTree + FINAL in the view (SQLite has a unique index on the key)
-
-
-# the key columns that are not plain columns are expressions over Nullable ones (ifNull)
-_LAYOUT: dict[str, _Layout] = {
-    "telemetry": _Layout(("session_id", "rank", "timestamp_ns", "event_type", "collector",
-                          "ifNull(device_id, -1)"), "timestamp_ns", True),
-    "spans": _Layout(("session_id", "rank", "start_ns", "span_id"), "start_ns", True),
-    "marks": _Layout(("session_id", "rank", "ts_ns", "mark_id"), "ts_ns", True),
-    "snapshots": _Layout(("session_id", "rank", "ts_ns", "snapshot_id"), "ts_ns", True),
-    "heartbeats": _Layout(("session_id", "rank", "ts_ns", "ifNull(step, -1)", "ifNull(msg, '')"), "ts_ns", True),
-    "steps": _Layout(("session_id", "rank", "step"), "start_ns", True),
-    "verdicts": _Layout(("session_id", "ts_ns"), "ts_ns", False),
-    "alerts": _Layout(("session_id", "ts_ns"), "ts_ns", False),
-}
+_LAYOUT = LAYOUT
 _SESSION_COLUMNS = tuple(c for c, _ in COLUMNS["sessions"])
-_PLAIN_NAME = re.compile(r"[a-z_]+")
-_RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("marks", "ts_ns"), ("spans", "start_ns"),
-                   ("steps", "start_ns"), ("snapshots", "ts_ns"))
-
-
-class ServerFeatures(NamedTuple):
-    """What the server accepts, from its version: the one place that decides it."""
-
-    version: tuple[int, ...]
-    datetime64: bool
-    low_cardinality: bool  # without allow_experimental_low_cardinality_type
-    codec: bool
-    ttl: bool
-    map_type: bool
-
-    @classmethod
-    def from_version(cls, text: str) -> ServerFeatures:
-        parts = tuple(int(p) for p in re.findall(r"\d+", text)[:3]) or (0,)
-        at_least = parts.__ge__
-        return cls(parts, datetime64=at_least((20, 1)), low_cardinality=at_least((19, 3)),
-                   codec=at_least((19, 11)), ttl=at_least((19, 6)), map_type=at_least((21, 1)))
-
-
-def _key_columns(table: str) -> set[str]:
-    return {part for part in _LAYOUT[table].key if _PLAIN_NAME.fullmatch(part)}
-
-
-def ddl(table: str, features: ServerFeatures) -> list[str]:
-    """The CREATE statements of a row table and its view (the variant every server accepts;
-    ``features`` is where a newer server's types will be chosen)."""
-    del features  # one variant today: 18.16's (see the module docstring)
-    columns = COLUMNS[table]
-    keys = _key_columns(table)
-    body = ", ".join(f"{name} {_TYPES[kind] if name in keys else f'Nullable({_TYPES[kind]})'}"
-                     for name, kind in columns)
-    layout = _LAYOUT[table]
-    engine = "ReplacingMergeTree()" if layout.unique else "MergeTree()"
-    day = layout.time if layout.time in keys else f"ifNull({layout.time}, 0)"  # a Nullable column: day 0
-    partition = f"PARTITION BY toYYYYMMDD(toDateTime(intDiv({day}, 1000000000))) " if layout.time else ""
-    final = " FINAL" if layout.unique else ""
-    view_columns = ", ".join(f"toNullable({name}) AS {name}" if name in keys else name for name, _ in columns)
-    return [f"CREATE TABLE IF NOT EXISTS {table}_rows ({body}) ENGINE = {engine} {partition}"
-            f"ORDER BY ({', '.join(layout.key)})",
-            f"CREATE VIEW IF NOT EXISTS {table} AS SELECT {view_columns} FROM {table}_rows{final}"]
-
-
-def _sessions_ddl() -> list[str]:
-    body = ", ".join(f"{name} {'String' if name == 'session_id' else f'Nullable({_TYPES[kind]})'}"
-                     for name, kind in COLUMNS["sessions"])
-    names = ", ".join("toNullable(session_id) AS session_id" if n == "session_id" else n for n in _SESSION_COLUMNS)
-    return [f"CREATE TABLE IF NOT EXISTS sessions_rows ({body}, version UInt64) ENGINE = MergeTree() "
-            f"ORDER BY (session_id, version)",
-            f"CREATE VIEW IF NOT EXISTS sessions AS SELECT {names} FROM "
-            f"(SELECT * FROM sessions_rows ORDER BY session_id, version DESC LIMIT 1 BY session_id)",
-            "CREATE TABLE IF NOT EXISTS ingest_batches (batch_id String, seen_at_ns Int64) "
-            "ENGINE = ReplacingMergeTree() ORDER BY batch_id"]
+_key_columns = key_columns
 
 
 # -- binding ``?`` parameters as literals ---------------------------------------------------
@@ -218,17 +156,36 @@ class ClickHouseStore(SqlReads):
 
     def __init__(self, url: str | ClickHouseURL, *, read_only: bool = False) -> None:
         self.url = url if isinstance(url, ClickHouseURL) else parse_clickhouse_url(url)
-        self.read_only = read_only
-        self.path = str(self.url)  # what messages name, as the SQLite store's path
-        self._lock = threading.Lock()
         driver = _driver()
-        errors = (driver.errors.Error, OSError, EOFError)
-        self._errors = errors
         settings = {"readonly": 1} if read_only else {}
-        server = driver.Client(self.url.host, port=self.url.port, user=self.url.user,
-                               password=self.url.password, database="default", connect_timeout=5,
-                               settings=settings)
+
+        def client(database: str) -> Any:
+            return driver.Client(self.url.host, port=self.url.port, user=self.url.user,
+                                 password=self.url.password, database=database, connect_timeout=5,
+                                 settings=settings)
+
+        self._open(str(self.url), client, (driver.errors.Error, OSError, EOFError), read_only)
+
+    @classmethod
+    def on_chdb(cls, path: str, database: str = "stepwatch", *, read_only: bool = False) -> ClickHouseStore:
+        """The store in ``database`` of the chdb (in-process ClickHouse) data directory ``path``."""
+        from .clickhouse_chdb import ChdbClient, chdb_errors
+
+        store = cls.__new__(cls)
+        store.url = ClickHouseURL("default", "", "chdb", 0, database)
+        store._open(f"chdb://{path}/{database}", lambda name: ChdbClient(path, name), chdb_errors(),  # noqa: SLF001
+                    read_only)
+        return store
+
+    def _open(self, path: str, client: Any, errors: tuple[type[BaseException], ...], read_only: bool) -> None:
+        """Reads the server's version, makes the database (unless ``read_only``: then a missing
+        one is an error naming it), and connects to it; ``client(database)`` connects."""
+        self.read_only = read_only
+        self.path = path  # what messages name, as the SQLite store's path
+        self._lock = threading.Lock()
+        self._errors = errors
         try:
+            server = client("default")
             try:
                 (version,), = server.execute("SELECT version()")
                 self.features = ServerFeatures.from_version(str(version))
@@ -240,9 +197,7 @@ class ClickHouseStore(SqlReads):
                     server.execute(f"CREATE DATABASE IF NOT EXISTS {self.url.database}")
             finally:
                 server.disconnect()
-            self._client = driver.Client(self.url.host, port=self.url.port, user=self.url.user,
-                                         password=self.url.password, database=self.url.database,
-                                         connect_timeout=5, settings=settings)
+            self._client = client(self.url.database)
             if not read_only:
                 try:
                     self._create()
@@ -256,9 +211,11 @@ class ClickHouseStore(SqlReads):
         """The tables and views, made where missing, and moved forward where stepwatch's tables
         gained a column since they were made: the column is added (Nullable, NULL in the old
         rows, as SQLite's ALTER TABLE ADD COLUMN leaves them) and the view made again."""
-        statements = _sessions_ddl()
+        for statement in retention_ddl(self.features, self.url.database):
+            self._client.execute(statement)
+        statements = sessions_ddl(self.features)
         for table in _LAYOUT:
-            statements += ddl(table, self.features)
+            statements += ddl(table, self.features, self.url.database)
         tables = [x for x in statements if x.startswith("CREATE TABLE")]
         views = [x for x in statements if x.startswith("CREATE VIEW")]
         for statement in tables:
@@ -270,7 +227,8 @@ class ClickHouseStore(SqlReads):
         for table in ("sessions", *_LAYOUT):
             missing = [(name, kind) for name, kind in COLUMNS[table] if name not in have.get(f"{table}_rows", set())]
             for name, kind in missing:
-                self._client.execute(f"ALTER TABLE {table}_rows ADD COLUMN {name} Nullable({_TYPES[kind]})")
+                stored = column_type(table, name, kind, self.features, nullable=True)
+                self._client.execute(f"ALTER TABLE {table}_rows ADD COLUMN {name} {stored}")
             if missing:  # the view names the columns of its time: made again below
                 self._client.execute(f"DROP TABLE IF EXISTS {table}")
         for statement in views:  # 18.16 reads a view's SELECT even when it exists: after the columns
@@ -352,20 +310,61 @@ class ClickHouseStore(SqlReads):
 
     def apply_retention(self, window_ns: int, now_ns: int | None = None) -> int:
         """Deletes rows older than ``window_ns`` before the newest row of their session and rank,
-        as the SQLite store does, by ``ALTER TABLE ... DELETE`` (a mutation the server applies in
-        the background). Returns the rows it asked to delete."""
+        as the SQLite store does; returns how many rows that is (the rows SQLite would delete).
+
+        Whole days first: a day partition all of whose rows are out of their session and rank's
+        window is dropped (``ALTER TABLE ... DROP PARTITION``: no rewrite, at once). The rows left
+        out of the window in the days kept go by the server's TTL rule where it has one (the
+        cutoffs written to ``retention_cutoffs``, which the rule reads through a dictionary;
+        clickhouse_ddl): a part's TTL is worked out when the part is written, when its rows were
+        in their window, so ``ALTER TABLE ... MATERIALIZE TTL`` has the server apply the rule
+        again. Without TTL: one ``ALTER TABLE ... DELETE`` mutation per table (a batch of
+        sessions and ranks at a time). Both run in the server's background."""
+        del now_ns
         self._writable()
         removed = 0
-        for table, column in _RETENTION_TIME:
-            # 18.16 has no correlated subqueries: one mutation per (session, rank) to trim
-            cutoffs = self._execute(f"SELECT session_id, rank, max({column}) - {int(window_ns)} FROM {table}_rows "
-                                    f"GROUP BY session_id, rank")
-            for session_id, rank, cutoff in cutoffs:
-                where = (f"session_id = {literal(session_id)} AND rank = {int(rank)} AND {column} < {int(cutoff)}")
-                (n,), = self._execute(f"SELECT count() FROM {table}_rows WHERE {where}")
-                if n:
-                    self._execute(f"ALTER TABLE {table}_rows DELETE WHERE {where}")
-                    removed += int(n)
+        cutoff_rows: list[tuple[str, str, int, int]] = []
+        trimmed: list[str] = []
+        for table, column in RETENTION_TIME:
+            ns = time_ns(column, self.features)
+            cutoffs = {(str(sid), int(rank)): int(cutoff) for sid, rank, cutoff in self._execute(
+                f"SELECT session_id, rank, max({ns}) - {int(window_ns)} FROM {table}_rows "
+                f"WHERE {column} IS NOT NULL GROUP BY session_id, rank")}
+            if not cutoffs:
+                continue
+            out = [_out_of_window(ns, chunk) for chunk in _chunks(sorted(cutoffs.items()))]
+            found = sum(int(self._execute(f"SELECT count() FROM {table}_rows FINAL WHERE {where}")[0][0])
+                        for where in out)
+            if not found:
+                continue
+            removed += found
+            days: dict[Any, bool] = {}
+            for day, sid, rank, newest, nulls in self._execute(
+                    f"SELECT {partition_of(table, self.features)} AS day, session_id, rank, max({ns}), "
+                    f"sum(isNull({column})) FROM {table}_rows GROUP BY day, session_id, rank"):
+                cutoff = cutoffs.get((str(sid), int(rank)))
+                gone = not nulls and newest is not None and cutoff is not None and int(newest) < cutoff
+                days[day] = days.get(day, True) and gone
+            for day in sorted(d for d, gone in days.items() if gone):
+                self._execute(f"ALTER TABLE {table}_rows DROP PARTITION {int(day)}")
+            for where in out:
+                (left,), = self._execute(f"SELECT count() FROM {table}_rows WHERE {where}")
+                if not left:
+                    continue
+                if self.features.modern:
+                    cutoff_rows += [(table, sid, rank, cutoff) for (sid, rank), cutoff in cutoffs.items()]
+                    trimmed.append(table)
+                    break
+                self._execute(f"ALTER TABLE {table}_rows DELETE WHERE {where}")
+        if cutoff_rows:
+            version = time.time_ns()
+            self._execute("INSERT INTO retention_cutoffs (tbl, session_id, rank, cutoff_ns, version) VALUES",
+                          [[r[0] for r in cutoff_rows], [r[1] for r in cutoff_rows], [r[2] for r in cutoff_rows],
+                           [r[3] for r in cutoff_rows], [version] * len(cutoff_rows)], columnar=True)
+            self._execute("SYSTEM RELOAD DICTIONARY retention_cutoffs_dict")
+            # a part's TTL is worked out when it is written: its rows were in their window then
+            for table in trimmed:
+                self._execute(f"ALTER TABLE {table}_rows MATERIALIZE TTL")
         return removed
 
     def seen_batches(self, since_ns: int) -> dict[str, int]:
@@ -420,6 +419,26 @@ class ClickHouseStore(SqlReads):
     @staticmethod
     def now_ns() -> int:
         return time.time_ns()
+
+
+_MIN_INT64 = "toInt64('-9223372036854775808')"
+_CHUNK = 2000  # sessions and ranks per retention statement (the server's max_query_size is 256 KiB)
+
+
+def _chunks(items: list[Any]) -> Iterator[list[Any]]:
+    for start in range(0, len(items), _CHUNK):
+        yield items[start:start + _CHUNK]
+
+
+def _out_of_window(ns: str, cutoffs: list[tuple[tuple[str, int], int]]) -> str:
+    """A WHERE naming the rows older than their (session, rank)'s cutoff, for those sessions and
+    ranks (18.16 has no correlated subqueries: the cutoffs as literal arrays, looked up by
+    ``transform`` by "session#rank", unambiguous as a rank has no '#'; a session and rank not
+    listed keeps its rows)."""
+    keys = ", ".join(literal(f"{sid}#{rank}") for (sid, rank), _ in cutoffs)
+    values = ", ".join(str(int(cutoff)) for _, cutoff in cutoffs)
+    return (f"{ns} < transform(concat(toString(session_id), '#', toString(rank)), [{keys}], "
+            f"CAST([{values}] AS Array(Int64)), {_MIN_INT64})")
 
 
 def _column(values: Iterable[Any], kind: str, key: bool) -> list[Any]:
