@@ -8,15 +8,13 @@ give the same numbers. ``final_summary.json`` carries ``schema_version``.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 from .._decode import read_json_file
-from ..phases import PHASES as PHASE_TABLE
-from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
-from ..store.base import HistoryStore
+from ..phases import SHARES
+from ..store.base import QUANTILES, HistoryStore, StepAggregate
 from .epochs import epoch_report, render_epoch_line
 from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
 
@@ -25,8 +23,6 @@ __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outc
 
 SUMMARY_SCHEMA_VERSION = "1.1"  # 1.1: ``diagnosis`` (analysis/diagnosis.py, docs/summary.md)
 PHASES = SHARES  # the phase shares' names (stepwatch.phases): "optimizer" is the optimizer_step phase
-_COLUMNS = STEP_COLUMNS  # each share's column in the history's steps table, in the same order
-_OUTSIDE_RESIDUAL = tuple(p.column for p in PHASE_TABLE if not p.in_residual)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -39,27 +35,31 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def _step_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    times = sorted(r["step_ns"] / 1e6 for r in rows if r["step_ns"] is not None)
-    total = sum(times)
-    shares = {}
-    for phase, column in zip(PHASES, _COLUMNS):
-        if phase == RESIDUAL.share:
-            # wait_ns is the spec's residual (step - h2d - forward - backward - optimizer), which
-            # still holds the step's own fetch; its share excludes data_load (the phases outside
-            # the residual) so shares sum to 1.
-            spent = sum(max(0, (r.get(column) or 0) - sum((r.get(c) or 0) for c in _OUTSIDE_RESIDUAL))
-                        for r in rows) / 1e6
-        else:
-            spent = sum((r.get(column) or 0) for r in rows) / 1e6
-        shares[phase] = round(spent / total, 4) if total > 0 else None
-    span_s = (max(r["end_ns"] for r in rows) - min(r["start_ns"] for r in rows)) / 1e9 if rows else 0.0
+def _step_stats(agg: StepAggregate) -> dict[str, Any]:
+    """The statistics of a set of steps, from what the store reduced them to (``StepAggregate``:
+    the same numbers whether the rows were reduced here or on a ClickHouse server). The
+    quantiles interpolate between the sorted step times at ``quantile_positions``, as
+    ``percentile`` does over all of them."""
+    n = agg.n
+    quantiles: list[float | None] = []
+    for q, (low_ns, high_ns) in zip(QUANTILES, agg.picks or [(0, 0)] * len(QUANTILES)):
+        if not n:
+            quantiles.append(None)
+            continue
+        low, high = low_ns / 1e6, high_ns / 1e6
+        position = (n - 1) * q
+        quantiles.append(low + (high - low) * (position - int(position)))
+    total = agg.total_ns / 1e6
+    shares = {phase: round(spent / 1e6 / total, 4) if total > 0 else None for phase, spent in zip(PHASES, agg.phase_ns)}
+    span_s = ((agg.last_end_ns - agg.first_start_ns) / 1e9
+              if agg.rows and agg.last_end_ns is not None and agg.first_start_ns is not None else 0.0)
+    median, p90, p99 = quantiles
     return {
-        "steps": len(times),
-        "step_ms": {"median": percentile(times, 0.5), "p90": percentile(times, 0.9), "p99": percentile(times, 0.99),
-                    "mean": total / len(times) if times else None, "max": times[-1] if times else None},
+        "steps": n,
+        "step_ms": {"median": median, "p90": p90, "p99": p99,
+                    "mean": total / n if n else None, "max": agg.max_ns / 1e6 if agg.max_ns is not None else None},
         "phase_share": shares,
-        "throughput_steps_per_s": round(len(times) / span_s, 3) if span_s > 0 else None,
+        "throughput_steps_per_s": round(n / span_s, 3) if span_s > 0 else None,
     }
 
 
@@ -86,10 +86,8 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         session_id = session["session_id"]
     else:
         session = next((s for s in sessions if s["session_id"] == session_id), {"session_id": session_id})
-    steps = store.step_rows(session_id)
-    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for row in steps:
-        by_rank[row["rank"]].append(row)
+    # the steps' statistics reduced by the store (on a ClickHouse server: no step row moves)
+    all_steps, by_rank = store.step_aggregates(session_id)
     stops = store.query(
         "SELECT rank, metadata FROM telemetry WHERE session_id = ? AND event_type = 'stop' ORDER BY timestamp_ns",
         (session_id,),
@@ -113,8 +111,8 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         run = read_json_file(run_dir / "run.json")  # ArtifactError naming it, nesting included
         if run.get("session_id") == session_id:
             exit_code = run.get("exit_code")
-    per_rank = {str(rank): _step_stats(rows) for rank, rows in sorted(by_rank.items())}
-    overall = _step_stats(steps)
+    per_rank = {str(rank): _step_stats(agg) for rank, agg in sorted(by_rank.items())}
+    overall = _step_stats(all_steps)
     # A training step is done when every rank has done it: the run's rate is its slowest rank's.
     rates = [r["throughput_steps_per_s"] for r in per_rank.values() if r["throughput_steps_per_s"] is not None]
     overall["throughput_steps_per_s"] = min(rates) if rates else None

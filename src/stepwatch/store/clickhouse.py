@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import StoreError
-from .base import COLUMNS, SqlReads
+from ..phases import PHASES, RESIDUAL, STEP_COLUMNS
+from .base import COLUMNS, QUANTILES, SqlReads, StepAggregate
 from .clickhouse_ddl import (
     LAYOUT,
     RETENTION_TIME,
@@ -51,6 +51,7 @@ from .clickhouse_ddl import (
     column_type,
     ddl,
     key_columns,
+    literal,
     partition_of,
     retention_ddl,
     sessions_ddl,
@@ -68,36 +69,12 @@ _AS_IS = {"text": {str, type(None)}, "json": {str, type(None)}, "int": {int, typ
 _LAYOUT = LAYOUT
 _SESSION_COLUMNS = tuple(c for c, _ in COLUMNS["sessions"])
 _key_columns = key_columns
+_OUTSIDE_RESIDUAL = tuple(p.column for p in PHASES if not p.in_residual)
 
 
 # -- binding ``?`` parameters as literals ---------------------------------------------------
 
-_TINY = 2.0 ** -537  # a normal float; its square is the smallest subnormal, 2**-1074
 _TOKENS = re.compile(r"'(?:[^'\\]|\\.|'')*'|\"(?:[^\"]|\"\")*\"|`[^`]*`|--[^\n]*|/\*.*?\*/|\?(\d*)", re.S)
-
-
-def literal(value: Any) -> str:
-    """``value`` as a ClickHouse literal."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        if value != 0 and abs(value) < sys.float_info.min:
-            # the server's parser refuses a subnormal literal: k * 2**-1074 as two exact products
-            # of normal numbers
-            return f"(toFloat64({int(value / _TINY ** 2)}) * {_TINY!r} * {_TINY!r})"
-        return repr(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        value = bytes(value).decode("utf-8", "replace")
-    text = str(value).replace("\\", "\\\\").replace("'", "\\'")
-    return f"'{text}'"
 
 
 def bind(sql: str, params: Iterable[Any] = ()) -> str:
@@ -406,6 +383,17 @@ class ClickHouseStore(SqlReads):
         return self.query("SELECT rank, MAX(step) AS last FROM steps WHERE session_id = ? "
                           "GROUP BY rank ORDER BY rank", (session_id,))
 
+    def step_aggregates(self, session_id: str) -> tuple[StepAggregate, dict[int, StepAggregate]]:
+        """The summary's step statistics' inputs reduced on the server: counts, exact integer sums,
+        the earliest start and latest end, and of the sorted step times only the two at each
+        quantile's position (``arraySort(groupArray(...))`` there), one row for the session and
+        one per rank instead of every step row; the numbers ``StepAggregate.from_rows`` gives."""
+        select = _aggregate_select(self.features)
+        source = f"(SELECT * FROM steps_rows FINAL WHERE session_id = {literal(session_id)})"
+        overall = self._execute(f"SELECT {select} FROM {source}")
+        ranks = self._execute(f"SELECT rank, {select} FROM {source} GROUP BY rank ORDER BY rank")
+        return _aggregate(overall[0]), {int(row[0]): _aggregate(row[1:]) for row in ranks}
+
     def close(self) -> None:
         with self._lock:
             self._client.disconnect()
@@ -439,6 +427,34 @@ def _out_of_window(ns: str, cutoffs: list[tuple[tuple[str, int], int]]) -> str:
     values = ", ".join(str(int(cutoff)) for _, cutoff in cutoffs)
     return (f"{ns} < transform(concat(toString(session_id), '#', toString(rank)), [{keys}], "
             f"CAST([{values}] AS Array(Int64)), {_MIN_INT64})")
+
+
+def _aggregate_select(features: ServerFeatures) -> str:
+    """The SELECT list of ``StepAggregate``'s fields over steps rows, in its order (18.16's SQL:
+    aliases reused within the list; a count is UInt64, so positions are worked out in Int64)."""
+    picks = []
+    for q in QUANTILES:
+        low = f"toInt64((toInt64(count(step_ns)) - 1) * {q!r})"
+        picks += [f"arrayElement(sw_sorted, {low} + 1)",
+                  f"arrayElement(sw_sorted, least({low} + 1, toInt64(count(step_ns)) - 1) + 1)"]
+    outside = " + ".join(f"ifNull({c}, 0)" for c in _OUTSIDE_RESIDUAL) or "0"
+    phases = [f"sum(greatest(0, ifNull({c}, 0) - ({outside})))" if c == RESIDUAL.column else f"sum(ifNull({c}, 0))"
+              for c in STEP_COLUMNS]
+    return ", ".join([
+        "count()", "count(step_ns)", *picks, "max(step_ns)", "sum(ifNull(step_ns, 0))", *phases,
+        f"min({time_ns('start_ns', features)})", f"max({time_ns('end_ns', features)})",
+        "arraySort(groupArray(step_ns)) AS sw_sorted"])
+
+
+def _aggregate(row: Sequence[Any]) -> StepAggregate:
+    """A StepAggregate from a row of ``_aggregate_select``."""
+    rows, n = int(row[0]), int(row[1])
+    at = 2 + 2 * len(QUANTILES)
+    picks = tuple((int(row[i]), int(row[i + 1])) for i in range(2, at, 2)) if n else ()
+    phases = tuple(int(v) for v in row[at + 2:at + 2 + len(STEP_COLUMNS)])
+    first, last = row[at + 2 + len(STEP_COLUMNS)], row[at + 3 + len(STEP_COLUMNS)]
+    return StepAggregate(rows, n, picks, None if not n else int(row[at]), int(row[at + 1]), phases,
+                         None if not rows or first is None else int(first), None if not rows or last is None else int(last))
 
 
 def _column(values: Iterable[Any], kind: str, key: bool) -> list[Any]:

@@ -18,6 +18,8 @@ import re
 import threading
 from typing import Any
 
+from .clickhouse_ddl import literal
+
 __all__ = ["ChdbClient", "chdb_errors"]
 
 _SESSIONS: dict[str, Any] = {}  # data directory -> its chdb session (one per directory and process)
@@ -72,8 +74,6 @@ class ChdbClient:
         return rows
 
     def _insert(self, table: str, names: list[str], params: Any, columnar: bool) -> None:
-        from .clickhouse import literal
-
         types = {r["name"]: r["type"] for r in self._query(
             f"SELECT name, type FROM system.columns WHERE database = currentDatabase() AND table = {literal(table)}"
         ).to_pylist()}

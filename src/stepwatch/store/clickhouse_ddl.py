@@ -25,13 +25,15 @@ Either way every user-facing view has SQLite's names and columns, each column of
 
 from __future__ import annotations
 
+import math
 import re
-from typing import NamedTuple
+import sys
+from typing import Any, NamedTuple
 
 from .base import COLUMNS
 
 __all__ = ["LAYOUT", "RETENTION_TIME", "ServerFeatures", "column_type", "ddl", "is_time", "key_columns", "partition_of",
-           "retention_ddl", "sessions_ddl", "time_ns"]
+           "literal", "retention_ddl", "sessions_ddl", "time_ns"]
 
 _TYPES = {"text": "String", "int": "Int64", "real": "Float64", "json": "String"}
 
@@ -211,3 +213,30 @@ def retention_ddl(features: ServerFeatures, database: str) -> list[str]:
             f"cutoff_ns Int64 DEFAULT {_NO_CUTOFF}) PRIMARY KEY tbl, session_id, rank "
             f"SOURCE(CLICKHOUSE(TABLE 'retention_cutoffs' DB '{database}')) LIFETIME(MIN 1 MAX 10) "
             f"LAYOUT(COMPLEX_KEY_HASHED())"]
+
+
+_TINY = 2.0 ** -537  # a normal float; its square is the smallest subnormal, 2**-1074
+
+
+def literal(value: Any) -> str:
+    """``value`` as a ClickHouse literal."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value != 0 and abs(value) < sys.float_info.min:
+            # the server's parser refuses a subnormal literal: k * 2**-1074 as two exact products
+            # of normal numbers
+            return f"(toFloat64({int(value / _TINY ** 2)}) * {_TINY!r} * {_TINY!r})"
+        return repr(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value).decode("utf-8", "replace")
+    text = str(value).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{text}'"

@@ -47,13 +47,10 @@ _SKEW_FINISH = (
     "FROM skew a JOIN session_means m ON m.session_id = a.session_id ORDER BY a.session_id, a.rank")
 
 
-def ask_named(store: Any, name: str, session_id: str | None = None,
+def ask_named(store: Any, name: str, question: tuple[str, tuple[Any, ...]], session_id: str | None = None,
               n: int | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """(columns, rows) of the named question ``name`` over ``store`` (a ClickHouseStore)."""
-    from .user_query import NAMED_QUESTIONS, named_question
-
-    if name not in NAMED_QUESTIONS:
-        named_question(name)  # the error naming the questions there are
+    """(columns, rows) of the named question ``name`` over ``store`` (a ClickHouseStore);
+    ``question``: its SQLite SQL and parameters (``user_query.named_question``)."""
     where, params = ("session_id = ?", (session_id,)) if session_id is not None else ("1", ())
     memory = sqlite3.connect(":memory:")
     try:
@@ -74,10 +71,11 @@ def ask_named(store: Any, name: str, session_id: str | None = None,
                 # the question's order (NULLs last, as SQLite sorts them descending), then its LIMIT
                 "slowest-steps": ("steps", f"SELECT * FROM steps WHERE {where} ORDER BY step_ns DESC NULLS LAST, "
                                            f"session_id, rank, step" + (f" LIMIT {int(n)}" if n is not None else "")),
-            }[name]
+            }.get(name, (None, None))
+            if table is None:
+                raise StoreError(f"no named question {name!r}")
             _load(memory, table, [c for c, _ in COLUMNS[table]], store.query_tuples(server_sql, params))
-            sql, question_params = named_question(name, session_id, n)
-            cursor = memory.execute(sql, question_params)
+            cursor = memory.execute(*question)
         return [d[0] for d in cursor.description or ()], cursor.fetchall()
     except sqlite3.Error as exc:
         raise StoreError(f"query: {name}: {exc}") from None

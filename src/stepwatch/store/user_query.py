@@ -167,9 +167,10 @@ def ask_named_url(url: str, name: str, session_id: str | None = None, n: int | N
     from .clickhouse import ClickHouseStore
     from .clickhouse_questions import ask_named
 
+    question = named_question(name, session_id, n)  # an unknown name: the error naming those there are
     store = ClickHouseStore(url, read_only=True)
     try:
-        columns, rows = ask_named(store, name, session_id, n)
+        columns, rows = ask_named(store, name, question, session_id, n)
         yield Answer(columns, iter(rows))
     finally:
         store.close()
