@@ -376,3 +376,18 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
         finally:
             sqlite.close()
             ch.close()
+
+
+def test_export_perfetto_from_a_url_gives_the_sqlite_trace(stores: dict[str, Any], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from stepwatch.ui.cli import cli
+
+    traces = []
+    for name, target in (("ch", stores["url"]), ("sqlite", str(stores["sqlite"]))):
+        result = CliRunner().invoke(cli, ["export", "perfetto", target, "-o", str(tmp_path / f"{name}.json")])
+        assert result.exit_code == 0, result.output
+        traces.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    (ch, sqlite) = traces
+    assert ch["traceEvents"] == sqlite["traceEvents"] != []
+    assert ch["otherData"]["session_id"] == sqlite["otherData"]["session_id"]
