@@ -24,6 +24,7 @@ __all__ = ["ChdbClient", "chdb_errors"]
 
 _SESSIONS: dict[str, Any] = {}  # data directory -> its chdb session (one per directory and process)
 _LOCK = threading.Lock()
+_ROWS_PER_INSERT = 1000  # literal rows per statement (max_query_size: 256 KiB)
 _INSERT = re.compile(r"\s*INSERT INTO (\w+) \(([^)]*)\) VALUES\s*$", re.S)
 
 
@@ -92,9 +93,11 @@ class ChdbClient:
             else:
                 structure.append(f"{name} {'Nullable(' + plain + ')' if nullable else plain}")
                 select.append(name)
-        values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in rows)
-        self._query(f"INSERT INTO {table} ({', '.join(names)}) SELECT {', '.join(select)} "
-                    f"FROM values({literal(', '.join(structure))}, {values})", "CSV")
+        for start in range(0, len(rows), _ROWS_PER_INSERT):  # each under the engine's max_query_size
+            values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")"
+                               for row in rows[start:start + _ROWS_PER_INSERT])
+            self._query(f"INSERT INTO {table} ({', '.join(names)}) SELECT {', '.join(select)} "
+                        f"FROM values({literal(', '.join(structure))}, {values})", "CSV")
 
     def disconnect(self) -> None:
         """The session stays open for the process (a chdb directory is opened once)."""
