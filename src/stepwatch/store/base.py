@@ -98,6 +98,9 @@ class HistoryStore(Protocol):
 
     def memory_peaks(self, session_id: str) -> list[dict[str, Any]]: ...
 
+    def step_aggregates(self, session_id: str) -> tuple[StepAggregate, dict[int, StepAggregate]]:
+        """The summary's step statistics' inputs (SqlReads: from the rows; a server may reduce)."""
+
     def apply_retention(self, window_ns: int, now_ns: int | None = None) -> int: ...
 
     def seen_batches(self, since_ns: int) -> dict[str, int]:

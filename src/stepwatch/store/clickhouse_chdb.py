@@ -69,10 +69,10 @@ class ChdbClient:
             return ([], []) if with_column_types else []
         table = self._query(sql)
         columns = [column.to_pylist() for column in table.columns]
-        rows = list(zip(*columns)) if columns else []
+        out = columns if columnar else (list(zip(*columns)) if columns else [])
         if with_column_types:
-            return rows, [(field.name, str(field.type)) for field in table.schema]
-        return rows
+            return out, [(field.name, str(field.type)) for field in table.schema]
+        return out
 
     def _insert(self, table: str, names: list[str], params: Any, columnar: bool) -> None:
         types = {r["name"]: r["type"] for r in self._query(
