@@ -188,7 +188,7 @@ class ClickHouseStore(SqlReads):
         """The tables and views, made where missing, and moved forward where stepwatch's tables
         gained a column since they were made: the column is added (Nullable, NULL in the old
         rows, as SQLite's ALTER TABLE ADD COLUMN leaves them) and the view made again."""
-        for statement in retention_ddl(self.features, self.url.database):
+        for statement in retention_ddl(self.features, self.url.database, self.url.user, self.url.password):
             self._client.execute(statement)
         statements = sessions_ddl(self.features)
         for table in _LAYOUT:
@@ -301,7 +301,7 @@ class ClickHouseStore(SqlReads):
         self._writable()
         removed = 0
         cutoff_rows: list[tuple[str, str, int, int]] = []
-        trimmed: list[str] = []
+        trimmed: list[tuple[str, int]] = []
         for table, column in RETENTION_TIME:
             ns = time_ns(column, self.features)
             cutoffs = {(str(sid), int(rank)): int(cutoff) for sid, rank, cutoff in self._execute(
@@ -324,24 +324,30 @@ class ClickHouseStore(SqlReads):
                 days[day] = days.get(day, True) and gone
             for day in sorted(d for d, gone in days.items() if gone):
                 self._execute(f"ALTER TABLE {table}_rows DROP PARTITION {int(day)}")
-            for where in out:
-                (left,), = self._execute(f"SELECT count() FROM {table}_rows WHERE {where}")
-                if not left:
-                    continue
-                if self.features.modern:
+            if self.features.modern:  # the days that keep rows out of the window: their parts' TTL again
+                left = sorted({int(day) for where in out for (day,) in self._execute(
+                    f"SELECT DISTINCT {partition_of(table, self.features)} FROM {table}_rows WHERE {where}")})
+                if left:
                     cutoff_rows += [(table, sid, rank, cutoff) for (sid, rank), cutoff in cutoffs.items()]
-                    trimmed.append(table)
-                    break
-                self._execute(f"ALTER TABLE {table}_rows DELETE WHERE {where}")
+                    trimmed += [(table, day) for day in left]
+                continue
+            for where in out:
+                (left_rows,), = self._execute(f"SELECT count() FROM {table}_rows WHERE {where}")
+                if left_rows:
+                    self._execute(f"ALTER TABLE {table}_rows DELETE WHERE {where}")
         if cutoff_rows:
             version = time.time_ns()
             self._execute("INSERT INTO retention_cutoffs (tbl, session_id, rank, cutoff_ns, version) VALUES",
                           [[r[0] for r in cutoff_rows], [r[1] for r in cutoff_rows], [r[2] for r in cutoff_rows],
                            [r[3] for r in cutoff_rows], [version] * len(cutoff_rows)], columnar=True)
-            self._execute("SYSTEM RELOAD DICTIONARY retention_cutoffs_dict")
-            # a part's TTL is worked out when it is written: its rows were in their window then
-            for table in trimmed:
-                self._execute(f"ALTER TABLE {table}_rows MATERIALIZE TTL")
+            try:
+                self._execute("SYSTEM RELOAD DICTIONARY retention_cutoffs_dict")
+            except StoreError:  # no SYSTEM RELOAD grant: the dictionary reloads itself within 10 s
+                pass  # (until then its cutoffs are older: it deletes less, never more)
+            # a part's TTL is worked out when it is written, when its rows were in their window:
+            # the days with rows to delete have theirs worked out again (the other days' parts stay)
+            for table, day in trimmed:
+                self._execute(f"ALTER TABLE {table}_rows MATERIALIZE TTL IN PARTITION {day}")
         return removed
 
     def seen_batches(self, since_ns: int) -> dict[str, int]:

@@ -201,17 +201,19 @@ def sessions_ddl(features: ServerFeatures) -> list[str]:
             "ENGINE = ReplacingMergeTree() ORDER BY batch_id"]
 
 
-def retention_ddl(features: ServerFeatures, database: str) -> list[str]:
+def retention_ddl(features: ServerFeatures, database: str, user: str = "default", password: str = "") -> list[str]:
     """The modern variant's retention cutoffs and the dictionary its TTLs read (made before the
     tables, whose TTL names it); none on a server without TTL (partition drops and mutations
-    there, ``ClickHouseStore.apply_retention``)."""
+    there, ``ClickHouseStore.apply_retention``). The dictionary reads its table as the store's
+    user (a ClickHouse source on this server; the server hides the password in what it shows)."""
     if not features.modern:
         return []
+    credentials = f" USER {literal(user)}" + (f" PASSWORD {literal(password)}" if password else "")
     return ["CREATE TABLE IF NOT EXISTS retention_cutoffs (tbl String, session_id String, rank Int64, "
             "cutoff_ns Int64, version UInt64) ENGINE = ReplacingMergeTree(version) ORDER BY (tbl, session_id, rank)",
             f"CREATE DICTIONARY IF NOT EXISTS retention_cutoffs_dict (tbl String, session_id String, rank Int64, "
             f"cutoff_ns Int64 DEFAULT {_NO_CUTOFF}) PRIMARY KEY tbl, session_id, rank "
-            f"SOURCE(CLICKHOUSE(TABLE 'retention_cutoffs' DB '{database}')) LIFETIME(MIN 1 MAX 10) "
+            f"SOURCE(CLICKHOUSE(TABLE 'retention_cutoffs' DB '{database}'{credentials})) LIFETIME(MIN 1 MAX 10) "
             f"LAYOUT(COMPLEX_KEY_HASHED())"]
 
 
