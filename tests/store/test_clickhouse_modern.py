@@ -117,3 +117,19 @@ def test_retention_by_partition_drops_and_ttl(chdb_dir: str, tmp_path: Path) -> 
     finally:
         sqlite.close()
         ch.close()
+
+
+def test_the_exports_read_the_same_from_either_store(stores: tuple[SqliteStore, Any]) -> None:
+    """The Perfetto trace (every span, counter, mark of every rank, and a step window of one
+    rank) and the trackers' points and params: the queries the exports send, on the modern DDL."""
+    from stepwatch.exports.perfetto import TraceSelection, iter_trace_events
+    from stepwatch.exports.tracker_data import tracker_params, tracker_points
+
+    sqlite, ch = stores
+    (session,) = sqlite.sessions()
+    sid = session["session_id"]
+    for selection in (TraceSelection(sid), TraceSelection(sid, ranks=frozenset({1}))):
+        events = list(iter_trace_events(sqlite, selection))
+        assert list(iter_trace_events(ch, selection)) == events and len(events) > 100
+    assert tracker_points(ch, sid) == tracker_points(sqlite, sid) != []
+    assert tracker_params(ch, sid, {}) == tracker_params(sqlite, sid, {})
