@@ -6,11 +6,11 @@ Layout (docs/clickhouse.md). Each row table is stored as ``<table>_rows`` and re
 view named ``<table>`` with exactly the columns of ``store.base.COLUMNS``, so the same SELECT
 reads the same rows as on a ``history.sqlite``:
 
-- ``<table>_rows``: MergeTree ``PARTITION BY`` the day of its time column (UTC), ``ORDER BY``
+- ``<table>_rows``: MergeTree ``PARTITION BY`` the day of its time column, ``ORDER BY``
   (session_id, rank, time, id), the order the analysis reads (a session's ranks, each by time or
-  step). Times are UInt64-range epoch nanoseconds in ``Int64`` columns, which every server
-  accepts (18.16, Debian's, has no DateTime64). The sorting-key columns cannot be Nullable on
-  18.16: a NULL there is stored as 0 or '' (stepwatch never writes one).
+  step). The column types are the server's (``clickhouse_ddl``: epoch nanoseconds in ``Int64``
+  on 18.16, Debian's; DateTime64, LowCardinality and codecs from 20.1), read back by the views
+  as SQLite has them.
 - Idempotent as the SQLite store's unique indexes make it: the tables SQLite keeps unique
   (telemetry, spans, marks, snapshots, heartbeats, steps) are ``ReplacingMergeTree`` whose sorting
   key is that same unique key, and their views read ``FINAL``, so a row imported or retried twice
@@ -19,17 +19,19 @@ reads the same rows as on a ``history.sqlite``:
 - ``sessions``: every upsert inserts the merged row with a version (the wall clock in ns); the
   view shows the newest version of each session (``LIMIT 1 BY``), the same row SQLite's
   ``INSERT ... ON CONFLICT DO UPDATE`` leaves.
-- Each view wraps every column in ``toNullable`` so an aggregate over no rows is NULL, as in
-  SQLite, and not the type's zero.
+- Each view reads every key column through ``toNullable`` so an aggregate over no rows is
+  NULL, as in SQLite, and not the type's zero.
 
 SQL comes in as the SQLite store takes it (``?`` and ``?N`` placeholders); the values are bound
 here as ClickHouse literals (the 18.16 server has no server-side parameters). The few queries
 written for SQLite alone (a recursive CTE over an index) have a method of their own here
 (``rank_last_steps``), which the readers use where a store has it.
 
-Server features are detected from ``SELECT version()`` in one place (``ServerFeatures``); the DDL
-today is the variant every server accepts, and the detected features say what a newer server
-could be given (DateTime64, LowCardinality, CODEC, TTL) when that DDL is added.
+Server features are detected from ``SELECT version()`` in one place (``ServerFeatures``), and
+the DDL is a pure function of them (``clickhouse_ddl``). Retention drops whole day partitions,
+then deletes the rest by the tables' TTL rule or, without TTL, a mutation (``apply_retention``).
+Where rows are many and the answer few, the store reduces on the server: the summary's step
+statistics (``step_aggregates``) and the named questions (``clickhouse_questions``).
 """
 
 from __future__ import annotations
