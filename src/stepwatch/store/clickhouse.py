@@ -324,8 +324,13 @@ class ClickHouseStore(SqlReads):
                 cutoff = cutoffs.get((str(sid), int(rank)))
                 gone = not nulls and newest is not None and cutoff is not None and int(newest) < cutoff
                 days[day] = days.get(day, True) and gone
+            part = partition_of(table, self.features)
             for day in sorted(d for d, gone in days.items() if gone):
-                self._execute(f"ALTER TABLE {table}_rows DROP PARTITION {int(day)}")
+                # asked again just before: a row written since (an import of an older run) keeps its day
+                kept = " AND ".join(f"NOT ifNull({where}, 0)" for where in out)
+                (keep,), = self._execute(f"SELECT count() FROM {table}_rows WHERE {part} = {int(day)} AND {kept}")
+                if not keep:
+                    self._execute(f"ALTER TABLE {table}_rows DROP PARTITION {int(day)}")
             if self.features.modern:  # the days that keep rows out of the window: their parts' TTL again
                 left = sorted({int(day) for where in out for (day,) in self._execute(
                     f"SELECT DISTINCT {partition_of(table, self.features)} FROM {table}_rows WHERE {where}")})
