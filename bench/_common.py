@@ -52,6 +52,7 @@ COLLECTOR_METADATA = {
 }
 RECORD_SHAPES = ("lean", "collector")
 SESSION_ID = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
+T0 = 1_790_000_000_000_000_000  # the synthetic histories' first instant (ns, 2026)
 
 __all__ = [
     "BENCH_DIR",
@@ -60,9 +61,13 @@ __all__ = [
     "RECORD_METADATA",
     "RESULTS_DIR",
     "SESSION_ID",
+    "T0",
     "GcTimer",
+    "Measured",
     "best_of",
+    "cpu_seconds",
     "current_rss_bytes",
+    "finish_report",
     "format_rate",
     "load_average",
     "machine_header",
@@ -71,6 +76,7 @@ __all__ = [
     "print_header",
     "print_table",
     "run_worker",
+    "start_report",
     "worker_main",
     "write_results",
 ]
@@ -158,6 +164,27 @@ def current_rss_bytes() -> int | None:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time so far (user + system): the figure to trust on a shared machine."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Measured:
+    """``with Measured() as m: ...`` then ``m.result(**more)``: the block's wall and CPU seconds and
+    the worker's peak RSS (interpreter and imports included), the row every export worker returns."""
+
+    def __enter__(self) -> Measured:
+        self.wall, self.cpu = time.perf_counter(), cpu_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, cpu_seconds() - self.cpu
+
+    def result(self, **more: Any) -> dict[str, Any]:
+        return {"wall_s": round(self.wall, 2), "cpu_s": round(self.cpu, 2), "peak_rss_bytes": peak_rss_bytes(), **more}
 
 
 class GcTimer:
@@ -398,6 +425,20 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in cells[1:]:
         print(line(row))
+
+
+def start_report(title: str, tmp_dir: Path) -> dict[str, Any]:
+    """The machine's header (``machine_header``), printed under ``title``; returned for the results."""
+    header = machine_header(tmp_dir)
+    print_header(title, header)
+    return header
+
+
+def finish_report(name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], payload: dict[str, Any]) -> Path:
+    """The table, the load average now, and ``payload`` (with that load average) in results/."""
+    print_table(columns, rows)
+    print(f"load average {load_average()}, pid {os.getpid()}")
+    return write_results(name, {**payload, "load_average": load_average()})
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import sys
 import tempfile
 import time
@@ -31,26 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    load_average,
-    machine_header,
-    peak_rss_bytes,
-    print_header,
-    print_table,
-    run_worker,
-    worker_main,
-    write_results,
-)
+from _common import SESSION_ID, T0, Measured, finish_report, peak_rss_bytes, run_worker, start_report, worker_main
 
-SESSION = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
-T0 = 1_790_000_000_000_000_000
+SESSION = SESSION_ID
 PHASES = ("data_load", "forward", "backward", "optimizer_step")
 SPANS_PER_STEP = 1 + len(PHASES)
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def build(args: list[str]) -> dict[str, Any]:
@@ -118,15 +101,12 @@ def export(args: list[str]) -> dict[str, Any]:
 
     path, target = Path(args[0]), Path(args[1])
     rss_before = peak_rss_bytes()
-    cpu, wall = _cpu_s(), time.perf_counter()
-    with SqliteStore(path, read_only=True) as store:
+    with Measured() as took, SqliteStore(path, read_only=True) as store:
         stats = write_trace_file(store, TraceSelection(SESSION), target)
-    wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
     size = target.stat().st_size
     target.unlink()
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_bytes": peak_rss_bytes(),
-            "rss_before_bytes": rss_before, "events": sum(stats.events.values()), "x_events": stats.events.get("X", 0),
-            "trace_bytes": size}
+    return took.result(rss_before_bytes=rss_before, events=sum(stats.events.values()),
+                       x_events=stats.events.get("X", 0), trace_bytes=size)
 
 
 def whole_list(args: list[str]) -> dict[str, Any]:
@@ -135,15 +115,13 @@ def whole_list(args: list[str]) -> dict[str, Any]:
     from stepwatch.store.sqlite import SqliteStore
 
     path, target = Path(args[0]), Path(args[1])
-    cpu, wall = _cpu_s(), time.perf_counter()
-    with SqliteStore(path, read_only=True) as store:
-        events = list(iter_trace_events(store, TraceSelection(SESSION)))
-    target.write_text(json.dumps({"traceEvents": events}))
-    wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
+    with Measured() as took:
+        with SqliteStore(path, read_only=True) as store:
+            events = list(iter_trace_events(store, TraceSelection(SESSION)))
+        target.write_text(json.dumps({"traceEvents": events}))
     size = target.stat().st_size
     target.unlink()
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_bytes": peak_rss_bytes(),
-            "events": len(events), "x_events": sum(1 for e in events if e["ph"] == "X"), "trace_bytes": size}
+    return took.result(events=len(events), x_events=sum(1 for e in events if e["ph"] == "X"), trace_bytes=size)
 
 
 def _count_spans(path: Path) -> int:
@@ -165,8 +143,7 @@ def main() -> None:
     options = parser.parse_args()
     tmp = options.tmp_dir or Path(tempfile.mkdtemp(prefix="stepwatch-bench-export-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    header = machine_header(tmp)
-    print_header("Perfetto export", header)
+    header = start_report("Perfetto export", tmp)
     sizes = {"N/10": options.spans // 10, "N": options.spans}
     stores: dict[str, Path] = {}
     spans_of: dict[str, int] = {}
@@ -190,10 +167,9 @@ def main() -> None:
         rows.append((name, f"{spans:,}", f"{r['x_events']:,}", f"{r['events']:,}", r["wall_s"], r["cpu_s"],
                      f"{spans / max(r['cpu_s'], 1e-9) / 1e3:.0f}k", f"{r['peak_rss_bytes'] / 2**20:.0f}",
                      f"{r['trace_bytes'] / 2**20:.0f}"))
-    print_table(("contender", "history spans", "X events", "events", "wall s", "cpu s", "spans/cpu s", "peak RSS MiB", "trace MiB"), rows)
-    print(f"load average {load_average()}, pid {os.getpid()}")
-    write_results("bench_export", {"header": header, "options": {**vars(options), "tmp_dir": str(tmp)},
-                                   "results": results, "load_average": load_average()})
+    finish_report("bench_export", ("contender", "history spans", "X events", "events", "wall s", "cpu s", "spans/cpu s",
+                                   "peak RSS MiB", "trace MiB"), rows,
+                  {"header": header, "options": {**vars(options), "tmp_dir": str(tmp)}, "results": results})
 
 
 if __name__ == "__main__":

@@ -16,32 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    load_average,
-    machine_header,
-    peak_rss_bytes,
-    print_header,
-    print_table,
-    run_worker,
-    worker_main,
-    write_results,
-)
+from _common import Measured, finish_report, run_worker, start_report, worker_main
 from bench_export import SESSION, SPANS_PER_STEP, T0
 from bench_export import build as build_spans
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def build(args: list[str]) -> dict[str, Any]:
@@ -72,11 +56,9 @@ def _points(path: Path) -> tuple[list[Any], dict[str, str]]:
 
 
 def points(args: list[str]) -> dict[str, Any]:
-    cpu, wall = _cpu_s(), time.perf_counter()
-    found, _params = _points(Path(args[0]))
-    wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_bytes": peak_rss_bytes(),
-            "points": sum(len(p.values) for p in found)}
+    with Measured() as took:
+        found, _params = _points(Path(args[0]))
+    return took.result(points=sum(len(p.values) for p in found))
 
 
 def mlflow(args: list[str]) -> dict[str, Any]:
@@ -86,25 +68,21 @@ def mlflow(args: list[str]) -> dict[str, Any]:
 
     path, db = Path(args[0]), Path(args[1])
     MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()  # the store's tables made before the clock
-    cpu, wall = _cpu_s(), time.perf_counter()
-    found, params = _points(path)
-    done = export_mlflow(found, params, {}, {}, [], tracking_uri=f"sqlite:///{db}", experiment="bench",
-                         per_rank=False, run_name="bench", start_ms=None, end_ms=None)
-    wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_bytes": peak_rss_bytes(),
-            "points": done.metric_points}
+    with Measured() as took:
+        found, params = _points(path)
+        done = export_mlflow(found, params, {}, {"stepwatch.session_id": SESSION}, [], tracking_uri=f"sqlite:///{db}",
+                             experiment="bench", per_rank=False, run_name="bench", start_ms=None, end_ms=None)
+    return took.result(points=done.metric_points)
 
 
 def tensorboard(args: list[str]) -> dict[str, Any]:
     from stepwatch.exports.tensorboard import write_tensorboard
 
     path, out = Path(args[0]), Path(args[1])
-    cpu, wall = _cpu_s(), time.perf_counter()
-    found, params = _points(path)
-    stats = write_tensorboard(found, out, text=params)
-    wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_bytes": peak_rss_bytes(),
-            "points": stats.scalars}
+    with Measured() as took:
+        found, params = _points(path)
+        stats = write_tensorboard(found, out, text=params, session_id=SESSION)
+    return took.result(points=stats.scalars)
 
 
 WORKERS = {"build": build, "points": points, "mlflow": mlflow, "tensorboard": tensorboard}
@@ -118,8 +96,7 @@ def main() -> None:
     options = parser.parse_args()
     tmp = options.tmp_dir or Path(tempfile.mkdtemp(prefix="stepwatch-bench-trackers-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    header = machine_header(tmp)
-    print_header("Tracker exports", header)
+    header = start_report("Tracker exports", tmp)
     store = tmp / f"history-steps-{options.steps}-{options.ranks}.sqlite"
     if not store.exists():
         print(f"  built {store.name}: {run_worker(Path(__file__), 'build', [str(store), str(options.steps), str(options.ranks)], timeout=3600)}")
@@ -131,10 +108,8 @@ def main() -> None:
                                         timeout=3600)
     rows = [(name, f"{r['points']:,}", r["wall_s"], r["cpu_s"], f"{r['points'] / max(r['cpu_s'], 1e-9) / 1e3:.0f}k",
              f"{r['peak_rss_bytes'] / 2**20:.0f}") for name, r in results.items()]
-    print_table(("export", "points", "wall s", "cpu s", "points/cpu s", "peak RSS MiB"), rows)
-    print(f"load average {load_average()}, pid {os.getpid()}")
-    write_results("bench_tracker_export", {"header": header, "options": {**vars(options), "tmp_dir": str(tmp)},
-                                           "results": results, "load_average": load_average()})
+    finish_report("bench_tracker_export", ("export", "points", "wall s", "cpu s", "points/cpu s", "peak RSS MiB"), rows,
+                  {"header": header, "options": {**vars(options), "tmp_dir": str(tmp)}, "results": results})
 
 
 if __name__ == "__main__":

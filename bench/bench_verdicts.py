@@ -46,22 +46,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    best_of,
-    load_average,
-    machine_header,
-    peak_rss_bytes,
-    print_header,
-    print_table,
-    run_worker,
-    worker_main,
-    write_results,
-)
+import _common
+from _common import SESSION_ID, T0, best_of, peak_rss_bytes, run_worker, start_report, worker_main
 
 SCRIPT = Path(__file__).resolve()
-SESSION = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
+SESSION = SESSION_ID
 SLOW_RANK = 17
-T0 = 1_790_000_000_000_000_000
 MS = 1_000_000
 SAMPLE_EVERY = 10  # steps between two memory samples of a rank
 # (window, input form): "steps-only" leaves the memory samples out
@@ -241,8 +231,7 @@ def main() -> None:
     parser.add_argument("--skip-traceml", action="store_true")
     options = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-verdicts-", dir=options.tmp_dir))
-    header = machine_header(tmp)
-    print_header("verdict evaluation", header)
+    header = start_report("verdict evaluation", tmp)
     ranks, steps, repeat_all = options.ranks, options.steps, str(options.repeat)
     results: dict[str, Any] = {}
     for kind, form in FORMS:
@@ -266,7 +255,7 @@ def main() -> None:
         if name in results:
             r = results[name]
             rows.append([name, f"{r['rows']:,}", _ms(r["best_s"]), _ms(r["median_s"]), "-", _mib(r["peak_rss_bytes"])])
-    print_table(["contender", "step rows", "best", "median", "eval peak alloc", "peak RSS"], rows)
+    _common.print_table(["contender", "step rows", "best", "median", "eval peak alloc", "peak RSS"], rows)
     if "traceml live" in results:
         live = results["traceml live"]["best_s"] / results["live columns"]["best_s"]
         per_row_tml = results["traceml full"]["best_s"] / results["traceml full"]["rows"]
@@ -279,8 +268,8 @@ def main() -> None:
         print(f"\nhistory.sqlite of {ranks * steps:,} step rows ({s['history_bytes'] / 2**20:.0f} MiB): live window loaded in "
               f"{_ms(s['load_live_s'])}, loaded and judged in {_ms(s['load_and_diagnose_live_s'])}; "
               f"the whole run loaded in {_ms(s['load_full_s'])}")
-    print(f"\nload average at end: {load_average()}")
-    path = write_results("bench_verdicts", {"header": header, "results": results})
+    print(f"\nload average at end: {_common.load_average()}")
+    path = _common.write_results("bench_verdicts", {"header": header, "results": results})
     print(f"raw results: {path}")
 
 

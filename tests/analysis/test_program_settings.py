@@ -102,3 +102,21 @@ def test_a_scalers_skipped_step_is_no_nonfinite_gradient_norm() -> None:
     rules.observe_mark(0, "grad_norm", "inf", step=1, key="b", ts=2.0, at=2.0, attrs={**attrs, "scaler": False})
     (alert,) = rules.check(20.0)
     assert alert.kind == "NONFINITE" and "(inferred: clip_grad_norm_)" in alert.message
+
+
+def test_versions_come_from_the_lowest_rank_that_recorded_them(tmp_path: Any) -> None:
+    from stepwatch.analysis.program_settings import session_versions
+    from stepwatch.store.sqlite import SqliteStore
+
+    def mark(rank: int, attrs: Any, ts: int) -> dict[str, Any]:
+        return {"session_id": "s", "rank": rank, "mark_id": f"m{rank}{ts}", "span_id": None,
+                "name": "stepwatch.versions", "value_type": "str", "value_num": None, "value_text": "2.5",
+                "ts_ns": ts, "kind": "summary", "attrs": attrs}
+
+    with SqliteStore(tmp_path / "history.sqlite") as store:
+        store.append_many({"marks": [mark(3, {"torch": "2.4", "cuda": None}, 1), mark(1, {"torch": "2.5", "cuda": "12.4",
+                                                                                          "python": "3.11.2"}, 2)]})
+        assert session_versions(store, "s") == {"torch": "2.5", "cuda": "12.4", "python": "3.11.2"}
+        assert session_versions(store, "other") == {}
+        store.append_many({"marks": [mark(0, {"torch": "2.6", "cuda": None}, 3)]})
+        assert session_versions(store, "s") == {"torch": "2.6"}  # a CPU build names no CUDA

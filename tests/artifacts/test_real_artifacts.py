@@ -103,7 +103,18 @@ def _stormlog_oom_run(root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def stormlog_oom_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pytest.importorskip("stormlog", reason="needs stormlog==0.4.3")
-    return once(tmp_path_factory, "artifacts-stormlog-oom", _stormlog_oom_run)
+    return once(tmp_path_factory, "artifacts-stormlog-oom", _stormlog_oom_run_of_its_shape)
+
+
+def _stormlog_oom_run_of_its_shape(root: Path) -> dict[str, Path]:
+    """Stormlog's run, made again (three tries) where a starved machine gave it another shape: at
+    load 12 its tracker thread once wrote before the program's own `start` record, which then held
+    counters. The tests read what stepwatch makes of that shape, not Stormlog's timing."""
+    for attempt in range(3):
+        run = _stormlog_oom_run(root / f"try-{attempt}")
+        if {"start", "phase_enter"} <= _null_counter_types(run["sink"]):
+            return run
+    return run
 
 
 def _null_counter_types(path: Path) -> set[str]:

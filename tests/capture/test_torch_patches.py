@@ -93,6 +93,18 @@ def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path
         steps = names(spool, "step")
         assert len(steps) == 5
         assert all(sorted(kids(spool, s)) == ["backward", "data_load", "forward", "optimizer_step"] for s in steps)
+        # the versions the process trains with, once a runtime, with its first loader's settings
+        versions = [m for m in spool.marks if m["name"] == "stepwatch.versions"]
+        assert [(m["value"], m["kind"], m["attrs"]["torch"]) for m in versions] == [
+            (torch.__version__, "summary", torch.__version__)]
+
+
+def test_a_process_that_never_trains_records_no_versions(tmp_path: Path) -> None:
+    start(tmp_path)  # torch is imported: the patches go in
+    stepwatch.mark("only", 1)
+    nn.Linear(2, 1)(torch.ones(1, 2))  # a forward alone: no loader, optimizer or copy
+    spool = finish(tmp_path)
+    assert [m["name"] for m in spool.marks] == ["only"]
 
 
 @pytest.mark.real

@@ -34,22 +34,23 @@ def _export(*args: str) -> list[str]:
     return result.stdout.split()
 
 
-def _exported(base: Path, shared: Path) -> tuple[Path, str]:
+def _exported(base: Path, shared: Path) -> tuple[Path, str, str]:
     copy = base / "run"  # a copy of the shared run: the default tracking store is written into the run directory
     shutil.copytree(shared, copy)
     (run_id,) = _export(str(copy))  # the default store: sqlite:///RUN_DIR/mlflow.db
-    return copy, run_id
+    (again,) = _export(str(copy))  # the same session again: its run is found and kept
+    return copy, run_id, again
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """(the run's copy, the MLflow run id): exported once for every worker."""
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """(the run's copy, the MLflow run id, the second export's): exported once for every worker."""
     shared = trace_run(tmp_path_factory)
     return once(tmp_path_factory, "exports-mlflow-session", lambda base: _exported(base, shared))
 
 
 @pytest.fixture(scope="module")
-def run(exported: tuple[Path, str]) -> Path:
+def run(exported: tuple[Path, str, str]) -> Path:
     return exported[0]
 
 
@@ -61,13 +62,27 @@ def client(run: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def session_run(exported: tuple[Path, str], client: Any) -> Any:
+def session_run(exported: tuple[Path, str, str], client: Any) -> Any:
     return client.get_run(exported[1])
 
 
 def _rows(run: Path, sql: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(f"{(run / 'history.sqlite').as_uri()}?mode=ro", uri=True) as db:
         return db.execute(sql).fetchall()
+
+
+def _live_runs(client: Any, experiment_id: str) -> list[Any]:
+    from mlflow.entities import ViewType
+
+    return list(client.search_runs([experiment_id], run_view_type=ViewType.ACTIVE_ONLY))
+
+
+def test_exporting_again_keeps_the_one_run(exported: tuple[Path, str, str], session_run: Any, client: Any) -> None:
+    assert exported[1] == exported[2]
+    assert [r.info.run_id for r in _live_runs(client, session_run.info.experiment_id)] == [exported[1]]
+    assert len(session_run.data.tags["stepwatch.digest"]) == 64
+    # each point once (the metric test below counts them all): the second export logged none
+    assert len(client.get_metric_history(exported[1], "summary/steps")) == 1
 
 
 def test_one_run_per_session_with_the_params_tags_and_status(run: Path, session_run: Any, client: Any) -> None:
@@ -84,6 +99,8 @@ def test_one_run_per_session_with_the_params_tags_and_status(run: Path, session_
     assert params["optimizer/class"] == "SGD" and params["optimizer/lr"] == "0.01"
     assert params["dataloader/batch_size"] == "16" and params["dataloader/num_workers"] == "0"
     assert params["version/stepwatch"]
+    torch = pytest.importorskip("torch")
+    assert params["version/torch"] == torch.__version__  # from the ranks: the launcher never imports torch
     summary = json.loads((run / "final_summary.json").read_text())
     assert (info.start_time, info.end_time) == (summary["started_at_ns"] // 1_000_000, summary["ended_at_ns"] // 1_000_000)
 
@@ -117,11 +134,29 @@ def test_the_summary_diagnosis_report_and_trace_are_artifacts(run: Path, session
 
 
 def test_per_rank_makes_a_run_per_rank_in_the_named_experiment(run: Path, client: Any, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'other.db'}"
-    ids = _export(str(run), "--per-rank", "--experiment", "ranks", "--tracking-uri", uri)
     from mlflow.tracking import MlflowClient
 
+    from stepwatch.exports.mlflow_export import export_mlflow
+    from stepwatch.exports.tracker_data import tracker_points
+    from stepwatch.store.sqlite import SqliteStore
+
+    uri = f"sqlite:///{tmp_path / 'other.db'}"
+    session = json.loads((run / "run.json").read_text())["session_id"]
+    store = SqliteStore(run / "history.sqlite", read_only=True)
+    try:
+        points = tracker_points(store, session)
+    finally:
+        store.close()
+    # what an export made while the run trained holds: its first steps only
+    early = export_mlflow([p for p in points if p.step < 5], {"world_size": "2"}, {},
+                          {"stepwatch.session_id": session}, [], tracking_uri=uri, experiment="ranks", per_rank=True,
+                          run_name="early", start_ms=None, end_ms=None)
+    ids = _export(str(run), "--per-rank", "--experiment", "ranks", "--tracking-uri", uri)
+    assert _export(str(run), "--per-rank", "--experiment", "ranks", "--tracking-uri", uri) == ids  # kept
     other = MlflowClient(tracking_uri=uri)
+    assert set(ids).isdisjoint(early.run_ids.values())  # the early runs held other points: made anew
+    assert {r.info.run_id for r in _live_runs(other, early.experiment_id)} == set(ids)
+    assert all(other.get_run(i).info.lifecycle_stage == "deleted" for i in early.run_ids.values())
     runs = [other.get_run(i) for i in ids]
     assert [r.data.tags["stepwatch.rank"] for r in runs] == ["0", "1"]
     for rank, r in enumerate(runs):

@@ -13,16 +13,11 @@ import pytest
 
 from tests.support import run_stepwatch
 from tests.support.trace_format import format_problems, names, nesting_problems
-from tests.support.trace_run import STEPS_PER_RANK, trace_run
+from tests.support.trace_run import STEPS_PER_RANK
 
 pytestmark = pytest.mark.real  # the run is a real stepwatch run (torchrun, two ranks)
 
 pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trace_run(tmp_path_factory)
 
 
 def _rows(run: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -1,9 +1,11 @@
-"""``stepwatch export tensorboard`` on the shared real two-rank run: TensorBoard's own reader
-(``EventAccumulator``) finds a run per rank with a point per recorded step for each scalar, the
-values the history holds, and the summary's figures and params beside them."""
+"""``stepwatch export tensorboard`` on the shared real two-rank run, exported twice: TensorBoard's
+own reader (``EventAccumulator``) finds a run per rank with a point per recorded step for each
+scalar (not two: the second export replaced the first's file), the values the history holds, and
+the summary's figures and params beside them."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -11,9 +13,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from stepwatch.exports.tensorboard import event_file_name
 from stepwatch.ui.cli import cli
 from tests.support.shared import once
-from tests.support.trace_run import STEPS_PER_RANK, trace_run
+from tests.support.trace_run import STEPS_PER_RANK
 
 pytestmark = pytest.mark.real  # the run is a real stepwatch run (torchrun, two ranks)
 
@@ -21,23 +24,28 @@ pytest.importorskip("torch")
 pytest.importorskip("tensorboard")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trace_run(tmp_path_factory)
-
-
-def _logdir(base: Path, run: Path) -> Path:
+def _logdir(base: Path, run: Path) -> tuple[Path, list[tuple[str, int]]]:
+    """The folder, exported twice (the second replaces the first's files), and the files the
+    first export left (path, inode)."""
     out = base / "tb"
-    result = CliRunner().invoke(cli, ["export", "tensorboard", str(run), "-o", str(out)])
-    assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == str(out)
-    return out
+    first: list[tuple[str, int]] = []
+    for _ in range(2):
+        result = CliRunner().invoke(cli, ["export", "tensorboard", str(run), "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert result.stdout.strip() == str(out)
+        first = first or [(str(p.relative_to(out)), p.stat().st_ino) for p in sorted(out.rglob("*")) if p.is_file()]
+    return out, first
 
 
 @pytest.fixture(scope="module")
-def logdir(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def exported(run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[str, int]]]:
     """The event files, written once for every worker."""
     return once(tmp_path_factory, "exports-tensorboard", lambda base: _logdir(base, run))
+
+
+@pytest.fixture(scope="module")
+def logdir(exported: tuple[Path, list[tuple[str, int]]]) -> Path:
+    return exported[0]
 
 
 def _read(folder: Path) -> Any:
@@ -51,6 +59,16 @@ def _read(folder: Path) -> Any:
 def _rows(run: Path, sql: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(f"{(run / 'history.sqlite').as_uri()}?mode=ro", uri=True) as db:
         return db.execute(sql).fetchall()
+
+
+def test_exporting_again_replaces_the_sessions_one_file_per_folder(run: Path, exported: Any) -> None:
+    logdir, first = exported
+    session = json.loads((run / "run.json").read_text())["session_id"]
+    now = [(str(p.relative_to(logdir)), p.stat().st_ino) for p in sorted(logdir.rglob("*")) if p.is_file()]
+    name = event_file_name(session)
+    assert [path for path, _ in now] == [f"{folder}/{name}" for folder in ("rank_0", "rank_1", "summary")]
+    assert [path for path, _ in first] == [path for path, _ in now]  # the same names, not a second file
+    assert all(a != b for (_, a), (_, b) in zip(first, now, strict=True))  # new files, moved over the old
 
 
 def test_a_run_per_rank_with_a_point_per_step_for_each_scalar(run: Path, logdir: Path) -> None:

@@ -1,7 +1,8 @@
-"""``stepwatch export wandb`` on the shared real two-rank run: the W&B offline run it writes,
-read back record by record with wandb's own protobuf classes (tests/support/wandb_records.py
-gives the file's framing), holds a history row per step with every rank's scalars at the
-history's values, the params as config, the summary, and the run's files."""
+"""``stepwatch export wandb`` on the shared real two-rank run, exported twice (one run, the
+session's id, in place of the first): the W&B offline run, read back record by record with
+wandb's own protobuf classes (tests/support/wandb_records.py gives the file's framing), holds a
+history row per step with every rank's scalars at the history's values, the params as config,
+the summary, and the run's files."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from stepwatch.exports.wandb_export import wandb_run_id
 from tests.support import run_stepwatch
 from tests.support.shared import once
-from tests.support.trace_run import STEPS_PER_RANK, trace_run
+from tests.support.trace_run import STEPS_PER_RANK
 from tests.support.wandb_records import history_rows, read_records
 
 pytestmark = pytest.mark.real  # the run is a real stepwatch run (torchrun, two ranks)
@@ -23,24 +25,47 @@ pytest.importorskip("torch")
 pytest.importorskip("wandb")
 
 
+def _offline(out: Path, run: Path) -> tuple[Path, list[str]]:
+    """The offline run directory of the second of two exports, and the folders the first left."""
+    first: list[str] = []
+    for n in range(2):
+        proc = run_stepwatch("export", "wandb", str(run), "--dir", str(out), "--project", "tests", cwd=out)
+        assert proc.returncode == 0, proc.stderr
+        (found,) = (out / "wandb").glob("offline-run-*")
+        assert proc.stdout.strip() == str(found) and f"wandb sync {found}" in proc.stderr
+        assert ("in place of the earlier export" in proc.stderr) == (n == 1), proc.stderr
+        first = first or [found.name]
+    return found, first
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trace_run(tmp_path_factory)
-
-
-def _offline(out: Path, run: Path) -> Path:
-    proc = run_stepwatch("export", "wandb", str(run), "--dir", str(out), "--project", "tests", cwd=out)
-    assert proc.returncode == 0, proc.stderr
-    (found,) = (out / "wandb").glob("offline-run-*")
-    assert proc.stdout.strip() == str(found) and f"wandb sync {found}" in proc.stderr
-    return found
-
-
-@pytest.fixture(scope="module")
-def offline(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The offline run directory, written once for every worker (by a process of its own: wandb
-    starts its core service)."""
+def exported(run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """Exported twice, once for every worker (by processes of their own: wandb starts its core
+    service)."""
     return once(tmp_path_factory, "exports-wandb-offline", lambda base: _offline(base, run))
+
+
+@pytest.fixture(scope="module")
+def offline(exported: tuple[Path, list[str]]) -> Path:
+    return exported[0]
+
+
+def test_exporting_again_writes_the_same_run_in_place_of_the_first(run: Path, exported: Any) -> None:
+    offline, first = exported
+    session = json.loads((run / "run.json").read_text())["session_id"]
+    assert offline.name.endswith(f"-{wandb_run_id(session)}") and first[0].endswith(f"-{wandb_run_id(session)}")
+    assert [p.name for p in (offline.parent).glob("offline-run-*")] == [offline.name]  # one folder, not two
+    (path,) = offline.glob("run-*.wandb")
+    assert path.name == f"run-{wandb_run_id(session)}.wandb"
+    (record,) = _records(offline, "run")
+    assert record.run_id == wandb_run_id(session)
+
+
+def test_the_run_id_is_the_sessions_letters_and_digits() -> None:
+    assert wandb_run_id("5B0C8F4E-3a1d-4c2b-9e7f-0123456789ab") == "5b0c8f4e3a1d4c2b9e7f0123456789ab"
+    hashed = wandb_run_id("---")
+    assert len(hashed) == 32 and hashed == wandb_run_id("---") != wandb_run_id("--")
+    assert len(wandb_run_id("x" * 100)) == 32
 
 
 def _records(offline: Path, kind: str) -> list[Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -96,14 +97,14 @@ def test_summary_reads_the_served_history(served: dict[str, Any], tmp_path: Path
     assert data["session_id"] == served["session_id"] and data["overall"]["steps"] >= STEPS - 2
 
 
-def test_serve_refuses_a_store_path_and_an_unreachable_server(tmp_path: Path) -> None:
-    from tests.support import free_port
-
+def test_serve_refuses_a_store_path_and_a_server_that_refuses_it(clickhouse_server: Any, tmp_path: Path) -> None:
+    """A server that answers "no" (an unknown user) fails the start; one that does not answer
+    at all is waited for, spilling (tests/server/test_store_feed.py)."""
     path = run_stepwatch("serve", "--out", str(tmp_path / "o"), "--store", str(tmp_path / "h.sqlite"), cwd=tmp_path)
     assert path.returncode == 2 and "--store" in path.stderr
-    down = run_stepwatch("serve", "--out", str(tmp_path / "o"), "--store",
-                         f"clickhouse://default@127.0.0.1:{free_port()}/db", cwd=tmp_path, timeout=60)
-    assert down.returncode == 2 and "cannot open history store" in down.stderr, down.stderr
+    refused = run_stepwatch("serve", "--out", str(tmp_path / "o"), "--store",
+                            f"clickhouse://nobody@127.0.0.1:{clickhouse_server.tcp_port}/db", cwd=tmp_path, timeout=60)
+    assert refused.returncode == 2 and "cannot open history store" in refused.stderr, refused.stderr
 
 
 PLAIN = f"""
@@ -149,8 +150,9 @@ def test_run_store_refuses_a_path_and_the_dashboard(tmp_path: Path) -> None:
 
 
 def test_run_with_its_store_down_still_trains_and_summarises_from_its_artifacts(tmp_path: Path) -> None:
-    """Fail open: no aggregator can start on a store that does not answer, the training runs
-    anyway, and its final summary comes from the ranks' own artifacts (no spill queue yet)."""
+    """Fail open: the aggregator starts on a store that does not answer and spills every row to
+    the run's store_spill.sqlite (said in one line at the end), the training runs, and its
+    final summary comes from the ranks' own artifacts."""
     from tests.support import free_port
 
     (tmp_path / "train.py").write_text(PLAIN)
@@ -158,6 +160,11 @@ def test_run_with_its_store_down_still_trains_and_summarises_from_its_artifacts(
     ran = run_stepwatch("run", "--interval", "100", "--quiet", "--view", "off", "--store", down,
                         "--out", str(tmp_path / "run"), str(tmp_path / "train.py"), cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
-    assert "training runs without it" in ran.stderr
+    assert f"rows wait in {tmp_path / 'run' / 'store_spill.sqlite'}" in ran.stderr, ran.stderr
+    spilled = sqlite3.connect(tmp_path / "run" / "store_spill.sqlite")
+    try:
+        assert spilled.execute("SELECT SUM(rows) FROM batches").fetchone()[0] > 0
+    finally:
+        spilled.close()
     final = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert final["overall"]["steps"] >= STEPS - 2

@@ -64,6 +64,8 @@ def test_the_exposition_parses_and_every_name_is_stepwatchs(fed: FedRun) -> None
     from prometheus_client.parser import text_string_to_metric_families
 
     assert fed.metrics_text, "no /metrics exposition was taken while the run trained"
+    # `run --metrics-host 0.0.0.0 --token-env VAR`: bound beyond loopback, and only the token opens it
+    assert fed.metrics_without_token == 401
     families = {f.name: f for f in text_string_to_metric_families(fed.metrics_text)}
     assert families and all(name.startswith("stepwatch_") for name in families), sorted(families)
     kinds = {name: f.type for name, f in families.items()}
@@ -154,14 +156,21 @@ def test_sessions_are_bounded_and_finished_ones_expire(tmp_path: Path) -> None:
 
 
 def test_a_token_guards_metrics_and_no_token_binds_loopback_only(tmp_path: Path) -> None:
+    from stepwatch.errors import StepwatchError
     from stepwatch.server.feed_state import FeedState
     from stepwatch.server.metrics import start_metrics
 
     core, store = _core(tmp_path, ["only"])
     state = FeedState(tmp_path, core, cache_s=0)
     guarded, _ = start_metrics(state, core, "127.0.0.1", 0, "s3cret")
-    open_one, _ = start_metrics(state, core, "0.0.0.0", 0, None)  # no token: loopback, whatever was asked
+    open_one, _ = start_metrics(state, core, "0.0.0.0", 0, None)  # no token: loopback, whatever --host says
+    everywhere, _ = start_metrics(state, core, "127.0.0.1", 0, "s3cret", bind="0.0.0.0")  # --metrics-host
     try:
+        assert everywhere.host == "0.0.0.0"
+        assert _scrape(everywhere.url.replace("0.0.0.0", "127.0.0.1"))[0] == 401
+        assert _scrape(everywhere.url.replace("0.0.0.0", "127.0.0.1"), "s3cret")[0] == 200
+        with pytest.raises(StepwatchError, match="--metrics-host 0.0.0.0 is not loopback: it then needs a token"):
+            start_metrics(state, core, "127.0.0.1", 0, None, bind="0.0.0.0")
         assert _scrape(guarded.url)[0] == 401
         assert _scrape(guarded.url, "wrong")[0] == 401
         status, body = _scrape(guarded.url, "s3cret")
@@ -170,6 +179,7 @@ def test_a_token_guards_metrics_and_no_token_binds_loopback_only(tmp_path: Path)
         assert open_one.host == "127.0.0.1" and _scrape(open_one.url)[0] == 200
         assert _scrape(open_one.url.replace("/metrics", "/other"))[0] == 404
     finally:
+        everywhere.close()
         guarded.close()
         open_one.close()
         state.close()
@@ -226,3 +236,31 @@ def test_run_with_a_remote_aggregator_has_no_feeds_to_serve(tmp_path: Path) -> N
                          "train.py", cwd=tmp_path)
     assert proc.returncode == 2 and "--metrics-port, --alert-webhook and --otlp-endpoint" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("command", "args", "env", "said"), [
+    ("run", ["--metrics-port", "0", "--metrics-host", "0.0.0.0"], {},
+     "--metrics-host 0.0.0.0 is not loopback: it then needs a token (--token-env VAR"),
+    ("run", ["--ui-port", "0", "--ui-host", "192.0.2.7"], {}, "--ui-host 192.0.2.7 is not loopback"),
+    ("run", ["--metrics-port", "0", "--metrics-host", "0.0.0.0", "--token-env", "SW_EMPTY"], {"SW_EMPTY": ""},
+     "--token-env SW_EMPTY: that variable is empty or unset"),
+    ("run", ["--metrics-host", "127.0.0.1"], {}, "--metrics-host says where --metrics-port binds; give that too"),
+    ("serve", ["--metrics-port", "0", "--metrics-host", "::"], {}, "--metrics-host :: is not loopback"),
+    ("serve", ["--ui-port", "0", "--ui-host", "0.0.0.0"], {}, "--ui-host 0.0.0.0 is not loopback"),
+])
+def test_a_bind_beyond_loopback_without_a_token_is_refused_before_anything_starts(
+        command: str, args: list[str], env: dict[str, str], said: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from stepwatch.ui.cli import cli
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "train.py").write_text("raise SystemExit('never run')\n")
+    out = tmp_path / "out"
+    tail = [str(tmp_path / "train.py")] if command == "run" else []
+    result = CliRunner().invoke(cli, [command, "--out", str(out), *args, *tail])
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.stderr.split()), result.stderr
+    assert not out.exists()  # nothing was started

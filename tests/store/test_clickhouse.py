@@ -344,8 +344,8 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
     named questions that reduce steps are what the SQLite store gives on the same rows."""
     import uuid
 
-    from stepwatch.analysis.summary import _step_stats
-    from stepwatch.analysis.verdicts.inputs import load_verdict_inputs
+    from stepwatch.analysis.summary import _per_rank, step_aggregate, step_stats
+    from stepwatch.analysis.verdicts.inputs import load_verdict_inputs, session_steps
     from stepwatch.phases import STEP_COLUMNS
 
     sid = f"s-{uuid.uuid4().hex[:8]}"
@@ -366,7 +366,10 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
                 store.append_many({"steps": rows})
             (overall, ranks), (ch_overall, ch_ranks) = sqlite.step_aggregates(sid), ch.step_aggregates(sid)
             assert (ch_overall, ch_ranks) == (overall, ranks)
-            assert _step_stats(overall) == _step_stats(ch_overall)
+            columns = session_steps(sqlite, sid)  # the summary's own path: one columnar read
+            assert step_aggregate(columns) == ch_overall
+            assert {rank: step_aggregate(rows) for rank, rows in _per_rank(columns).items()} == ch_ranks
+            assert step_stats(ch_overall) == step_stats(overall)
             a, b = load_verdict_inputs(sqlite, sid, last_steps=window), load_verdict_inputs(ch, sid, last_steps=window)
             assert [dict(r) for r in a.steps] == [dict(r) for r in b.steps] and a[1:] == b[1:]
             sqlite.close()
@@ -391,3 +394,74 @@ def test_export_perfetto_from_a_url_gives_the_sqlite_trace(stores: dict[str, Any
     (ch, sqlite) = traces
     assert ch["traceEvents"] == sqlite["traceEvents"] != []
     assert ch["otherData"]["session_id"] == sqlite["otherData"]["session_id"]
+
+
+def _alert(sid: str, ts: int, kind: str = "STORE_DEGRADED") -> dict[str, Any]:
+    return {"session_id": sid, "ts_ns": ts, "kind": kind, "severity": "warn", "ranks": [], "step": None,
+            "message": f"{kind} at {ts}", "evidence": {"spill_path": "x"}}
+
+
+def _verdict(sid: str, ts: int, step: int) -> dict[str, Any]:
+    return {"session_id": sid, "ts_ns": ts, "step": step, "window_steps": 50, "name": "INPUT_BOUND",
+            "severity": "warn", "score": 0.5, "ranks": [0], "message": "m", "next_step": "n", "evidence": {}}
+
+
+def test_a_batch_written_again_after_a_failure_part_way_is_read_once(clickhouse_server: Any, tmp_path: Path) -> None:
+    """What the aggregator's feed does after a write failed part way (server/store_feed.py): the
+    tables before the failure are written, then the whole batch again, and again on a second
+    retry. Every table, alerts and verdicts included, reads each row once: what SQLite reads
+    after one write."""
+    from stepwatch.store.rows import row_tuples
+
+    sid = "replayed"
+    rows = {"steps": [step(sid, r, n, 1_000 * n + r) for r in range(2) for n in range(3)],
+            "marks": [mark(sid, 0, f"m{n}", 10 * n) for n in range(3)],
+            "alerts": [_alert(sid, 5_000), _alert(sid, 6_000, "RANK_LOST")],
+            "verdicts": [_verdict(sid, 7_000, 2)]}
+    tuples = {table: row_tuples(table, table_rows) for table, table_rows in rows.items()}
+    ch = open_store(clickhouse_server.database_url("replay"))
+    sqlite = SqliteStore(tmp_path / "history.sqlite")
+    try:
+        sqlite.append_tuples(tuples, [("batch-1", 1_000)])
+        ch.append_tuples({"steps": tuples["steps"], "marks": tuples["marks"]})  # the failure part way
+        for _ in range(2):  # the replay, twice
+            ch.append_tuples(tuples, [("batch-1", 1_000)])
+            ch.upsert_session({"session_id": sid, "status": "completed", "started_at_ns": 1, "ended_at_ns": 9})
+        sqlite.upsert_session({"session_id": sid, "status": "completed", "started_at_ns": 1, "ended_at_ns": 9})
+        for table, order in (("steps", "rank, step"), ("marks", "mark_id"), ("alerts", "ts_ns"),
+                             ("verdicts", "ts_ns"), ("sessions", "session_id")):
+            sql = f"SELECT * FROM {table} ORDER BY {order}"
+            assert ch.query(sql) == sqlite.query(sql), table
+        assert ch.seen_batches(0) == {"batch-1": 1_000}
+    finally:
+        ch.close()
+        sqlite.close()
+
+
+def test_alerts_and_verdicts_made_as_merge_tree_are_moved_to_replacing_merge_tree(clickhouse_server: Any) -> None:
+    """A database made before alerts and verdicts were unique: on the next open for writing
+    their tables become ReplacingMergeTree, with their rows."""
+    url = clickhouse_server.database_url("engines")
+    store = open_store(url)
+    try:
+        for table in ("alerts", "verdicts"):
+            columns = store.query_tuples(f"SELECT name, type FROM system.columns WHERE database = currentDatabase() "
+                                         f"AND table = '{table}_rows'")
+            store.query_tuples(f"DROP TABLE {table}")
+            store.query_tuples(f"DROP TABLE {table}_rows")
+            body = ", ".join(f"{name} {kind}" for name, kind in columns)
+            store.query_tuples(f"CREATE TABLE {table}_rows ({body}) ENGINE = MergeTree() "
+                               f"PARTITION BY toYYYYMMDD(toDateTime(intDiv(ts_ns, 1000000000))) ORDER BY (session_id, ts_ns)")
+        store.append_many({"alerts": [_alert("old", 1_000)], "verdicts": [_verdict("old", 2_000, 1)]})
+    finally:
+        store.close()
+    store = open_store(url)
+    try:
+        engines = dict(store.query_tuples("SELECT name, engine FROM system.tables WHERE database = currentDatabase() "
+                                          "AND name IN ('alerts_rows', 'verdicts_rows')"))
+        assert engines == {"alerts_rows": "ReplacingMergeTree", "verdicts_rows": "ReplacingMergeTree"}
+        store.append_many({"alerts": [_alert("old", 1_000)], "verdicts": [_verdict("old", 2_000, 1)]})
+        assert store.count("alerts") == 1 and store.count("verdicts") == 1
+        assert store.query("SELECT message FROM alerts") == [{"message": "STORE_DEGRADED at 1000"}]
+    finally:
+        store.close()

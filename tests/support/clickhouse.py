@@ -129,7 +129,12 @@ def _start(home: Path) -> dict[str, Any]:
     http_port, tcp_port = free_port(), free_port()
     (home / "config.xml").write_text(_CONFIG.format(home=home, http_port=http_port, tcp_port=tcp_port))
     (home / "users.xml").write_text(_USERS)
-    with (home / "log" / "stdout.log").open("wb") as log:
+    return _launch(home, http_port, tcp_port)
+
+
+def _launch(home: Path, http_port: int, tcp_port: int) -> dict[str, Any]:
+    """Starts the server of ``home``'s config (again, after a stop or a kill: same data, same ports)."""
+    with (home / "log" / "stdout.log").open("ab") as log:
         process = subprocess.Popen([str(BINARY), f"--config-file={home / 'config.xml'}"], cwd=home,
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)  # outlives the worker that started it
@@ -159,6 +164,43 @@ def _stop(state: dict[str, Any]) -> None:
     process = _STARTED.pop(pid, None)
     if process is not None:
         process.wait(10)
+
+
+class PrivateClickHouse:
+    """A server of one test's own, which the test may pause (SIGSTOP: a hung server), kill
+    (SIGKILL) and start again on the same data and ports; the shared one must never be."""
+
+    def __init__(self, home: Path) -> None:
+        require_clickhouse()
+        self.state = _start(home)
+        self.home = Path(self.state["home"])
+        self.tcp_port = int(self.state["tcp_port"])
+        self.http_port = int(self.state["http_port"])
+
+    @property
+    def pid(self) -> int:
+        return int(self.state["pid"])
+
+    def url(self, database: str) -> str:
+        return f"clickhouse://default@127.0.0.1:{self.tcp_port}/{database}"
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        """SIGKILL (a paused server too), and reaped."""
+        os.kill(self.pid, signal.SIGKILL)
+        process = _STARTED.pop(self.pid, None)
+        if process is not None:
+            process.wait(10)
+
+    def start(self) -> None:
+        self.state = _launch(self.home, self.http_port, self.tcp_port)
+
+    def stop(self) -> None:
+        if _alive(self.pid):
+            os.kill(self.pid, signal.SIGCONT)
+            _stop(self.state)
 
 
 class ClickHouseServer:

@@ -2,7 +2,7 @@
 ``/metrics``, an HTTP receiver of alert webhooks (one that answers, one that fails its first
 posts, one that never answers), and an OTLP/HTTP receiver keeping the protobuf bodies it is sent.
 
-``fed_run``: one 2-rank ``stepwatch run`` with all three feeds, made once per test session
+``fed_run``: one 2-rank ``stepwatch run`` with all three feeds (/metrics on 0.0.0.0, with a token), made once per test session
 (``shared.once``) and read by tests/server/test_metrics.py, test_webhooks.py and test_otlp.py.
 The program trains until the test opens its gate (every value Prometheus should hold is there,
 the webhook has the alert, the OTLP receiver has spans and metrics), so it runs no longer than
@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ for epoch in stepwatch.epochs(60):
             stepwatch.mark("loss", float("nan"))
         time.sleep(0.03)
 '''
+
+TOKEN = "feeds-token"  # /metrics binds 0.0.0.0 with it; Prometheus scrapes with it (Authorization: Bearer)
 
 # what the gate waits for in Prometheus (each query must return a series for both ranks, or one)
 PROM_QUERIES = {
@@ -146,11 +149,12 @@ def require_prometheus(missing: str | None) -> None:
 class Prometheus:
     """Debian's ``prometheus`` from a private directory, scraping one target every second."""
 
-    def __init__(self, home: Path, target: str, binary: str) -> None:
+    def __init__(self, home: Path, target: str, binary: str, token: str | None = None) -> None:
         home.mkdir(parents=True, exist_ok=True)
         config = home / "prometheus.yml"
+        bearer = f"    authorization:\n      credentials: '{token}'\n" if token else ""
         config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-                          "scrape_configs:\n  - job_name: stepwatch\n    static_configs:\n"
+                          f"scrape_configs:\n  - job_name: stepwatch\n{bearer}    static_configs:\n"
                           f"      - targets: ['{target}']\n")
         self.port = free_port()
         with (home / "prometheus.log").open("wb") as log:
@@ -194,6 +198,7 @@ class FedRun:
     metrics_port: int
     prometheus: dict[str, list[dict[str, Any]]]  # PROM_QUERIES' names -> results, while it trained
     metrics_text: str  # one /metrics exposition, while it trained
+    metrics_without_token: int  # the HTTP status of a scrape with no token, while it trained
     webhook_posts: list[tuple[str, bytes, dict[str, str]]]
     otlp_posts: list[tuple[str, bytes, dict[str, str]]]
     otlp_during: int  # OTLP posts received before the gate opened (while the run went)
@@ -212,7 +217,7 @@ def _fed(base: Path) -> FedRun:
     run_dir, gate = base / "run", base / "gate"
     port = free_port()
     binary = shutil.which("prometheus")
-    prometheus = Prometheus(base / "prometheus", f"127.0.0.1:{port}", binary) if binary else None
+    prometheus = Prometheus(base / "prometheus", f"127.0.0.1:{port}", binary, TOKEN) if binary else None
     missing_why = None if binary else "prometheus is not installed (apt-get install -y prometheus)"
     hook = Receiver(lambda n, path: 503 if n <= 2 else 200)  # the first two posts fail: retried
     otlp = Receiver()
@@ -221,14 +226,16 @@ def _fed(base: Path) -> FedRun:
         job = subprocess.Popen(
             [*STEPWATCH, "run", "--nproc-per-node", "2", "--master-port", str(free_port()), "--out", str(run_dir),
              "--view", "off", "--quiet", "--interval", "200", "--metrics-port", str(port),
+             "--metrics-host", "0.0.0.0", "--token-env", "FEED_TOKEN",  # beyond loopback: with a token
              "--alert-webhook", f"{hook.url}/hook", "--otlp-endpoint", otlp.url, "train.py"],
-            cwd=base, env=clean_env(FEED_GATE=str(gate), STEPWATCH_VERDICT_INTERVAL_S="0.5",
+            cwd=base, env=clean_env(FEED_GATE=str(gate), FEED_TOKEN=TOKEN, STEPWATCH_VERDICT_INTERVAL_S="0.5",
                                     STEPWATCH_OTLP_INTERVAL_S="1", STEPWATCH_OTLP_FULL_FIRST="3",
                                     STEPWATCH_OTLP_FULL_EVERY="10"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         started = time.monotonic()
         results: dict[str, list[dict[str, Any]]] = {}
         text = ""
+        refused = 0
         missing = list(PROM_QUERIES) if prometheus is not None else []
         waiting = ["the run's start"]
         deadline = started + 150
@@ -240,8 +247,15 @@ def _fed(base: Path) -> FedRun:
                     results[name] = found
                     missing.remove(name)
             if not text and not missing:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+                url = f"http://127.0.0.1:{port}/metrics"
+                request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+                with urllib.request.urlopen(request, timeout=10) as answer:
                     text = answer.read().decode()
+                try:
+                    urllib.request.urlopen(url, timeout=10).close()
+                    refused = 200
+                except urllib.error.HTTPError as exc:
+                    refused = exc.code
             waiting = missing + ([] if any(b"NONFINITE" in b for b in hook.bodies()) else ["webhook"]) + (
                 [] if otlp.bodies("/v1/traces") and otlp.bodies("/v1/metrics") else ["otlp"])
             if not waiting:
@@ -261,5 +275,5 @@ def _fed(base: Path) -> FedRun:
         otlp.close()
     stats_file = run_dir / "aggregator_stats.json"
     stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
-    return FedRun(run_dir, job.returncode, stderr, port, results, text, list(hook.posts), list(otlp.posts),
+    return FedRun(run_dir, job.returncode, stderr, port, results, text, refused, list(hook.posts), list(otlp.posts),
                   otlp_during, stats, missing_why, gate_after, waiting)

@@ -39,9 +39,11 @@ from typing import Any
 __all__ = ["ALERT_KINDS", "COLLECTIVE_PHASES", "Alert", "AlertPolicy", "AlertRules", "alert_from_dict",
            "inferred_source", "is_nonfinite", "iso_time"]
 
-ALERT_KINDS = ("STALL", "RANK_LOST", "THROUGHPUT_DROP", "NONFINITE", "ZERO_GRAD")
+# STORE_DEGRADED is the aggregator's own (server/store_feed.py), not a rule of AlertRules: its
+# remote history store is down or slow and the rows wait in the local spill queue
+ALERT_KINDS = ("STALL", "RANK_LOST", "THROUGHPUT_DROP", "NONFINITE", "ZERO_GRAD", "STORE_DEGRADED")
 SEVERITY = {"STALL": "crit", "RANK_LOST": "crit", "NONFINITE": "crit", "THROUGHPUT_DROP": "warn",
-            "ZERO_GRAD": "warn"}
+            "ZERO_GRAD": "warn", "STORE_DEGRADED": "warn"}
 # the phases (stepwatch.phases span names) in which DDP's collectives of a step run: a rank in one
 # of them may be waiting for another rank, a rank elsewhere is not waiting in a collective
 COLLECTIVE_PHASES = frozenset({"backward", "optimizer_step"})

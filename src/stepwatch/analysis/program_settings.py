@@ -19,7 +19,7 @@ from typing import Any
 from ..store.base import HistoryStore
 from .verdicts.model import Diagnosis, Verdict
 
-__all__ = ["ProgramSettings", "load_program_settings", "with_settings"]
+__all__ = ["ProgramSettings", "load_program_settings", "session_versions", "with_settings"]
 
 _NAMES = {"stepwatch.dataloader": "dataloaders", "stepwatch.optimizer": "optimizers", "stepwatch.h2d": "h2d"}
 _SELECT = ("SELECT rank, name, attrs FROM marks WHERE session_id = ? AND name IN (?, ?, ?) "
@@ -43,6 +43,26 @@ def load_program_settings(store: HistoryStore, session_id: str) -> ProgramSettin
             kinds = out.setdefault(int(row["rank"]), {"dataloaders": [], "optimizers": [], "h2d": []})
             kinds[_NAMES[row["name"]]].append(dict(attrs))
     return out
+
+
+_VERSIONS = ("SELECT rank, attrs FROM marks WHERE session_id = ? AND name = 'stepwatch.versions' "
+             "ORDER BY rank, ts_ns")
+
+
+def session_versions(store: HistoryStore, session_id: str) -> dict[str, str]:
+    """The versions the lowest rank that recorded them trained with (``stepwatch.versions``,
+    capture/program_settings.py: torch, cuda, python, stepwatch, platform), as text; empty for
+    a session that recorded none (no torch, an older capture). A value it had none of (``cuda`` on
+    a CPU build of torch) is left out."""
+    for row in store.query(_VERSIONS, (session_id,)):
+        attrs = row["attrs"]
+        try:
+            attrs = json.loads(attrs) if isinstance(attrs, str) else attrs
+        except ValueError:
+            continue
+        if isinstance(attrs, Mapping):
+            return {str(k): str(v) for k, v in attrs.items() if isinstance(v, (str, int, float)) and v != ""}
+    return {}
 
 
 def with_settings(diagnosis: Diagnosis, settings: ProgramSettings) -> Diagnosis:

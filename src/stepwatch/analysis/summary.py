@@ -8,26 +8,33 @@ give the same numbers. ``final_summary.json`` carries ``schema_version``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 from .._decode import read_json_file
-from ..phases import SHARES
-from ..store.base import QUANTILES, HistoryStore, StepAggregate
+from ..phases import PHASES as PHASE_TABLE
+from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
+from ..store.base import QUANTILES, HistoryStore, StepAggregate, quantile_positions
 from .epochs import epoch_report, render_epoch_line
+from .program_settings import session_versions
 from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
+from .verdicts.inputs import session_steps
+from .verdicts.step_columns import StepColumns
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
-           "render_summary_text", "run_outcome"]
+           "render_summary_text", "run_outcome", "step_aggregate", "step_stats"]
 
 SUMMARY_SCHEMA_VERSION = "1.1"  # 1.1: ``diagnosis`` (analysis/diagnosis.py, docs/summary.md)
 PHASES = SHARES  # the phase shares' names (stepwatch.phases): "optimizer" is the optimizer_step phase
+_COLUMNS = STEP_COLUMNS  # each share's column in the history's steps table, in the same order
+_OUTSIDE_RESIDUAL = tuple(p.column for p in PHASE_TABLE if not p.in_residual)
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default), on pre-sorted values."""
-    if not sorted_values:
+    if len(sorted_values) == 0:
         return None
     position = (len(sorted_values) - 1) * q
     low = int(position)
@@ -35,11 +42,42 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def _step_stats(agg: StepAggregate) -> dict[str, Any]:
-    """The statistics of a set of steps, from what the store reduced them to (``StepAggregate``:
-    the same numbers whether the rows were reduced here or on a ClickHouse server). The
-    quantiles interpolate between the sorted step times at ``quantile_positions``, as
-    ``percentile`` does over all of them."""
+def step_aggregate(steps: StepColumns) -> StepAggregate:
+    """What the step statistics need of ``steps`` (store.base.StepAggregate): the numbers a
+    ClickHouse store reduces the same rows to on its server (``step_aggregates``), so the
+    statistics of either are the same. Whole nanoseconds below 2**53 sum exactly as float64."""
+    import numpy as np
+
+    step_ns = steps.arrays["step_ns"]
+    known = np.sort(step_ns[~np.isnan(step_ns)])
+    n = len(known)
+    picks = tuple((int(known[lo]), int(known[hi])) for lo, hi in (quantile_positions(n, q) for q in QUANTILES)) \
+        if n else ()
+    phase = {column: np.nan_to_num(steps.arrays[column]) for column in _COLUMNS}  # unknown: none spent
+    sums = []
+    for column in _COLUMNS:
+        if column == RESIDUAL.column:
+            # wait_ns is the spec's residual (step - h2d - forward - backward - optimizer), which
+            # still holds the step's own fetch; its share excludes data_load (the phases outside
+            # the residual) so shares sum to 1.
+            outside = sum((phase[c] for c in _OUTSIDE_RESIDUAL), np.zeros(len(steps)))
+            sums.append(int(np.maximum(0.0, phase[column] - outside).sum()))
+        else:
+            sums.append(int(phase[column].sum()))
+    span = steps.span()
+    return StepAggregate(len(steps), n, picks, int(known[-1]) if n else None, int(known.sum()), tuple(sums),
+                         None if span is None else int(span[0]), None if span is None else int(span[1]))
+
+
+def _step_stats(steps: StepColumns) -> dict[str, Any]:
+    """Step-time statistics and phase shares of ``steps`` (one rank's rows, or every rank's)."""
+    return step_stats(step_aggregate(steps))
+
+
+def step_stats(agg: StepAggregate) -> dict[str, Any]:
+    """The statistics of a set of steps from their ``StepAggregate`` (made here from the rows or
+    on a ClickHouse server: the same numbers). The quantiles interpolate between the sorted step
+    times at ``quantile_positions``, as ``percentile`` does over all of them."""
     n = agg.n
     quantiles: list[float | None] = []
     for q, (low_ns, high_ns) in zip(QUANTILES, agg.picks or [(0, 0)] * len(QUANTILES)):
@@ -50,7 +88,7 @@ def _step_stats(agg: StepAggregate) -> dict[str, Any]:
         position = (n - 1) * q
         quantiles.append(low + (high - low) * (position - int(position)))
     total = agg.total_ns / 1e6
-    shares = {phase: round(spent / 1e6 / total, 4) if total > 0 else None for phase, spent in zip(PHASES, agg.phase_ns)}
+    shares = {name: round(spent / 1e6 / total, 4) if total > 0 else None for name, spent in zip(PHASES, agg.phase_ns)}
     span_s = ((agg.last_end_ns - agg.first_start_ns) / 1e9
               if agg.rows and agg.last_end_ns is not None and agg.first_start_ns is not None else 0.0)
     median, p90, p99 = quantiles
@@ -61,6 +99,21 @@ def _step_stats(agg: StepAggregate) -> dict[str, Any]:
         "phase_share": shares,
         "throughput_steps_per_s": round(n / span_s, 3) if span_s > 0 else None,
     }
+
+
+def _per_rank(steps: StepColumns) -> dict[int, StepColumns]:
+    """Each rank's rows, from rows ordered by rank."""
+    import numpy as np
+
+    rank = steps.arrays["rank"]
+    starts = np.flatnonzero(np.insert(rank[1:] != rank[:-1], 0, True)) if len(rank) else np.array([], dtype=int)
+    bounds = [*starts.tolist(), len(rank)]
+    return {int(rank[a]): steps.take(slice(a, b)) for a, b in zip(bounds, bounds[1:]) if rank[a] == rank[a]}
+
+
+# a remote store's degraded episodes and spill queue (server/store_feed.py; docs/clickhouse.md)
+STORE_COUNTERS = ("store_degraded_episodes", "store_degraded_s", "store_write_failures", "store_spilled_rows",
+                  "store_replayed_rows", "store_spill_pending_rows")
 
 
 def _read_aggregator_stats(run_dir: Path | None) -> dict[str, Any]:
@@ -86,8 +139,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         session_id = session["session_id"]
     else:
         session = next((s for s in sessions if s["session_id"] == session_id), {"session_id": session_id})
-    # the steps' statistics reduced by the store (on a ClickHouse server: no step row moves)
-    all_steps, by_rank = store.step_aggregates(session_id)
+    steps = session_steps(store, session_id)  # one read: the statistics and the diagnosis share it
     stops = store.query(
         "SELECT rank, metadata FROM telemetry WHERE session_id = ? AND event_type = 'stop' ORDER BY timestamp_ns",
         (session_id,),
@@ -111,8 +163,8 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         run = read_json_file(run_dir / "run.json")  # ArtifactError naming it, nesting included
         if run.get("session_id") == session_id:
             exit_code = run.get("exit_code")
-    per_rank = {str(rank): _step_stats(agg) for rank, agg in sorted(by_rank.items())}
-    overall = _step_stats(all_steps)
+    per_rank = {str(rank): _step_stats(rows) for rank, rows in sorted(_per_rank(steps).items())}
+    overall = _step_stats(steps)
     # A training step is done when every rank has done it: the run's rate is its slowest rank's.
     rates = [r["throughput_steps_per_s"] for r in per_rank.values() if r["throughput_steps_per_s"] is not None]
     overall["throughput_steps_per_s"] = min(rates) if rates else None
@@ -132,6 +184,7 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "world_size": max(session.get("world_size") or 0, world_seen) or (len(ranks_seen) - len(workers) or None),
         "ranks": [rank for rank in ranks_seen if rank not in workers],
         "workers": workers,
+        "versions": session_versions(store, session_id),
         "overall": overall,
         "per_rank": per_rank,
         "epochs": session_epochs(store, session_id),
@@ -145,11 +198,11 @@ def build_summary(store: HistoryStore, session_id: str | None = None, run_dir: P
         "unrecorded_tail": _unrecorded_tail(run_dir, session_id),
         "collector_health": [dict(h) for h in health],
         "aggregator": {k: aggregator_stats[k] for k in ("rows_written", "rejected", "frames_accepted", "rows_lost",
-                                                        "write_errors", "disk_full_errors")
+                                                        "write_errors", "disk_full_errors", *STORE_COUNTERS)
                        if k in aggregator_stats},
         "counts": {table: store.count(table, session_id) for table in ("telemetry", "spans", "marks", "heartbeats")},
         "alerts": session_alerts(store, session_id, run_dir),
-        "diagnosis": summary_diagnosis(store, session_id, policy),
+        "diagnosis": summary_diagnosis(store, session_id, policy, steps),
     }
 
 
@@ -318,6 +371,10 @@ def render_summary_text(summary: dict[str, Any]) -> str:
                                          if degraded else "all healthy"))
     if summary.get("aggregator", {}).get("rejected"):
         lines.append(f"aggregator rejected frames: {summary['aggregator']['rejected']}")
+    versions = summary.get("versions") or {}
+    if versions.get("torch"):  # last: what it ran on, after what to do about it
+        lines.append(f"versions torch {versions['torch']}" + (f" (cuda {versions['cuda']})" if versions.get("cuda") else "")
+                     + "".join(f", {k} {versions[k]}" for k in ("python", "stepwatch") if versions.get(k)))
     return "\n".join(lines) + "\n"
 
 
@@ -376,6 +433,13 @@ def _loss_lines(summary: dict[str, Any]) -> list[str]:
         cause = "the disk was full" if aggregator.get("disk_full_errors") else "writes failed"
         lines.append(f"history: {aggregator['rows_lost']} rows lost ({cause}: {aggregator.get('write_errors', '?')} "
                      "failed writes); the ranks' own files keep what fit")
+    if aggregator.get("store_degraded_episodes"):
+        pending = aggregator.get("store_spill_pending_rows") or 0
+        lines.append(f"history store: degraded {aggregator['store_degraded_episodes']} time(s) for "
+                     f"{aggregator.get('store_degraded_s', 0):.1f} s; {aggregator.get('store_spilled_rows', 0)} rows "
+                     f"spilled to the local queue, {aggregator.get('store_replayed_rows', 0)} replayed"
+                     + (f", {pending} still queued (store_spill.sqlite: replayed by the next serve --out on "
+                        f"this directory)" if pending else ", none lost"))
     if summary.get("unwritten"):
         lines.append(f"not written: {summary['unwritten']}")
     return lines

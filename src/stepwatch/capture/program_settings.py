@@ -9,6 +9,12 @@ to the spool, the aggregator and the history's ``marks`` table; ``attrs`` holds 
 * ``stepwatch.optimizer``: at an optimizer's first ``step()``; value its class name;
 * ``stepwatch.h2d``: at the first host-to-device copy of each kind (``non_blocking`` or not);
   value ``"non_blocking"`` or ``"blocking"``;
+* ``stepwatch.versions``: once, just before the first of the marks above (the process trains):
+  the versions it trains with, ``torch``, ``cuda`` (the CUDA torch was built for; none on a CPU
+  build), ``python``, ``stepwatch`` and ``platform``; value the torch version. A run started by
+  ``stepwatch run`` has them only from here: its launcher never imports torch, so run.json's
+  ``versions`` lack it. Not at the patches' install: a process that imports torch and never
+  trains (a tool, a test) keeps the marks it made itself, and nothing;
 * ``stepwatch.plan``: what the run will do, where the program says it: ``epochs`` (from
   ``stepwatch.epochs(n)``), ``max_steps`` (a framework's: Hugging Face's ``TrainerState.max_steps``,
   Lightning's estimated stepping batches); the live view's total is ``max_steps``, else
@@ -21,6 +27,7 @@ program: a setting that cannot be read is left out.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import weakref
 from typing import Any
@@ -28,13 +35,14 @@ from typing import Any
 from ..guard import Site, report_internal
 from .spans import SpanRecorder
 
-__all__ = ["DATALOADER_MARK", "H2D_MARK", "OPTIMIZER_MARK", "PLAN_MARK", "ProgramSettings", "dataloader_settings",
-           "host_cpus", "optimizer_settings"]
+__all__ = ["DATALOADER_MARK", "H2D_MARK", "OPTIMIZER_MARK", "PLAN_MARK", "VERSIONS_MARK", "ProgramSettings",
+           "dataloader_settings", "host_cpus", "optimizer_settings", "training_versions"]
 
 DATALOADER_MARK = "stepwatch.dataloader"
 OPTIMIZER_MARK = "stepwatch.optimizer"
 H2D_MARK = "stepwatch.h2d"
 PLAN_MARK = "stepwatch.plan"
+VERSIONS_MARK = "stepwatch.versions"
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -101,11 +109,26 @@ def optimizer_settings(optimizer: Any) -> dict[str, Any]:
     return settings
 
 
+def training_versions(torch: Any) -> dict[str, str | None]:
+    """The versions a training process runs with (``torch``: the module its patches use)."""
+    from .. import __version__
+
+    version = getattr(torch, "version", None)
+    return {"torch": str(getattr(torch, "__version__", "?")), "cuda": _text(getattr(version, "cuda", None)),
+            "python": platform.python_version(), "stepwatch": __version__, "platform": platform.platform()}
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 class ProgramSettings:
     """Records each loader's and optimizer's settings once, and the kinds of copies seen."""
 
-    def __init__(self, recorder: SpanRecorder) -> None:
+    def __init__(self, recorder: SpanRecorder, torch: Any = None) -> None:
         self.recorder = recorder
+        self.torch = torch  # the module the patches use: its versions go with the first settings
+        self._versions_done = torch is None
         self._loaders: weakref.WeakSet[Any] = weakref.WeakSet()
         self._loader_ids: set[int] = set()  # loaders that cannot be weakly referenced
         self.h2d_seen: set[bool] = set()  # the non_blocking values of the copies recorded
@@ -113,6 +136,11 @@ class ProgramSettings:
         self._count = 0
 
     def _mark(self, name: str, value: str, attrs: dict[str, Any]) -> None:
+        if not self._versions_done:
+            with self._lock:
+                first, self._versions_done = not self._versions_done, True
+            if first:
+                self.versions(self.torch)
         self.recorder.mark_on(self.recorder.session, name, value, "summary", attrs)
 
     def loader(self, loader: Any) -> None:
@@ -140,6 +168,14 @@ class ProgramSettings:
         try:
             settings = optimizer_settings(optimizer)
             self._mark(OPTIMIZER_MARK, settings["class"] or "?", settings)
+        except Exception as exc:  # noqa: BLE001
+            report_internal(exc, Site.INFERRED_SETTINGS)
+
+    def versions(self, torch: Any) -> None:
+        """The versions mark (``_mark`` records it once, before the first settings mark)."""
+        try:
+            versions = training_versions(torch)
+            self.recorder.mark_on(self.recorder.session, VERSIONS_MARK, versions["torch"], "summary", versions)
         except Exception as exc:  # noqa: BLE001
             report_internal(exc, Site.INFERRED_SETTINGS)
 

@@ -44,7 +44,7 @@ class TorchPatches:
 
         self.inferred = InferredMetrics(state.recorder, torch, state.threads,
                                         optimizer.register_optimizer_step_post_hook)
-        self.settings = ProgramSettings(state.recorder)
+        self.settings = ProgramSettings(state.recorder, torch)
 
     def install(self) -> None:
         with self._lock:

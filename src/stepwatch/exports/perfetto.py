@@ -303,17 +303,24 @@ def _gpu_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats,
         yield event
 
 
+def _rank_rows(store: Any, sid: str, r: _Rank, table: str, time_column: str, columns: str) -> Iterator[tuple[Any, ...]]:
+    """The rank's rows of ``table`` in its window, in time order, as (time, *columns); a row whose
+    time is not an integer (a damaged one) is left out."""
+    where, window = _where_window(time_column, r.window)
+    for row in store.iterate(f"SELECT {time_column}, {columns} FROM {table} WHERE session_id = ? AND rank = ?{where} "
+                             f"ORDER BY {time_column}", (sid, r.rank, *window)):
+        if isinstance(row[0], int):
+            yield row
+
+
 def _counter_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats) -> Iterator[dict[str, Any]]:
     """Memory samples as counters (RSS for host memory; allocated and reserved per device) and
     the other telemetry events (start, stop, collector health, warnings, errors, OOMs) as
     process instants."""
     pid = r.rank + 1
-    where, window = _where_window("timestamp_ns", r.window)
-    for ts, kind, collector, device, allocated, reserved, context, metadata in store.iterate(
-            "SELECT timestamp_ns, event_type, collector, device_id, allocated, reserved, context, metadata "
-            f"FROM telemetry WHERE session_id = ? AND rank = ?{where} ORDER BY timestamp_ns", (sid, r.rank, *window)):
-        if not isinstance(ts, int):
-            continue
+    for ts, kind, collector, device, allocated, reserved, context, metadata in _rank_rows(
+            store, sid, r, "telemetry", "timestamp_ns", "event_type, collector, device_id, allocated, reserved, "
+                                                        "context, metadata"):
         if kind == "sample":
             if device == _CPU or device is None:
                 if isinstance(allocated, int):
@@ -335,12 +342,8 @@ def _mark_events(store: Any, sid: str, r: _Rank, origin: int, stats: ExportStats
     """The rank's marks as process instants; a numeric point mark also as a point of the
     counter ``mark NAME`` (a loss curve under the timeline)."""
     pid = r.rank + 1
-    where, window = _where_window("ts_ns", r.window)
-    for mark_id, span_id, name, number, text, ts, kind, attrs in store.iterate(
-            "SELECT mark_id, span_id, name, value_num, value_text, ts_ns, kind, attrs FROM marks "
-            f"WHERE session_id = ? AND rank = ?{where} ORDER BY ts_ns", (sid, r.rank, *window)):
-        if not isinstance(ts, int):
-            continue
+    for ts, mark_id, span_id, name, number, text, kind, attrs in _rank_rows(
+            store, sid, r, "marks", "ts_ns", "mark_id, span_id, name, value_num, value_text, kind, attrs"):
         value = number if number is not None else text
         args = {"value": value, "kind": kind, "mark_id": mark_id, **({"span_id": span_id} if span_id else {}),
                 **_args(attrs)}

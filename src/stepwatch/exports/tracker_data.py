@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..analysis.program_settings import load_program_settings
+from ..analysis.program_settings import load_program_settings, session_versions
 from ..phases import SHARES
 from ..store.base import HistoryStore
 
@@ -167,8 +167,9 @@ def _scalar(value: Any) -> str | None:
 
 def tracker_params(store: HistoryStore, session_id: str, run: Mapping[str, Any]) -> dict[str, str]:
     """The run's params as text: ``session_id``, ``command``, ``world_size``, ``status``,
-    ``outcome``, ``hosts``, ``version/<name>`` (run.json's versions: stepwatch, python, platform,
-    torch where the process that wrote it had imported it), and the program's settings as the
+    ``outcome``, ``hosts``, ``version/<name>`` (torch, cuda, python, stepwatch, platform as the
+    lowest training rank recorded them, ``stepwatch.versions``; run.json's for the rest: a
+    launcher never imports torch), and the program's settings as the
     capture recorded them on the lowest rank: ``dataloader/<attr>`` and ``optimizer/<attr>``
     (``dataloader1/...`` for a second loader)."""
     session = next((s for s in store.sessions() if s.get("session_id") == session_id), {})
@@ -186,10 +187,10 @@ def tracker_params(store: HistoryStore, session_id: str, run: Mapping[str, Any])
         "outcome": _scalar(run.get("outcome")),
         "hosts": ",".join(h for h in run.get("hosts") or [] if isinstance(h, str)) or _scalar(session.get("host")),
     }
-    versions = run.get("versions")
-    if isinstance(versions, Mapping):
-        for name, version in sorted(versions.items()):
-            params[f"version/{name}"] = _scalar(version)
+    versions = dict(run.get("versions") or {}) if isinstance(run.get("versions"), Mapping) else {}
+    versions.update(session_versions(store, session_id))  # the training processes' own, where recorded
+    for name, version in sorted(versions.items()):
+        params[f"version/{name}"] = _scalar(version)
     settings = load_program_settings(store, session_id)
     if settings:
         kinds = settings[min(settings)]

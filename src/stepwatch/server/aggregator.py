@@ -21,6 +21,13 @@ host) and no ``stop`` event came from it, the watchdog is told (``feed_disconnec
 another host, whose pid no one here can check, is known lost this way (docs/watchdog.md). A
 connection the aggregator hangs up itself (a bad frame, shutdown) tells nothing.
 
+A remote store (``feed``: server/store_feed.py, for ClickHouse): a tick hands its batch to the
+feed, which writes it on a thread of its own, and spills it to a local durable queue while the
+server is down or slow (replayed in order when it is back): no tick waits on the server, so
+intake never pauses for it. The session upserts of ranks first seen go with the tick's batch then
+(on SQLite they are written at once). When the feed degrades, each running session gets a
+``STORE_DEGRADED`` alert (docs/clickhouse.md).
+
 Retention (``retention_ns``): the writer applies ``HistoryStore.apply_retention`` every tenth of
 the window (between 1 s and an hour), and forgets HTTP batch ids older than the 24 h dedupe
 window as often.
@@ -95,8 +102,13 @@ class Aggregator:
     def __init__(self, store: HistoryStore, *, max_frame: int = DEFAULT_MAX_FRAME, tick_s: float = 0.2,
                  max_pending_rows: int = 2_000_000, flush_rows: int = 10_000, pause_rows: int = 50_000,
                  session_id: str | None = None, retention_ns: int | None = None,
-                 emit: Callable[[dict[str, Any]], None] | None = None, watchdog: Any = None) -> None:
+                 emit: Callable[[dict[str, Any]], None] | None = None, watchdog: Any = None,
+                 feed: Any = None) -> None:
         self.store = store
+        # the remote store's writer (server/store_feed.py): ticks go to it and never wait on the server
+        self.feed = feed
+        self._session_opens: list[dict[str, Any]] = []  # upserts of ranks first seen, written with the next tick
+        self.store_alerts = 0  # STORE_DEGRADED alert rows queued for the history (one per running session and episode)
         # the alert rules' runner (server/watchdog.py), fed the rows of every accepted frame
         self.watchdog = watchdog
         # live event lines (a verdict change, an alert) for whoever started this server: ``stepwatch
@@ -268,7 +280,10 @@ class Aggregator:
             except ValueError as exc:
                 raise TransportError("bad_meta", str(exc)) from None
             self._sessions_seen.add(session_id)
-            self.store.upsert_session(session)
+            if self.feed is not None:  # a remote store: never a round trip on the event loop
+                self._session_opens.append(session)
+            else:
+                self.store.upsert_session(session)
             self._session_ranks.setdefault(session_id, set()).add(rank)
             if len(self.rank_hosts) < 1_000_000:
                 self.rank_hosts[(session_id, rank)] = str(meta.get("host") or "")
@@ -328,8 +343,10 @@ class Aggregator:
     def under_load(self) -> bool:
         """Rows come faster than a tick's worth: ``flush_rows`` wait, or the last tick wrote as
         many (a burst). Live verdicts skip their round then: intake first."""
-        last = self.write_batches[-1][0] if self.write_batches else 0
-        return self._pending_rows >= self.flush_rows or last >= self.flush_rows
+        batches = self.feed.write_batches if self.feed is not None else self.write_batches
+        last = batches[-1][0] if batches else 0
+        behind = self.feed is not None and self.feed.busy  # the store is behind or down: verdicts would read a past
+        return self._pending_rows >= self.flush_rows or last >= self.flush_rows or behind
 
     def live_progress(self) -> dict[str, tuple[int, set[int]]]:
         """session -> (step rows queued so far, its ranks): what live verdicts look at."""
@@ -432,6 +449,8 @@ class Aggregator:
         return written
 
     async def flush(self) -> int:
+        if self.feed is not None:
+            return await self._flush_to_feed()
         batch, batch_ids, sessions = self._take()
         if not batch and not batch_ids and not sessions:
             return 0
@@ -446,6 +465,64 @@ class Aggregator:
             del self.write_batches[:-1000]
         self.rows_written += written
         return written
+
+    async def _flush_to_feed(self) -> int:
+        """A tick for a remote store: the batch goes to the feed (memory, or the spill file on a
+        worker thread), never to the server from here. Returns the rows handed over."""
+        batch, batch_ids, closes = self._take()
+        opens, self._session_opens = self._session_opens, []
+        assert self.feed is not None
+        rows = sum(len(r) for r in batch.values())
+        if batch or batch_ids or opens or closes:
+            await asyncio.to_thread(self.feed.submit, batch, batch_ids, opens, closes)
+        self.store_events()
+        return rows
+
+    def store_events(self) -> None:
+        """The feed's news, on the loop: a ``STORE_DEGRADED`` alert for each running session when
+        an episode starts (queued for the history like any alert: it is spilled and replayed
+        with the rows), a line when the store took every spilled batch again."""
+        if self.feed is None:
+            return
+        for event in self.feed.take_events():
+            if event["event"] == "degraded":
+                self._store_alert(event)
+            else:
+                self.emit({"event": "store_recovered", **event,
+                           "line": f"[stepwatch] the history store took every spilled batch again after "
+                                   f"{event['seconds']:.1f} s ({event['replayed_rows']} rows replayed)"})
+
+    def _store_alert(self, event: Mapping[str, Any]) -> None:
+        from ..analysis.alerts import Alert
+        from .watchdog import alert_row
+
+        store = str(getattr(self.store, "path", "the history store"))
+        why = {"slow": "slow", "failed": "failing", "queued": "behind"}.get(str(event["reason"]), str(event["reason"]))
+        running = [s for s, ranks in self._session_ranks.items() if not ranks <= self._stops.get(s, {}).keys()]
+        if not running and self.session_id is not None:
+            running = [self.session_id]
+        message = (f"the history store {store} is {why} ({event['detail']}): rows are spilled to "
+                   f"{event['spill_path']} and replayed in order when it takes them again; no rank waits")
+        evidence = {"store": store, "reason": event["reason"], "detail": event["detail"],
+                    "spill_path": event["spill_path"]}
+        for session_id in running or [None]:
+            alert = Alert(ts=float(event["ts"]), kind="STORE_DEGRADED", severity="warn", ranks=(), step=None,
+                          message=message, evidence=evidence, session_id=session_id)
+            if session_id is not None:  # none running yet (at start): said and logged, not stored
+                self._pending.setdefault("alerts", []).append(alert_row(alert, session_id))
+                self._pending_rows += 1
+                self.store_alerts += 1
+            if self.watchdog is not None:
+                try:
+                    self.watchdog.log.append(alert.to_dict())
+                except OSError as exc:
+                    log.debug("cannot write the STORE_DEGRADED alert to alerts.jsonl: %s", exc)
+            self.emit({"event": "alert", "line": alert.line(), "alert": alert.to_dict()})
+
+    def close_feed(self) -> bool:
+        """Writer thread, at the end: the feed drains what it can and spills the rest (True when
+        its thread ended; False: a write still hangs on the server)."""
+        return True if self.feed is None else bool(self.feed.close())
 
     def _note_write_error(self, exc: StoreError, rows: int) -> None:
         """Counts a failed write. A full disk fails every write after the first, so it is said
@@ -464,12 +541,14 @@ class Aggregator:
 
     def report_losses(self) -> str | None:
         """The one line that says what the history lost (logged, and returned), or None."""
-        if not self.write_errors:
+        stats = self.stats()
+        if not stats["write_errors"]:
             return None
         cause = "the disk is full" if self.disk_full_errors else "writes failed"
-        line = (f"aggregator: {cause}: {self.write_errors} writes to the history failed, "
-                f"{self.rows_lost} of {self.rows_accepted} rows are not in it "
-                f"(the ranks' local artifacts keep what they could write); first error: {self._first_write_error}")
+        line = (f"aggregator: {cause}: {stats['write_errors']} writes to the history failed, "
+                f"{stats['rows_lost']} of {self.rows_accepted} rows are not in it "
+                f"(the ranks' local artifacts keep what they could write); first error: "
+                f"{self._first_write_error or (self.feed.last_error if self.feed is not None else None)}")
         log.warning("%s", line)
         return line
 
@@ -485,6 +564,9 @@ class Aggregator:
         if now - self._last_maintenance < self.maintenance_s:
             return
         self._last_maintenance = now
+        if self.feed is not None:  # on the feed's thread, between its writes, while the store is healthy
+            self.feed.run_maintenance(self._maintain)
+            return
         try:
             await asyncio.to_thread(self._maintain)
         except StoreError as exc:
@@ -553,9 +635,18 @@ class Aggregator:
         for writer in list(self._writers):
             writer.close()
 
+    def written_rows(self) -> int:
+        """Rows the history took (with a remote store: what its server took)."""
+        return self.rows_written + (self.feed.rows_written if self.feed is not None else 0)
+
+    def lost_rows(self) -> int:
+        """Rows accepted that the history will never have (failed writes; a remote store's batches
+        refused for good or not spillable)."""
+        return self.rows_lost + (self.feed.rows_lost if self.feed is not None else 0)
+
     def stats(self) -> dict[str, Any]:
-        batches = self.write_batches[-100:]
-        return {
+        batches = (self.feed.write_batches if self.feed is not None else self.write_batches)[-100:]
+        stats = {
             "connections": self.connections, "dropped_without_stop": self.dropped_without_stop,
             "frames_accepted": self.frames_accepted,
             "rows_accepted": self.rows_accepted, "rows_written": self.rows_written,
@@ -566,3 +657,10 @@ class Aggregator:
             "last_batch_rows": batches[-1][0] if batches else 0,
             "mean_batch_seconds": sum(s for _, s in batches) / len(batches) if batches else 0.0,
         }
+        if self.feed is not None:  # what the server took, lost, and what waits in the spill queue
+            stats.update(self.feed.stats())
+            stats["rows_written"] = self.rows_written + self.feed.rows_written
+            stats["rows_lost"] = self.rows_lost + self.feed.rows_lost
+            stats["write_errors"] = self.write_errors + self.feed.write_errors
+            stats["store_alerts"] = self.store_alerts
+        return stats

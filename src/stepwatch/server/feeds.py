@@ -29,8 +29,9 @@ class FeedOptions:
     (URLs or None)."""
 
     def __init__(self, metrics_port: int | None = None, alert_webhook: str | None = None,
-                 otlp_endpoint: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, metrics_host: str | None = None) -> None:
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host  # None: the aggregator's host, by serve.http_bind's rule
         self.alert_webhook = alert_webhook
         self.otlp_endpoint = otlp_endpoint
 
@@ -40,7 +41,8 @@ class FeedOptions:
 
 def feed_options_from(values: dict[str, Any] | None) -> FeedOptions:
     values = values or {}
-    return FeedOptions(values.get("metrics_port"), values.get("alert_webhook"), values.get("otlp_endpoint"))
+    return FeedOptions(values.get("metrics_port"), values.get("alert_webhook"), values.get("otlp_endpoint"),
+                       values.get("metrics_host"))
 
 
 def _env_number(name: str, default: float) -> float:
@@ -87,7 +89,7 @@ class Feeds:
                 from .metrics import start_metrics
 
                 self.metrics, _ = start_metrics(self.state, aggregator, host, options.metrics_port, token,
-                                                extra=self._counters)
+                                                extra=self._counters, bind=options.metrics_host)
         except BaseException:
             self.close()
             raise

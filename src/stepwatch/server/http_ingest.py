@@ -36,7 +36,8 @@ from typing import Any
 
 import msgspec
 
-from ..errors import TransportError
+from ..errors import StoreError, TransportError
+from ..log import logger
 from ..transport.frames import WireMark, WireSpan, WireTables
 from .aggregator import Aggregator
 
@@ -160,7 +161,12 @@ class IngestApp:
         self.token = token
         self.max_body = max_body
         # batch_id -> accepted at (wall-clock ns), 24 h window; the store holds those of earlier runs
-        self._seen: dict[str, int] = aggregator.store.seen_batches(time.time_ns() - DEDUPE_WINDOW_S * 10**9)
+        try:
+            self._seen: dict[str, int] = aggregator.store.seen_batches(time.time_ns() - DEDUPE_WINDOW_S * 10**9)
+        except StoreError as exc:  # a remote store not answering yet: this run's batches are still deduped
+            logger.warning("HTTP ingest: the batch ids of earlier runs cannot be read (%s); a batch they stored "
+                           "and sent again is stored again, and read once (docs/clickhouse.md)", exc)
+            self._seen = {}
         self._span_sessions: dict[str, tuple[str, int]] = {}  # span id -> (session, rank)
         self._client_sessions: dict[tuple[str, str], tuple[str, int]] = {}  # (token, address) -> last one
         self.accepted = 0

@@ -42,7 +42,8 @@ class LaunchOptions:
                  token_env: str | None = None, stall_after: float = 180.0, throughput_window: float = 10.0,
                  on_stall: str = "dump", on_nonfinite: str = "alert", ui_port: int | None = None,
                  metrics_port: int | None = None, alert_webhook: str | None = None,
-                 otlp_endpoint: str | None = None, store: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, store: str | None = None, metrics_host: str | None = None,
+                 ui_host: str | None = None) -> None:
         self.script = list(script)
         # a store URL the history goes to instead of the run directory's history.sqlite
         # (docs/clickhouse.md); the run directory keeps the artifacts and the summary files
@@ -67,6 +68,9 @@ class LaunchOptions:
         self.interval_ms = interval_ms
         self.token_env = token_env
         self.ui_port = ui_port  # the aggregator also serves the dashboard (docs/dashboard.md)
+        # where the dashboard and /metrics bind (None: the aggregator's host, loopback without a token)
+        self.ui_host = ui_host
+        self.metrics_host = metrics_host
         # the aggregator's feeds (docs/metrics.md)
         self.metrics_port = metrics_port
         self.alert_webhook = alert_webhook
@@ -86,6 +90,9 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--ui-port", str(options.ui_port)]
     if options.metrics_port is not None:
         command += ["--metrics-port", str(options.metrics_port)]
+    for flag, value in (("--ui-host", options.ui_host), ("--metrics-host", options.metrics_host)):
+        if value is not None:
+            command += [flag, value]
     if options.alert_webhook:
         command += ["--alert-webhook", options.alert_webhook]
     if options.otlp_endpoint:
@@ -350,12 +357,19 @@ def _write_manifest_or_say(run_dir: Path, manifest: RunManifest, echo: Any) -> N
 def _report_disk_losses(run_dir: Path, stats: dict[str, Any], summary: dict[str, Any] | None, echo: Any) -> None:
     """A full disk is one line: what the history lost (counted), and whether the final summary
     could be written; the summary, printed after, carries the same counts."""
+    from ..analysis.summary import STORE_COUNTERS
+
     lost = int(stats.get("rows_lost") or 0)
     if summary is not None and stats:
         aggregator = summary.setdefault("aggregator", {})
-        for key in ("rows_written", "rows_lost", "write_errors", "disk_full_errors", "frames_accepted"):
+        for key in ("rows_written", "rows_lost", "write_errors", "disk_full_errors", "frames_accepted",
+                    *STORE_COUNTERS):
             if key in stats:
                 aggregator.setdefault(key, stats[key])
+    if stats.get("store_spill_pending_rows"):  # --store: the server did not take them before the end
+        echo(f"[stepwatch] {stats['store_spill_pending_rows']} rows wait in {stats.get('store_spill_path')} for the "
+             f"history store (it was down or slow at the end): `stepwatch serve --out {run_dir} --store URL` "
+             f"replays them, or `stepwatch import {run_dir} --into URL` adds the ranks' own rows")
     unwritten = summary.get("unwritten") if summary is not None else None
     if not stats.get("write_errors") and not unwritten:
         return

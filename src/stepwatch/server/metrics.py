@@ -6,9 +6,9 @@ nothing is updated per row on the ingest path, so a scraper costs the ranks noth
 or dead one costs nothing at all. The HTTP server is a thread of its own (``http.server``), not
 the aggregator's event loop: a scrape reads files and SQLite, which must not stall intake.
 
-Security, as the dashboard's: it binds the aggregator's host when that is loopback or a token is
-set, else 127.0.0.1; with a token every request must carry ``Authorization: Bearer TOKEN``
-(compared in constant time).
+Security, as the dashboard's: it binds ``--metrics-host`` when given (beyond loopback only with a
+token), else the aggregator's host when that is loopback or a token is set, else 127.0.0.1; with a
+token every request must carry ``Authorization: Bearer TOKEN`` (compared in constant time).
 
 ``prometheus_client`` is imported here only, and this module only when ``--metrics-port`` is
 given (the ``metrics`` extra).
@@ -110,9 +110,19 @@ class StepwatchCollector:
         yield rejected
         yield CounterMetricFamily("stepwatch_aggregator_rows_accepted", "Rows accepted", value=agg.rows_accepted)
         yield CounterMetricFamily("stepwatch_aggregator_rows_written", "Rows written to the history",
-                                  value=agg.rows_written)
+                                  value=agg.written_rows())
         yield CounterMetricFamily("stepwatch_aggregator_rows_lost", "Rows accepted whose write failed",
-                                  value=agg.rows_lost)
+                                  value=agg.lost_rows())
+        if agg.feed is not None:  # a remote store (docs/clickhouse.md): its spill queue
+            store = agg.feed.stats()
+            yield GaugeMetricFamily("stepwatch_store_degraded", "1 while the history store is down or slow",
+                                    value=int(store["store_degraded"]))
+            yield GaugeMetricFamily("stepwatch_store_spill_pending_rows", "Rows waiting in the spill queue",
+                                    value=store["store_spill_pending_rows"])
+            yield CounterMetricFamily("stepwatch_store_spilled_rows", "Rows spilled to the local queue",
+                                      value=store["store_spilled_rows"])
+            yield CounterMetricFamily("stepwatch_store_replayed_rows", "Spilled rows the store took later",
+                                      value=store["store_replayed_rows"])
         yield GaugeMetricFamily("stepwatch_aggregator_pending_rows", "Rows waiting for the writer (queue depth)",
                                 value=agg.pending_rows)
         yield GaugeMetricFamily("stepwatch_aggregator_ranks", "Ranks seen", value=len(agg.ranks))
@@ -194,18 +204,18 @@ class MetricsServer:
 
 
 def start_metrics(state: FeedState, aggregator: Any, host: str, port: int, token: str | None,
-                  extra: Any = None) -> tuple[MetricsServer, StepwatchCollector]:
-    """The collector in a registry of its own, served on ``host:port`` (see the module's doc for
-    which host); raises StepwatchError when it cannot listen, or when ``prometheus_client`` is
-    missing (the ``metrics`` extra)."""
+                  extra: Any = None, bind: str | None = None) -> tuple[MetricsServer, StepwatchCollector]:
+    """The collector in a registry of its own, served on ``port`` of ``bind`` or ``host`` (see the
+    module's doc for which); raises StepwatchError when it cannot listen, for a ``bind`` beyond
+    loopback with no token, or when ``prometheus_client`` is missing (the ``metrics`` extra)."""
     try:
         from prometheus_client import CollectorRegistry
     except ImportError:
         raise StepwatchError("--metrics-port needs prometheus_client: pip install 'stepwatch[metrics]'") from None
-    from ..web.app import is_loopback
+    from .binds import http_bind
 
-    bind = host if token is not None or is_loopback(host) else "127.0.0.1"
+    address = http_bind(host, token, bind, "--metrics-host")
     registry = CollectorRegistry(auto_describe=False)
     collector = StepwatchCollector(state, aggregator, extra)
     registry.register(collector)
-    return MetricsServer(registry, bind, port, token), collector
+    return MetricsServer(registry, address, port, token), collector

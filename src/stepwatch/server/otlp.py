@@ -346,7 +346,7 @@ class OtlpExporter:
             return [Observation(self.aggregator.pending_rows)]
 
         def lost(options: Any) -> list[Any]:
-            return [Observation(self.aggregator.rows_lost)]
+            return [Observation(self.aggregator.lost_rows())]
 
         meter.create_observable_counter("stepwatch.alerts", callbacks=[alerts], unit="{alert}",
                                         description="Alerts raised since the aggregator started, by kind")

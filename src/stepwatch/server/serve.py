@@ -54,15 +54,29 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                  max_frame: int, ready: Any, session_id: str | None, retention_ns: int | None,
                  say_losses: bool = True, watch: dict[str, Any] | None = None,
                  ui_port: int | None = None, feeds: dict[str, Any] | None = None,
-                 children: list[Any] | None = None, store_url: str | None = None) -> dict[str, Any]:
+                 children: list[Any] | None = None, store_url: str | None = None,
+                 ui_host: str | None = None) -> dict[str, Any]:
     from ..artifacts.run_manifest import run_session_id
     from ..store import open_store
     from .aggregator import Aggregator
 
     # the history: run_dir's history.sqlite, or the store a URL names (docs/clickhouse.md)
-    store = open_store(store_url or run_dir / "history.sqlite")
+    feed = None
+    if store_url is None:
+        store = open_store(run_dir / "history.sqlite")
+    else:  # a remote store: written off the ticks, spilled to run_dir while it is down or slow
+        from ..store.spill import SPILL_FILE
+        from .store_feed import StoreFeed, backoff_from_env, open_remote_store, slow_s_from_env
+
+        store = open_remote_store(store_url)  # a server that does not answer yet: opened later
+        try:
+            feed = StoreFeed(store, run_dir / SPILL_FILE, slow_s=slow_s_from_env(), backoff_s=backoff_from_env())
+        except BaseException:
+            store.close()
+            raise
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
-                            retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch))
+                            retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch),
+                            feed=feed)
     tcp = runner = dashboard = fed = None
     http_bound = ui_url = None
     try:
@@ -85,7 +99,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                 raise ListenError(f"cannot listen for HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
             http_bound = runner.addresses[0][1] if runner.addresses else http_port
         if ui_port is not None:
-            dashboard, ui_url = _start_dashboard(run_dir, host, ui_port, token)
+            dashboard, ui_url = _start_dashboard(run_dir, host, ui_port, token, ui_host)
             if children is not None:  # serve() stops it whatever ends this coroutine
                 children.append(dashboard)
         fed = _start_feeds(feeds, run_dir, aggregator, host, token)
@@ -99,7 +113,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         if tcp is not None:
             tcp.close()
             await tcp.wait_closed()
-        store.close()
+        if aggregator.close_feed():
+            store.close()
         raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,6 +139,10 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     await watcher
     await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
     await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
+    # a remote store: what waits is written now if the server takes it (for up to 30 s), else it
+    # stays in the spill file for the next aggregator on this directory
+    store_done = await asyncio.to_thread(aggregator.close_feed)
+    aggregator.store_events()
     if fed is not None:  # the last alerts posted, the last spans and metrics exported (each bounded in time)
         await asyncio.to_thread(fed.close)
     if dashboard is not None:  # last: an open page's next poll takes the run's end, then the page stops
@@ -137,23 +156,26 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     if fed is not None:
         stats["feeds"] = fed.stats()
     try:
-        store.close()
+        if store_done:  # else a write still hangs on the server, holding the store: the process exits anyway
+            store.close()
     except (StepwatchError, OSError, sqlite3.Error) as exc:  # a full disk: the rows are in the WAL or lost (counted)
         logging.getLogger("stepwatch.aggregator").debug("closing the store failed: %s", exc)
     return stats
 
 
-def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None) -> tuple[Any, str]:
+def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None,
+                     ui_host: str | None = None) -> tuple[Any, str]:
     """The dashboard (web/app.py) over this server's directory, in a process of its own
     (server/dashboard.py): building a page's data never takes the writer's GIL, heap or garbage
     collector, and the child reads the store read-only (WAL: it never blocks the writer). It
-    binds the aggregator's host when that is loopback or a token is set, else 127.0.0.1 (a
-    dashboard is never open to a network without a token). Called on the loop's thread, which
-    lives as long as the process: the child's parent-death signal follows it."""
-    from ..web.app import is_loopback
+    binds ``ui_host`` when given (refused beyond loopback without a token), else the aggregator's
+    host when that is loopback or a token is set, else 127.0.0.1 (a dashboard is never open to a
+    network without a token). Called on the loop's thread, which lives as long as the process:
+    the child's parent-death signal follows it."""
+    from .binds import http_bind
     from .dashboard import DashboardProcess
 
-    bind = host if token is not None or is_loopback(host) else "127.0.0.1"
+    bind = http_bind(host, token, ui_host, "--ui-host")
     dashboard = DashboardProcess(run_dir, bind, port, token)
     try:
         url = dashboard.start()
@@ -274,13 +296,14 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
           token: str | None = None, max_frame: int = 16 * 1024 * 1024, ready: Any = None,
           session_id: str | None = None, retention_ns: int | None = None, say_losses: bool = True,
           watch: dict[str, Any] | None = None, ui_port: int | None = None,
-          feeds: dict[str, Any] | None = None, store: str | None = None) -> dict[str, Any]:
+          feeds: dict[str, Any] | None = None, store: str | None = None,
+          ui_host: str | None = None) -> dict[str, Any]:
     """Blocks until stopped; returns the aggregator's counters. Raises ListenError (and writes
     nothing) when it cannot listen; ``retention_ns``: the history's window per session and rank;
     ``say_losses`` False: failed writes are only counted (``stepwatch run`` says them itself);
     ``watch``: the watchdog's options (``_watchdog``; docs/watchdog.md); ``ui_port``: also serve
-    the dashboard (docs/dashboard.md) on that port (0: any free); ``feeds``: ``metrics_port``,
-    ``alert_webhook``, ``otlp_endpoint`` (server/feeds.py, docs/metrics.md); ``store``: a store URL
+    the dashboard (docs/dashboard.md) on that port (0: any free), on ``ui_host`` if given
+    (``http_bind``); ``feeds``: ``metrics_port``, ``metrics_host``, ``alert_webhook``, ``otlp_endpoint`` (server/feeds.py, docs/metrics.md); ``store``: a store URL
     (``clickhouse://...``) the rows go to instead of ``run_dir/history.sqlite`` (docs/clickhouse.md)."""
     log_to_stderr()  # the server is a program of its own: its warnings go to stderr
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -288,7 +311,7 @@ def serve(run_dir: Path, *, host: str = "127.0.0.1", port: int = 0, http_port: i
     children: list[Any] = []  # the dashboard's process, stopped here whatever ended the loop
     try:
         stats = asyncio.run(_serve(run_dir, host, port, http_port, token, max_frame, lines, session_id,
-                                   retention_ns, say_losses, watch, ui_port, feeds, children, store))
+                                   retention_ns, say_losses, watch, ui_port, feeds, children, store, ui_host))
         stats["event_lines_dropped"] = lines.dropped
         _write_stats(run_dir, stats, lines)
     finally:
@@ -334,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--on-stall", choices=("dump", "kill"), default="dump")
     parser.add_argument("--on-nonfinite", choices=("alert", "halt"), default="alert")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port (0: any free)")
+    parser.add_argument("--metrics-host", default=None, help="the address /metrics binds (beyond loopback: a token)")
+    parser.add_argument("--ui-host", default=None, help="the address the dashboard binds (beyond loopback: a token)")
     parser.add_argument("--alert-webhook", default=None, help="POST each alert and verdict change to this URL")
     parser.add_argument("--otlp-endpoint", default=None, help="export metrics and spans over OTLP/HTTP to this URL")
     parser.add_argument("--store", default=None,
@@ -349,9 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
               session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched, ui_port=args.ui_port,
-              store=args.store,
-              feeds={"metrics_port": args.metrics_port, "alert_webhook": args.alert_webhook,
-                     "otlp_endpoint": args.otlp_endpoint},
+              ui_host=args.ui_host, store=args.store,
+              feeds={"metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+                     "alert_webhook": args.alert_webhook, "otlp_endpoint": args.otlp_endpoint},
               watch={"stall_after_s": args.stall_after, "throughput_window_s": args.throughput_window,
                      "on_stall": args.on_stall, "on_nonfinite": args.on_nonfinite})
     except StepwatchError as exc:

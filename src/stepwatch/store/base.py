@@ -16,7 +16,7 @@ from ..phases import PHASES, RESIDUAL, STEP_COLUMNS
 from ..schema.tables import TABLES as HISTORY_TABLES
 from ..schema.tables import column_types
 
-__all__ = ["COLUMNS", "QUANTILES", "TABLES", "HistoryStore", "SqlReads", "StepAggregate"]
+__all__ = ["COLUMNS", "QUANTILES", "TABLES", "HistoryStore", "SqlReads", "StepAggregate", "quantile_positions"]
 
 # table -> (column, SQL type); `json` columns hold encoded JSON text. Declared once, with where
 # each column comes from, in ``schema.tables``.
@@ -96,6 +96,10 @@ class HistoryStore(Protocol):
 
     def step_rows(self, session_id: str) -> list[dict[str, Any]]: ...
 
+    def step_tuples(self, session_id: str, columns: Sequence[str]) -> list[tuple[Any, ...]]: ...
+
+    def query_tuples(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]: ...
+
     def memory_peaks(self, session_id: str) -> list[dict[str, Any]]: ...
 
     def step_aggregates(self, session_id: str) -> tuple[StepAggregate, dict[int, StepAggregate]]:
@@ -138,6 +142,15 @@ class SqlReads:
         for row in rows:
             by_rank.setdefault(row["rank"], []).append(row)
         return StepAggregate.from_rows(rows), {rank: StepAggregate.from_rows(r) for rank, r in sorted(by_rank.items())}
+
+    def step_tuples(self, session_id: str, columns: Sequence[str]) -> list[tuple[Any, ...]]:
+        """Every step row of ``session_id`` as a tuple of ``columns``, in no set order: the
+        summary's one read of a session, which it orders itself (a store reads fastest in the
+        order it keeps them)."""
+        return self.query_tuples(f"SELECT {', '.join(columns)} FROM steps WHERE session_id = ?", (session_id,))
+
+    def query_tuples(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
 
     def memory_peaks(self, session_id: str) -> list[dict[str, Any]]:
         return self.query(

@@ -14,8 +14,10 @@ reads the same rows as on a ``history.sqlite``:
 - Idempotent as the SQLite store's unique indexes make it: the tables SQLite keeps unique
   (telemetry, spans, marks, snapshots, heartbeats, steps) are ``ReplacingMergeTree`` whose sorting
   key is that same unique key, and their views read ``FINAL``, so a row imported or retried twice
-  is seen once (and merged away on disk later). ``alerts`` and ``verdicts`` have no unique key in
-  SQLite either (the alerts importer checks what is there; verdicts are written once, live).
+  is seen once (and merged away on disk later). ``alerts`` and ``verdicts``, which SQLite keeps
+  without a unique key, are ReplacingMergeTree too, on (session, time, kind or name, step[,
+  message]): the aggregator writes a batch again whole after a failure part way, and a row of
+  it must not be read twice. A database made before they were is moved over on open.
 - ``sessions``: every upsert inserts the merged row with a version (the wall clock in ns); the
   view shows the newest version of each session (``LIMIT 1 BY``), the same row SQLite's
   ``INSERT ... ON CONFLICT DO UPDATE`` leaves.
@@ -36,6 +38,7 @@ statistics (``step_aggregates``) and the named questions (``clickhouse_questions
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -119,6 +122,11 @@ def _driver() -> Any:
         import clickhouse_driver
     except ImportError:
         raise StoreError("a clickhouse:// store needs clickhouse-driver: pip install 'stepwatch[clickhouse]'") from None
+    # The driver logs each failed connect with its traceback ("Failed to connect to ..."); every
+    # failure reaches the caller here as a StoreError, which the aggregator counts and says once.
+    driver_log = logging.getLogger("clickhouse_driver")
+    if driver_log.level == logging.NOTSET:  # one the user configured is left alone
+        driver_log.setLevel(logging.CRITICAL)
     return clickhouse_driver
 
 
@@ -143,7 +151,8 @@ class ClickHouseStore(SqlReads):
                                  password=self.url.password, database=database, connect_timeout=5,
                                  settings=settings)
 
-        self._open(str(self.url), client, (driver.errors.Error, OSError, EOFError), read_only)
+        self._open(str(self.url), client, (driver.errors.Error, OSError, EOFError), read_only,
+                   (driver.errors.NetworkError, driver.errors.SocketTimeoutError, OSError, EOFError))
 
     @classmethod
     def on_chdb(cls, path: str, database: str = "stepwatch", *, read_only: bool = False) -> ClickHouseStore:
@@ -156,9 +165,11 @@ class ClickHouseStore(SqlReads):
                     read_only)
         return store
 
-    def _open(self, path: str, client: Any, errors: tuple[type[BaseException], ...], read_only: bool) -> None:
+    def _open(self, path: str, client: Any, errors: tuple[type[BaseException], ...], read_only: bool,
+              unreachable: tuple[type[BaseException], ...] = ()) -> None:
         """Reads the server's version, makes the database (unless ``read_only``: then a missing
-        one is an error naming it), and connects to it; ``client(database)`` connects."""
+        one is an error naming it), and connects to it; ``client(database)`` connects.
+        ``unreachable``: the errors that mean no answer at all (the StoreError says so)."""
         self.read_only = read_only
         self.path = path  # what messages name, as the SQLite store's path
         self._lock = threading.Lock()
@@ -184,7 +195,11 @@ class ClickHouseStore(SqlReads):
                     self._client.disconnect()
                     raise
         except errors as exc:
-            raise StoreError(f"{self.path}: cannot open history store: {_problem(exc)}") from None
+            error = StoreError(f"{self.path}: cannot open history store: {_problem(exc)}")
+            # no answer at all (refused, reset, timed out), as opposed to an answer that refuses
+            # (a wrong password): the aggregator may start and spill until the server answers
+            error.unreachable = isinstance(exc, unreachable)  # type: ignore[attr-defined]
+            raise error from None
 
     def _create(self) -> None:
         """The tables and views, made where missing, and moved forward where stepwatch's tables
@@ -199,6 +214,7 @@ class ClickHouseStore(SqlReads):
         views = [x for x in statements if x.startswith("CREATE VIEW")]
         for statement in tables:
             self._client.execute(statement)
+        self._replacing()
         have: dict[str, set[str]] = {}
         for table, column in self._client.execute(
                 f"SELECT table, name FROM system.columns WHERE database = {literal(self.url.database)}"):
@@ -212,6 +228,28 @@ class ClickHouseStore(SqlReads):
                 self._client.execute(f"DROP TABLE IF EXISTS {table}")
         for statement in views:  # 18.16 reads a view's SELECT even when it exists: after the columns
             self._client.execute(statement)
+
+    def _replacing(self) -> None:
+        """Moves a table made as plain MergeTree whose layout is now unique (alerts and verdicts
+        before the spill queue) to its ReplacingMergeTree: copied into a new table, swapped by
+        RENAME, the old one dropped, its view made again (below, by ``_create``)."""
+        database = literal(self.url.database)
+        engines = dict(self._client.execute(f"SELECT name, engine FROM system.tables WHERE database = {database}"))
+        for table, layout in _LAYOUT.items():
+            if not layout.unique or engines.get(f"{table}_rows") != "MergeTree":
+                continue
+            old, new = f"{table}_rows", f"{table}_rows_replacing"
+            self._client.execute(f"DROP TABLE IF EXISTS {new}")
+            create = next(x for x in ddl(table, self.features, self.url.database) if x.startswith("CREATE TABLE"))
+            self._client.execute(create.replace(f"EXISTS {old} ", f"EXISTS {new} ", 1))
+            names = ", ".join(name for name, _ in COLUMNS[table]
+                              if name in {c for t, c in self._client.execute(
+                                  f"SELECT table, name FROM system.columns WHERE database = {database} "
+                                  f"AND table = {literal(old)}")})
+            self._client.execute(f"INSERT INTO {new} ({names}) SELECT {names} FROM {old}")
+            self._client.execute(f"DROP TABLE IF EXISTS {table}")
+            self._client.execute(f"RENAME TABLE {old} TO {table}_rows_merge_tree, {new} TO {old}")
+            self._client.execute(f"DROP TABLE {table}_rows_merge_tree")
 
     def _execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:

@@ -53,8 +53,11 @@ LAYOUT: dict[str, Layout] = {
     "snapshots": Layout(("session_id", "rank", "ts_ns", "snapshot_id"), "ts_ns", True),
     "heartbeats": Layout(("session_id", "rank", "ts_ns", "ifNull(step, -1)", "ifNull(msg, '')"), "ts_ns", True),
     "steps": Layout(("session_id", "rank", "step"), "start_ns", True),
-    "verdicts": Layout(("session_id", "ts_ns"), "ts_ns", False),
-    "alerts": Layout(("session_id", "ts_ns"), "ts_ns", False),
+    # no unique index in SQLite, but unique here: a batch the aggregator writes again after a
+    # failure part way (server/store_feed.py) must not show an alert or a verdict twice
+    "verdicts": Layout(("session_id", "ts_ns", "ifNull(name, '')", "ifNull(step, -1)"), "ts_ns", True),
+    "alerts": Layout(("session_id", "ts_ns", "ifNull(kind, '')", "ifNull(step, -1)", "ifNull(message, '')"),
+                     "ts_ns", True),
 }
 # the tables retention trims, each by its time column (as the SQLite store's _RETENTION_TIME)
 RETENTION_TIME = (("telemetry", "timestamp_ns"), ("heartbeats", "ts_ns"), ("marks", "ts_ns"), ("spans", "start_ns"),

@@ -57,7 +57,7 @@ def ask_named(store: Any, name: str, question: tuple[str, tuple[Any, ...]], sess
         if name == "sessions":
             _load(memory, "sessions", [c for c, _ in COLUMNS["sessions"]],
                   store.query_tuples(f"SELECT * FROM sessions WHERE {where}", params))
-            for table, source in (("step_counts", "steps_rows FINAL"), ("alert_counts", "alerts_rows")):
+            for table, source in (("step_counts", "steps_rows FINAL"), ("alert_counts", "alerts_rows FINAL")):
                 _load(memory, table, ["session_id", "n"], store.query_tuples(
                     f"SELECT session_id, count() FROM {source} WHERE {where} GROUP BY session_id", params))
             cursor = memory.execute(_SESSIONS_FINISH)

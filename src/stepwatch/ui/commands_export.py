@@ -189,10 +189,10 @@ def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) 
     from ..exports.trackers import require, tracker_errors
 
     require("tensorboard", "tensorboard")  # before the history is read
-    points, params, summary, folder, _chosen, _paths = _history_of(run_dir, session_id)
+    points, params, summary, folder, chosen, _paths = _history_of(run_dir, session_id)
     target = out if out is not None else folder / "tensorboard"
     with tracker_errors("tensorboard"):
-        stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params)
+        stats = write_tensorboard(points, target, final=summary_metrics(summary), text=params, session_id=chosen)
     ranks = sorted({p.rank for p in points})
     _say(f"tensorboard: {target.resolve()} ({len(points)} steps of ranks {','.join(map(str, ranks)) or 'none'}, "
          f"{stats.scalars} scalars); tensorboard --logdir {target}")
@@ -247,7 +247,9 @@ def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, 
                                  start_ms=started // 1_000_000 if isinstance(started, int) else None,
                                  end_ms=ended // 1_000_000 if isinstance(ended, int) else None,
                                  status=mlflow_status(summary.get("outcome")))
-    runs = ", ".join(f"{group} {run_id}" for group, run_id in done.run_ids.items())
+    runs = ", ".join(f"{group} {run_id}" + (" (exported before: kept)" if group in done.kept else
+                                           " (replaces the earlier export)" if group in done.replaced else "")
+                     for group, run_id in done.run_ids.items())
     _say(f"mlflow: {uri} experiment {experiment!r} (id {done.experiment_id}): {runs}; {done.metric_points} metric "
          f"points, {len(paths)} artifacts")
     return list(done.run_ids.values())
@@ -284,8 +286,9 @@ def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: 
         failed = summary.get("outcome") not in (None, "succeeded", "exited")
         with tracker_errors("wandb"):
             done = export_wandb(points, params, final, tags, paths, out=out or folder, project=project,
-                                name=f"stepwatch {chosen[:8]}", exit_code=1 if failed else 0)
-    _say(f"wandb: {done.run_dir.resolve()} (offline run {done.run_id}: {done.rows} steps, {len(paths)} files); "
+                                name=f"stepwatch {chosen[:8]}", session_id=chosen, exit_code=1 if failed else 0)
+    again = ", in place of the earlier export" if done.replaced else ""
+    _say(f"wandb: {done.run_dir.resolve()} (offline run {done.run_id}: {done.rows} steps, {len(paths)} files{again}); "
          f"upload it with: wandb sync {done.run_dir}")
     return done.run_dir
 

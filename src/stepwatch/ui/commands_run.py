@@ -15,7 +15,7 @@ from .base import StoreTarget, _console, _fit_text, _print_json, _reports_errors
 from .commands_export import TRACKERS
 from .commands_verdicts import load_cli_policy, policy_options
 from .commands_watch import watchdog_options
-from .feed_options import feed_options
+from .feed_options import check_binds, feed_options, read_token, token_env_option
 
 __all__ = ["compare", "import_command", "run", "serve", "summary"]
 
@@ -57,6 +57,10 @@ __all__ = ["compare", "import_command", "run", "serve", "summary"]
               help="The view's period (default: 1 s live, 10 s plain).")
 @click.option("--ui-port", type=click.IntRange(0, 65535), default=None,
               help="Serve the dashboard on this port while the run trains (0: any free; docs/dashboard.md).")
+@click.option("--ui-host", metavar="ADDRESS", default=None,
+              help="The address the dashboard binds (default: --host when that is loopback or a token is set, else "
+                   "127.0.0.1); anything but loopback needs --token-env.")
+@token_env_option
 @click.option("--report", "write_html", is_flag=True, help="Write RUN_DIR/report.html (one self-contained file) at the end.")
 @click.option("--export", "exports", multiple=True, type=click.Choice(TRACKERS),
               help="At the end, export the run to this tracker (repeatable; defaults as `stepwatch export`, "
@@ -93,6 +97,9 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     if store is not None and (options.get("ui_port") is not None or write_html):
         raise click.UsageError("--ui-port and --report read the run directory's history.sqlite; with --store "
                                "they are not served yet")
+    check_binds(read_token(options.get("token_env")), metrics_host=(options.get("metrics_host"),
+                                                                    options.get("metrics_port")),
+                ui_host=(options.get("ui_host"), options.get("ui_port")))
     _check_script(click.get_current_context(), script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
@@ -178,7 +185,10 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 @click.option("--http-port", type=click.IntRange(0, 65535), default=None, help="HTTP port for trace ingestion.")
 @click.option("--ui-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve the dashboard over --out on this port (0: any free; docs/dashboard.md).")
-@click.option("--token-env", help="Name of the environment variable holding the bearer token.")
+@click.option("--ui-host", metavar="ADDRESS", default=None,
+              help="The address the dashboard binds (default: --host when that is loopback or a token is set, else "
+                   "127.0.0.1); anything but loopback needs --token-env.")
+@token_env_option
 @click.option("--retention", default=None, metavar="DURATION",
               help="Keep only this much history per session and rank, e.g. 7d, 12h (default: all).")
 @click.option("--session-id", help="Session of frames that name none (legacy senders).")
@@ -191,7 +201,7 @@ def _check_script(ctx: click.Context, script: tuple[str, ...]) -> None:
 def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str | None, retention: str | None,
           session_id: str | None, stall_after: float, throughput_window: float, ui_port: int | None = None,
           metrics_port: int | None = None, alert_webhook: str | None = None, otlp_endpoint: str | None = None,
-          store: Path | str | None = None) -> None:
+          store: Path | str | None = None, metrics_host: str | None = None, ui_host: str | None = None) -> None:
     """Run the aggregator alone: a standing ingestion server, or the hub of a multi-node run.
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
@@ -211,15 +221,12 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--retention") from None
 
-    token = None
-    if token_env:
-        token = os.environ.get(token_env)
-        if not token:
-            raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
+    token = read_token(token_env)
+    check_binds(token, metrics_host=(metrics_host, metrics_port), ui_host=(ui_host, ui_port))
     stats = run_server(out, host=host, port=port, http_port=http_port, token=token, session_id=session_id,
-                       retention_ns=retention_ns, ui_port=ui_port, store=store,
-                       feeds={"metrics_port": metrics_port, "alert_webhook": alert_webhook,
-                              "otlp_endpoint": otlp_endpoint},
+                       retention_ns=retention_ns, ui_port=ui_port, ui_host=ui_host, store=store,
+                       feeds={"metrics_port": metrics_port, "metrics_host": metrics_host,
+                              "alert_webhook": alert_webhook, "otlp_endpoint": otlp_endpoint},
                        watch={"stall_after_s": stall_after, "throughput_window_s": throughput_window})
     _console(stderr=True).print(f"[stepwatch] aggregator stopped: {stats}", markup=False)
 

@@ -3,7 +3,6 @@ file). docs/dashboard.md."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,12 +17,9 @@ def ui_token(token_env: str | None, host: str) -> str | None:
     """The dashboard's token from ``--token-env``; a usage error when the variable is empty, or
     when a bind other than loopback has none (a dashboard is never open to a network)."""
     from ..web.app import is_loopback
+    from .feed_options import read_token
 
-    token = None
-    if token_env:
-        token = os.environ.get(token_env)
-        if not token:
-            raise click.UsageError(f"--token-env {token_env}: that variable is empty or unset")
+    token = read_token(token_env)
     if token is None and not is_loopback(host):
         raise click.UsageError(f"--host {host} is not loopback: the dashboard then needs a token (--token-env VAR)")
     return token

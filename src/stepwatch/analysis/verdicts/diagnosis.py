@@ -13,18 +13,22 @@ from typing import Any
 
 from ...errors import StoreError
 from ...store.base import HistoryStore
-from .inputs import diagnose_store
+from .inputs import diagnose_store, load_verdict_inputs
+from .step_columns import StepColumns
 
 __all__ = ["diagnosis_lines", "evidence_text", "summary_diagnosis", "verdict_line"]
 
 _EVIDENCE_ITEMS = 10  # scalar evidence items shown in the text; the JSON has all of them
 
 
-def summary_diagnosis(store: HistoryStore, session_id: str, policy: Any = None) -> dict[str, Any]:
-    """The final summary's ``diagnosis`` (``Diagnosis.to_dict()``); an engine that fails costs
-    the diagnosis only, never the summary: then ``primary`` is None and ``error`` says why."""
+def summary_diagnosis(store: HistoryStore, session_id: str, policy: Any = None,
+                      steps: StepColumns | None = None) -> dict[str, Any]:
+    """The final summary's ``diagnosis`` (``Diagnosis.to_dict()``) of the session's steps (read
+    here unless the summary hands over ``session_steps``); an engine that fails costs the
+    diagnosis only, never the summary: then ``primary`` is None and ``error`` says why."""
     try:
-        return diagnose_store(store, session_id, policy=policy).to_dict()
+        inputs = None if steps is None else load_verdict_inputs(store, session_id, steps=steps)
+        return diagnose_store(store, session_id, policy=policy, inputs=inputs).to_dict()
     except StoreError:  # a damaged history is the caller's error to report
         raise
     except Exception as exc:  # noqa: BLE001 - the rest of the summary must still be written

@@ -19,7 +19,7 @@ from .model import Diagnosis
 from .policy import DEFAULT_POLICY, VerdictPolicy
 from .step_columns import COLUMNS, StepColumns
 
-__all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs"]
+__all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs", "session_steps"]
 
 _STEP_SELECT = ", ".join(COLUMNS)  # rank, step, clocks, step_ns, then the phases (stepwatch.phases)
 _MEMORY_SELECT = "rank, timestamp_ns, event_type, collector, device_id, allocated, reserved, free, total, host"
@@ -39,27 +39,42 @@ class VerdictInputs(NamedTuple):
     window: int | None = None
 
 
-def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int | None = None) -> VerdictInputs:
+def session_steps(store: HistoryStore, session_id: str) -> StepColumns:
+    """Every step row of ``session_id`` as columns, by rank and step: the one read the final
+    summary's statistics and its diagnosis share (``load_verdict_inputs(steps=...)``), in the
+    order the store reads fastest, sorted here."""
+    return StepColumns.from_tuples(store.step_tuples(session_id, COLUMNS)).by_rank_and_step()
+
+
+def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int | None = None,
+                        steps: StepColumns | None = None) -> VerdictInputs:
     """The rows of ``session_id``'s window: the last ``last_steps`` steps completed on every rank
     (None: every step completed on every rank), the memory samples taken during them, and the
-    NVML utilisation samples of the same span. Raises StoreError on a damaged history."""
-    # a store whose SQL has no recursive CTE (ClickHouse) answers the same question its own way
-    own = getattr(store, "rank_last_steps", None)
-    found = own(session_id) if own is not None else store.query(_LAST_STEPS, (session_id,))
-    lasts = [r for r in found if r["last"] is not None]
+    NVML utilisation samples of the same span. ``steps``: the session's rows, already read
+    (``session_steps``): the window is taken from them instead of read again. Raises StoreError
+    on a damaged history."""
     expected = _expected_ranks(store, session_id)
+    if steps is not None:
+        lasts = _rank_last_steps(steps)
+    else:
+        # a store whose SQL has no recursive CTE (ClickHouse) answers the same question its own way
+        own = getattr(store, "rank_last_steps", None)
+        found = own(session_id) if own is not None else store.query(_LAST_STEPS, (session_id,))
+        lasts = {int(r["rank"]): int(r["last"]) for r in found if r["last"] is not None}
     if not lasts:
         return VerdictInputs([], [], [], expected, last_steps)
-    ranks = sorted(int(r["rank"]) for r in lasts)
-    high = min(int(r["last"]) for r in lasts)
+    ranks = sorted(lasts)
+    high = min(lasts.values())
+    low = None if last_steps is None else high - max(1, int(last_steps)) + 1
     marks = ", ".join("?" * len(ranks))
-    if last_steps is None:
-        where, bounds = "step <= ?", (high,)
+    if steps is not None:
+        step = steps.arrays["step"]
+        steps = steps.take((step <= high) if low is None else ((step >= low) & (step <= high)))
     else:
-        where, bounds = "step BETWEEN ? AND ?", (high - max(1, int(last_steps)) + 1, high)
-    sql = f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) AND {where} ORDER BY rank, step"
-    params = (session_id, *ranks, *bounds)
-    steps = _step_columns(store, sql, params)
+        where, bounds = ("step <= ?", (high,)) if low is None else ("step BETWEEN ? AND ?", (low, high))
+        sql = (f"SELECT {_STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) AND {where} "
+               "ORDER BY rank, step")
+        steps = _step_columns(store, sql, (session_id, *ranks, *bounds))
     span = steps.span()
     if span is None:
         return VerdictInputs(steps, [], [], expected, last_steps)
@@ -68,6 +83,20 @@ def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int
                          (session_id, *ranks, *span))
     system = _gpu_utilisation(store, session_id, ranks, span)
     return VerdictInputs(steps, memory, system, expected, last_steps)
+
+
+def _rank_last_steps(steps: StepColumns) -> dict[int, int]:
+    """Each rank's last step, from rows ordered by rank and step (a rank or step that is no
+    whole number makes no row of the window, as in the history's own columns)."""
+    import numpy as np
+
+    rank, step = steps.arrays["rank"], steps.arrays["step"]
+    usable = ~(np.isnan(rank) | np.isnan(step))
+    rank, step = rank[usable], step[usable]
+    if not len(rank):
+        return {}
+    ends = np.flatnonzero(np.append(rank[1:] != rank[:-1], True))  # the last row of each rank
+    return {int(rank[i]): int(step[i]) for i in ends}
 
 
 def _step_columns(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> StepColumns:

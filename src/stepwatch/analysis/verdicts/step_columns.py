@@ -199,3 +199,17 @@ class StepColumns(Sequence[Mapping[str, Any]]):
         starts = self.arrays["start_ns"][self.known["start_ns"]]
         ends = self.arrays["end_ns"][self.known["end_ns"]]
         return (int(starts.min()), int(ends.max())) if len(starts) and len(ends) else None
+
+    def take(self, index: Any) -> StepColumns:
+        """The rows ``index`` selects (a boolean mask or positions), in its order."""
+        arrays = {name: array[index] for name, array in self.arrays.items()}
+        return StepColumns(arrays, {name: mask[index] for name, mask in self.known.items()},
+                           len(arrays["rank"]), self.skipped)
+
+    def by_rank_and_step(self) -> StepColumns:
+        """The rows ordered by (rank, step): a read in storage order gets the order an index
+        read would have given, for one sort instead of one random row access per row."""
+        import numpy as np
+
+        order = np.lexsort((self.arrays["step"], self.arrays["rank"]))
+        return self.take(order)

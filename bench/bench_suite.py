@@ -1,0 +1,151 @@
+"""Where the test suite's CPU goes: the suite run as ``make test`` runs it, every process it
+starts accounted for by kind (pytest's workers, training scripts, torchrun agents, stepwatch's
+launcher, aggregator and commands, browsers and servers).
+
+Usage::
+
+    .venv/bin/python bench/bench_suite.py [--workers N] [--top K] [-- PYTEST ARGS...]
+
+The suite is CPU-bound on a small machine: its wall time is about its CPU time over the cores.
+So this counts CPU seconds (user + system) per process, from two sources that together miss
+nothing: every Python process reports its own ``getrusage`` at exit (a ``sitecustomize`` put on
+``PYTHONPATH`` for the run), and a sampler reads every descendant's CPU from ``psutil`` every
+0.2 s, for the processes that end by a signal (killed ranks, stopped servers) or are no Python.
+A process counts once, at the larger of its two figures. Printed: the wall time, the CPU time
+in all, and the CPU by kind of process, with how many there were and what each cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+SITECUSTOMIZE = """
+import atexit, json, os, resource, sys
+def _report():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with open(os.environ["STEPWATCH_BENCH_SUITE_LOG"], "a") as out:
+        out.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cmd": " ".join(sys.orig_argv)[:400],
+                              "cpu": usage.ru_utime + usage.ru_stime}) + "\\n")
+if "STEPWATCH_BENCH_SUITE_LOG" in os.environ:
+    atexit.register(_report)
+"""
+# (kind, pattern on the command line): the first that matches names the process
+KINDS = (
+    ("pytest worker", r"execnet|xdist|-c import sys;exec\(eval"),
+    ("pytest", r"-m pytest"),
+    ("torchrun agent", r"torch\.distributed\.run|torchrun"),
+    ("stepwatch aggregator", r"-m stepwatch\.server"),
+    ("stepwatch dashboard", r"stepwatch\.web\.process"),
+    ("stepwatch run (launcher)", r"stepwatch(\.ui\.cli)? run "),
+    ("stepwatch command", r"bin/stepwatch |stepwatch\.ui\.cli|-m stepwatch"),
+    ("chromium", r"chrom"),
+    ("clickhouse", r"clickhouse"),
+    ("prometheus", r"prometheus"),
+    ("multiprocessing child", r"multiprocessing|from multiprocessing"),
+    ("python script (training)", r"\.py\b"),
+    ("python -c", r"python[0-9.]* -"),
+)
+
+
+def kind_of(command: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, command):
+            return kind
+    return "other"
+
+
+class Sampler(threading.Thread):
+    """Every descendant of ``root``: its command line and the last CPU time seen."""
+
+    def __init__(self, root: int, interval: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.root, self.interval = root, interval
+        self.seen: dict[int, dict[str, Any]] = {}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            parent = psutil.Process(self.root)
+        except psutil.NoSuchProcess:
+            return
+        while not self.stopped.wait(self.interval):
+            try:
+                children = parent.children(recursive=True)
+            except psutil.NoSuchProcess:
+                return
+            for child in children:
+                try:
+                    with child.oneshot():
+                        times = child.cpu_times()
+                        cpu = times.user + times.system
+                        entry = self.seen.get(child.pid)
+                        if entry is None:
+                            entry = self.seen[child.pid] = {"cmd": " ".join(child.cmdline())[:400], "cpu": 0.0}
+                        entry["cpu"] = max(entry["cpu"], cpu)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default=os.environ.get("TEST_WORKERS", "4"))
+    parser.add_argument("--top", type=int, default=15, help="the costliest processes to list")
+    parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the whole suite)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="stepwatch-bench-suite-") as tmp:
+        log = Path(tmp) / "exits.jsonl"
+        (Path(tmp) / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env = dict(os.environ, STEPWATCH_BENCH_SUITE_LOG=str(log),
+                   PYTHONPATH=os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "-p", "no:cacheprovider",
+                   *args.pytest_args]
+        started = time.monotonic()
+        load_before = os.getloadavg()[0]
+        proc = subprocess.Popen(command, cwd=REPO, env=env)
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        code = proc.wait()
+        wall = time.monotonic() - started
+        sampler.stopped.set()
+        sampler.join()
+        exits = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    cpu: dict[int, tuple[str, float]] = {pid: (e["cmd"], e["cpu"]) for pid, e in sampler.seen.items()}
+    for e in exits:
+        if e["pid"] != proc.pid:
+            known = cpu.get(e["pid"])
+            cpu[e["pid"]] = (e["cmd"], max(e["cpu"], known[1] if known else 0.0))
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for command_line, seconds in cpu.values():
+        by_kind[kind_of(command_line)].append(seconds)
+    own = next((e["cpu"] for e in exits if e["pid"] == proc.pid), 0.0)
+    by_kind["pytest"].append(own)
+    total = sum(sum(v) for v in by_kind.values())
+    cores = os.cpu_count() or 1
+    print(f"\nsuite: exit {code}, wall {wall:.0f} s, CPU {total:.0f} s in {len(cpu) + 1} processes on {cores} cores "
+          f"(CPU / cores = {total / cores:.0f} s), load average before {load_before:.1f}")
+    print(f"{'kind':28} {'processes':>9} {'CPU s':>8} {'share':>6} {'each s':>7}")
+    for kind, values in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
+        spent = sum(values)
+        print(f"{kind:28} {len(values):9d} {spent:8.1f} {spent / total:6.1%} {spent / len(values):7.2f}")
+    print(f"\nthe {args.top} costliest processes:")
+    for command_line, seconds in sorted(cpu.values(), key=lambda c: -c[1])[:args.top]:
+        print(f"{seconds:7.1f} s  {command_line[:150]}")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The aggregator's spill queue (store/spill.py), on real SQLite files: what goes in comes back
+the same, lowest sequence first, after a reopen too; a damaged batch is named, not fatal."""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepwatch.store.spill import SpillBatch, SpillQueue, UnreadableBatch
+
+_VALUE = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text(max_size=20))
+_ROW = st.lists(_VALUE, min_size=1, max_size=5)
+_TABLES = st.dictionaries(st.sampled_from(["steps", "spans", "marks", "alerts"]), st.lists(_ROW, max_size=4), max_size=3)
+_SESSION = st.fixed_dictionaries({"session_id": st.text(min_size=1, max_size=8), "status": st.sampled_from(
+    [None, "running", "completed"]), "started_at_ns": st.one_of(st.none(), st.integers(0, 2**62))})
+
+
+def batch(seq: int, tables: dict[str, list[Any]], ids: list[Any] = (), opens: list[Any] = (),
+          closes: list[Any] = ()) -> SpillBatch:
+    return SpillBatch(seq, tables, list(ids), list(opens), list(closes))
+
+
+@given(batches=st.lists(st.tuples(_TABLES, st.lists(st.tuples(st.text(max_size=32), st.integers(0, 2**62)), max_size=2),
+                                  st.lists(_SESSION, max_size=2), st.lists(_SESSION, max_size=2)), min_size=1, max_size=5),
+       order=st.randoms())
+def test_batches_come_back_as_pushed_lowest_seq_first_after_a_reopen(batches: list[Any], order: Any) -> None:
+    pushed = [batch(seq, t, [list(i) for i in ids], o, c) for seq, (t, ids, o, c) in enumerate(batches, 1)]
+    shuffled = list(pushed)
+    order.shuffle(shuffled)  # a batch spilled late (the one under way when the server went) keeps its place
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = SpillQueue(Path(tmp) / "spill.sqlite")
+        for b in shuffled:
+            queue.push(b)
+        queue.close()
+        queue = SpillQueue(Path(tmp) / "spill.sqlite")
+        assert (queue.batches, queue.rows, queue.last_seq) == (len(pushed), sum(b.rows for b in pushed), len(pushed))
+        read = []
+        while (first := queue.first()) is not None:
+            read.append(first)
+            queue.remove(first.seq)
+        assert read == pushed
+        assert (queue.batches, queue.rows) == (0, 0)
+        queue.close()
+
+
+def test_the_same_seq_pushed_twice_is_one_batch(tmp_path: Path) -> None:
+    queue = SpillQueue(tmp_path / "spill.sqlite")
+    queue.push(batch(7, {"steps": [[1, 2]]}))
+    queue.push(batch(7, {"steps": [[1, 2], [3, 4]]}))
+    assert (queue.batches, queue.rows) == (1, 2)
+    assert queue.first() == batch(7, {"steps": [[1, 2], [3, 4]]})
+    queue.close()
+
+
+def test_a_damaged_batch_is_named_with_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "spill.sqlite"
+    queue = SpillQueue(path)
+    queue.push(batch(1, {"marks": [[1], [2], [3]]}))
+    queue.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE batches SET payload = x'c1c1c1'")
+    db.commit()
+    db.close()
+    queue = SpillQueue(path)
+    with pytest.raises(UnreadableBatch, match="batch 1 cannot be read back") as caught:
+        queue.first()
+    assert (caught.value.seq, caught.value.rows) == (1, 3) and str(path) in str(caught.value)
+    queue.remove(1)
+    assert queue.first() is None and queue.batches == 0
+    queue.close()
