@@ -78,6 +78,29 @@ def require_clickhouse() -> None:
     pytest.skip(missing)
 
 
+def require_chdb() -> None:
+    """Skips the test where chdb (ClickHouse 26.x in-process, the dev extra) is not installed;
+    fails instead under STEPWATCH_REQUIRE_CLICKHOUSE=1."""
+    try:
+        import chdb  # noqa: F401
+    except ImportError:
+        missing = "chdb is not installed (pip install chdb: about 35 s, 0.9 GB with pandas and pyarrow)"
+        if os.environ.get("STEPWATCH_REQUIRE_CLICKHOUSE") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
+
+
+def mutations_done(store: Any) -> None:
+    """Waits until the server has applied the store's mutations (``ALTER ... DELETE``,
+    ``MATERIALIZE TTL``; asynchronous on every version): the event is the server's own table of
+    them (18.16 says nothing else when one is done)."""
+    deadline = time.monotonic() + 30
+    while store.query_tuples("SELECT count() FROM system.mutations WHERE database = ? AND is_done = 0",
+                             (store.url.database,)) != [(0,)]:
+        assert time.monotonic() < deadline, "mutations not applied in 30 s"
+        time.sleep(0.05)
+
+
 def _ping(http_port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ping", timeout=2) as answer:

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from .base import _console, _reports_errors, _soft_wrap
+from .base import StoreTarget, _console, _reports_errors, _soft_wrap
 
 __all__ = ["TRACKERS", "export", "export_after_run"]
 
@@ -48,25 +48,31 @@ def export() -> None:
 
 
 @export.command("perfetto")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=StoreTarget())
 @click.option("-o", "--out", default=None, metavar="FILE",
-              help="Where to write the trace (default: RUN_DIR/trace.json; - for standard output; a name ending .gz: gzip-compressed).")
+              help="Where to write the trace (default: RUN_DIR/trace.json, ./trace.json for a store URL; - for "
+                   "standard output; a name ending .gz: gzip-compressed).")
 @click.option("--steps", callback=_steps, metavar="A:B",
               help="Only steps A to B-1 (A:, :B and N too), on each rank from its step A's start to its step B-1's end.")
 @click.option("--ranks", callback=_ranks, metavar="LIST", help="Only these ranks, e.g. 0,2,4-7.")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def perfetto(run_dir: Path, out: str | None, steps: Any, ranks: frozenset[int] | None, session_id: str | None) -> None:
+def perfetto(run_dir: Path | str, out: str | None, steps: Any, ranks: frozenset[int] | None,
+             session_id: str | None) -> None:
     """Write the run as a Perfetto / Chrome trace: a process per rank, a track per thread, every
     span with its attrs, memory counters, marks, markers, alerts and verdicts. Open it in
-    https://ui.perfetto.dev or chrome://tracing."""
+    https://ui.perfetto.dev or chrome://tracing. RUN_DIR may be a history store or a
+    clickhouse:// URL (docs/clickhouse.md)."""
     from ..exports.perfetto import TraceSelection, write_trace, write_trace_file
     from ..views.sources import run_json_of
     from .commands_verdicts import open_run_history
 
     with open_run_history(run_dir, session_id) as (store, chosen, _source):
-        folder = run_dir if run_dir.is_dir() else run_dir.parent
-        run = run_json_of(folder, chosen)
+        if isinstance(run_dir, str):  # a store URL: no run directory; what run.json says, from the session
+            folder, run = Path.cwd(), _session_run(store, chosen)
+        else:
+            folder = run_dir if run_dir.is_dir() else run_dir.parent
+            run = run_json_of(folder, chosen)
         hosts = [h for h in run.get("hosts") or [] if isinstance(h, str)]
         other = {k: run[k] for k in ("command_line", "world_size", "versions", "status") if k in run}
         selection = TraceSelection(chosen, steps, ranks)
@@ -85,6 +91,23 @@ def perfetto(run_dir: Path, out: str | None, steps: Any, ranks: frozenset[int] |
         f"{size}); open it in https://ui.perfetto.dev", markup=False, soft_wrap=_soft_wrap(stderr=True))
     if target is not None:
         sys.stdout.write(f"{target}\n")
+
+
+def _session_run(store: Any, session_id: str) -> dict[str, Any]:
+    """The run.json fields a trace names (command line, world size, status), from the session's
+    row: what a store URL has of them (no run directory, so no versions)."""
+    import json
+
+    rows = store.query("SELECT command_line, world_size, status FROM sessions WHERE session_id = ?", (session_id,))
+    if not rows:
+        return {}
+    row = rows[0]
+    try:
+        command_line = json.loads(row["command_line"]) if row["command_line"] else None
+    except ValueError:
+        command_line = None
+    found = {"command_line": command_line, "world_size": row["world_size"], "status": row["status"]}
+    return {k: v for k, v in found.items() if v is not None}
 
 
 _PHASE_WORDS = {"X": "spans", "C": "counter values", "i": "instants", "M": "names"}
