@@ -26,8 +26,8 @@ def _packed(data: bytes, element_id: str) -> str:
     return f'<script type="application/octet-stream" id="{element_id}">{text}</script>'
 
 
-def build_report(run_dir: Path, session_id: str | None = None) -> str:
-    """The report's HTML for ``run_dir`` (a run directory or a history store) and ``session_id``
+def build_report(run_dir: Path | str, session_id: str | None = None) -> str:
+    """The report's HTML for ``run_dir`` (a run directory, a history store or a store URL) and ``session_id``
     (default: the run's own, else the newest)."""
     from ..errors import ArtifactError
     from ..views.page_cache import PageCache, cache_folder, page_key
@@ -42,7 +42,7 @@ def build_report(run_dir: Path, session_id: str | None = None) -> str:
         located = catalog.locate(chosen)
         # the dashboard's page cache both ways: a page a dashboard kept is not built again, and
         # the page built here (run --report, at the run's end) is the next `stepwatch ui`'s
-        cache = PageCache(None if catalog.imported(located) else cache_folder())
+        cache = PageCache(None if located.is_url or catalog.imported(located) else cache_folder())
         with catalog.open(located) as store:
             located_dir = located.run_dir
             key = page_key(store, located.store, chosen, located_dir) if cache.folder is not None else None
