@@ -29,7 +29,8 @@ def test_the_dashboard_of_a_url_lists_draws_and_compares_its_sessions(
         browser: Any, clickhouse_server: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     imported = imported_trace_run(tmp_path_factory, clickhouse_server)
     sid = imported["session_id"]
-    server = Server(imported["url"], env={"STEPWATCH_CACHE_DIR": str(tmp_path_factory.mktemp("page-cache"))})
+    cache = tmp_path_factory.mktemp("url-page-cache")
+    server = Server(imported["url"], env={"STEPWATCH_CACHE_DIR": str(cache)})
     try:
         runs = _get(f"{server.url}api/runs")
         assert [r["session_id"] for r in runs["runs"]] == [sid] and runs["path"].startswith("clickhouse://")
@@ -51,4 +52,4 @@ def test_the_dashboard_of_a_url_lists_draws_and_compares_its_sessions(
         assert compared["verdict"]["verdict"] == "EQUIVALENT" and len(compared["a"]["step_time"]["series"]) == 2
     finally:
         server.stop()
-    assert not list(tmp_path_factory.getbasetemp().glob("page-cache*/pages/*"))  # no page kept for a URL
+    assert not list(cache.rglob("*.json.gz"))  # no page kept for a URL
