@@ -1,7 +1,7 @@
 """``stepwatch ui clickhouse://...`` in a real browser over Debian's 18.16 server: the runs page
 lists the database's session, its run page draws what the same run's page on SQLite holds
 (tests/views/test_run_page_clickhouse.py compares the JSON), and the compare page and the live
-updates answer. The session-shared two-rank run imported once (tests/support/clickhouse.py)."""
+updates answer, and ``report`` writes its one file. The session-shared two-rank run imported once (tests/support/clickhouse.py)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,8 @@ def test_the_dashboard_of_a_url_lists_draws_and_compares_its_sessions(
     finally:
         server.stop()
     assert not list(cache.rglob("*.json.gz"))  # no page kept for a URL
+    # the one-file report of the session, from the URL
+    from stepwatch.web.report import build_report
+
+    html = build_report(imported["url"], sid)
+    assert f"stepwatch report: {sid}" in html and 'id="sw-data"' in html

@@ -52,12 +52,12 @@ def ui(path: Path | str, host: str, port: int, token_env: str | None) -> None:
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path, exists=True))
+@click.argument("run_dir", type=StoreTarget(exists=True))
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Where to write the report (default: RUN_DIR/report.html).")
+              help="Where to write the report (default: RUN_DIR/report.html, ./report.html for a store URL).")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def report(run_dir: Path, out: Path | None, session_id: str | None) -> None:
+def report(run_dir: Path | str, out: Path | None, session_id: str | None) -> None:
     """Write one self-contained HTML report of a run: summary, diagnosis, charts, alerts, epochs
     and environment, with nothing to fetch (open it from a mail or a CI artifact)."""
     from ..views.sources import check_session_id

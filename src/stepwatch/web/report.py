@@ -64,10 +64,16 @@ def build_report(run_dir: Path | str, session_id: str | None = None) -> str:
     return shell_html(config, title=f"stepwatch report: {chosen}", head=head, body_end=body_end)
 
 
-def write_report(run_dir: Path, out: Path | None = None, session_id: str | None = None) -> Path:
-    """Writes the report (default ``<run_dir>/report.html``) and returns its path."""
+def write_report(run_dir: Path | str, out: Path | None = None, session_id: str | None = None) -> Path:
+    """Writes the report (default ``<run_dir>/report.html``, ``./report.html`` for a store URL)
+    and returns its path."""
     from ..artifacts._files import atomic_write_bytes
 
-    target = out if out is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
+    if out is not None:
+        target = out
+    elif isinstance(run_dir, str):  # a store URL: no run directory
+        target = Path.cwd() / "report.html"
+    else:
+        target = (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
     atomic_write_bytes(target, build_report(run_dir, session_id).encode("utf-8"), fsync=False)
     return target
