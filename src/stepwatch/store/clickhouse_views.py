@@ -6,7 +6,11 @@ first and last step down ``steps_unique``, a TEMP table of buckets joined to the
 range, integer ``/``, a bare column beside ``MIN``/``MAX`` (SQLite gives it the row of the one
 minimum). Here each is one ``GROUP BY`` over the session's key range (the tables are ordered by
 session, rank, step or time), and the server reduces: a few thousand bucket rows cross the
-connection, never the steps.
+connection, never the steps. The step reads go to ``steps_rows FINAL`` (as ``step_aggregates``
+does), not the ``steps`` view: the view reads its key columns through ``toNullable``, which keeps
+the server from using the sorting key for ``session_id = ...`` (on 64 ranks x 20,000 steps a bucket
+read took 0.65 s through the view, 0.23 s on the table); the columns read (rank, step, the step
+time and phases: integers on every server version) are the view's values.
 
 Where SQLite chooses among ties by its scan order, these choose the same way explicitly: a
 bucket's lowest and highest step time are ``min``/``max`` of the tuple (time, step), so the
@@ -34,7 +38,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def rank_step_extents(store: Any, session_id: str) -> dict[int, tuple[int, int]]:
     """rank -> (its first step, its last step), one pass over the session's key range."""
-    rows = store.query_tuples("SELECT rank, min(step), max(step) FROM steps WHERE session_id = ? AND rank IS NOT NULL "
+    rows = store.query_tuples("SELECT rank, min(step), max(step) FROM steps_rows FINAL WHERE session_id = ? "
                               "GROUP BY rank ORDER BY rank", (session_id,))
     return {int(rank): (int(first), int(last)) for rank, first, last in rows if last is not None}
 
@@ -55,9 +59,12 @@ def step_buckets(store: Any, session_id: str, ranks: Sequence[int], first: int, 
     if not ranks:
         return []
     bucket, where = _bucketed(session_id, ranks, first, width, n_buckets)
-    rows = store.query_tuples(f"SELECT rank, {bucket} AS b, min((step_ns, step)), max((step_ns, step)) FROM steps "
+    # the tuples' elements as columns: a client may hand a tuple over as a dict (chdb's Arrow structs)
+    picks = ", ".join(f"tupleElement({f}((step_ns, step)), {i})" for f in ("min", "max") for i in (2, 1))
+    rows = store.query_tuples(f"SELECT rank, {bucket} AS b, {picks} FROM steps_rows FINAL "
                               f"WHERE {where} GROUP BY rank, b ORDER BY rank, b")
-    return [(int(rank), int(b), (int(lo[1]), int(lo[0])), (int(hi[1]), int(hi[0]))) for rank, b, lo, hi in rows]
+    return [(int(rank), int(b), (int(lo_step), int(lo_ns)), (int(hi_step), int(hi_ns)))
+            for rank, b, lo_step, lo_ns, hi_step, hi_ns in rows]
 
 
 def phase_buckets(store: Any, session_id: str, ranks: Sequence[int], first: int, width: int,
@@ -67,7 +74,7 @@ def phase_buckets(store: Any, session_id: str, ranks: Sequence[int], first: int,
         return []
     bucket, where = _bucketed(session_id, ranks, first, width, n_buckets)
     sums = ", ".join(f"sum({column})" for column in STEP_COLUMNS)
-    return store.query_tuples(f"SELECT rank, {bucket} AS b, sum(step_ns), {sums} FROM steps WHERE {where} "
+    return store.query_tuples(f"SELECT rank, {bucket} AS b, sum(step_ns), {sums} FROM steps_rows FINAL WHERE {where} "
                               f"GROUP BY rank, b ORDER BY rank, b")
 
 
