@@ -133,3 +133,20 @@ def test_the_exports_read_the_same_from_either_store(stores: tuple[SqliteStore, 
         assert list(iter_trace_events(ch, selection)) == events and len(events) > 100
     assert tracker_points(ch, sid) == tracker_points(sqlite, sid) != []
     assert tracker_params(ch, sid, {}) == tracker_params(sqlite, sid, {})
+
+
+def test_the_dashboards_views_read_the_same_from_either_store(stores: tuple[SqliteStore, Any]) -> None:
+    """The run page (its rank extents, step and phase buckets, memory chart) and its live
+    updates: the store's own reads of them (store.clickhouse_views) on the modern DDL."""
+    from stepwatch.views import run_page as views
+
+    sqlite, ch = stores
+    (session,) = sqlite.sessions()
+    sid = session["session_id"]
+    page = views.run_page(sqlite, sid, None)
+    assert views.run_page(ch, sid, None) == page and len(page["step_time"]["series"]) == 2
+    extents = views.last_steps(sqlite, sid)
+    first, last = min(a for a, _ in extents.values()), max(b for _, b in extents.values())
+    n = (last - first) // 7 + 1
+    assert views._step_buckets(ch, sid, [0, 1], first, 7, n) == views._step_buckets(sqlite, sid, [0, 1], first, 7, n)
+    assert views._phase_buckets(ch, sid, [0, 1], first, 7, n) == views._phase_buckets(sqlite, sid, [0, 1], first, 7, n)

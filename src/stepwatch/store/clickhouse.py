@@ -441,6 +441,31 @@ class ClickHouseStore(SqlReads):
         return self.query("SELECT rank, MAX(step) AS last FROM steps WHERE session_id = ? "
                           "GROUP BY rank ORDER BY rank", (session_id,))
 
+    # the dashboard's reads (views.run_page), reduced on the server: store.clickhouse_views
+
+    def rank_step_extents(self, session_id: str) -> dict[int, tuple[int, int]]:
+        from .clickhouse_views import rank_step_extents
+
+        return rank_step_extents(self, session_id)
+
+    def step_bucket_points(self, session_id: str, ranks: Sequence[int], first: int, width: int,
+                           n_buckets: int) -> list[tuple[int, int, tuple[int, int], tuple[int, int]]]:
+        from .clickhouse_views import step_buckets
+
+        return step_buckets(self, session_id, ranks, first, width, n_buckets)
+
+    def phase_bucket_sums(self, session_id: str, ranks: Sequence[int], first: int, width: int,
+                          n_buckets: int) -> list[tuple[Any, ...]]:
+        from .clickhouse_views import phase_buckets
+
+        return phase_buckets(self, session_id, ranks, first, width, n_buckets)
+
+    def memory_bucket_rows(self, session_id: str, since_ns: int | None, first: int, width: int,
+                           pick: str) -> list[tuple[Any, ...]]:
+        from .clickhouse_views import memory_buckets
+
+        return memory_buckets(self, session_id, since_ns, first, width, pick)
+
     def step_aggregates(self, session_id: str) -> tuple[StepAggregate, dict[int, StepAggregate]]:
         """The summary's step statistics' inputs reduced on the server: counts, exact integer sums,
         the earliest start and latest end, and of the sorted step times only the two at each
