@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,8 @@ def served(clickhouse_server: Any, tmp_path_factory: pytest.TempPathFactory) -> 
     url = clickhouse_server.database_url("served")
     (base / "rank.py").write_text(RANK)
     env = clean_env(STEPWATCH_VERDICT_INTERVAL_S="0.3")
-    server = subprocess.Popen([*STEPWATCH, "serve", "--out", str(base / "hub"), "--port", "0", "--store", url],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    server = subprocess.Popen([*STEPWATCH, "serve", "--out", str(base / "hub"), "--port", "0", "--store", url,
+                               "--ui-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert server.stdout is not None
         ready = json.loads(server.stdout.readline())
@@ -57,13 +58,18 @@ def served(clickhouse_server: Any, tmp_path_factory: pytest.TempPathFactory) -> 
                               text=True, timeout=120,
                               env={**env, "STEPWATCH_AGGREGATOR": ready["tcp"], "STEPWATCH_SESSION_ID": session_id})
         assert rank.returncode == 0, rank.stdout + rank.stderr
+        # the dashboard of the aggregator, its child process, reads the same ClickHouse store
+        with urllib.request.urlopen(f"{ready['ui']}api/runs", timeout=30) as answer:
+            runs = json.loads(answer.read())
+        with urllib.request.urlopen(f"{ready['ui']}api/run/{session_id}", timeout=60) as answer:
+            page = json.loads(answer.read())
     finally:
         server.send_signal(signal.SIGTERM)
         out, err = server.communicate(timeout=60)
     assert server.returncode == 0, err
     stopped = json.loads(out.splitlines()[-1])
     return {"base": base, "url": url, "session_id": session_id, "ready": ready, "stats": stopped["stats"],
-            "stderr": err}
+            "stderr": err, "runs": runs, "page": page}
 
 
 def test_the_aggregator_writes_every_row_to_clickhouse_and_no_history_sqlite(served: dict[str, Any]) -> None:
@@ -88,6 +94,14 @@ def test_the_aggregator_writes_every_row_to_clickhouse_and_no_history_sqlite(ser
         assert store.count("steps", sid) >= STEPS - 2
     finally:
         store.close()
+
+
+def test_the_aggregators_dashboard_serves_the_clickhouse_history(served: dict[str, Any]) -> None:
+    listed = [run for run in served["runs"]["runs"] if run["session_id"] == served["session_id"]]
+    assert len(listed) == 1 and listed[0]["steps"] >= STEPS - 2, served["runs"]
+    assert served["page"]["session"]["session_id"] == served["session_id"]
+    (series,) = served["page"]["step_time"]["series"]
+    assert series["rank"] == 0 and len(series["x"]) >= STEPS - 2
 
 
 def test_summary_reads_the_served_history(served: dict[str, Any], tmp_path: Path) -> None:
@@ -121,11 +135,17 @@ def test_run_store_writes_the_history_to_clickhouse_and_summarises_from_it(click
                                                                            tmp_path: Path) -> None:
     url = clickhouse_server.database_url("run")
     (tmp_path / "train.py").write_text(PLAIN)
-    ran = run_stepwatch("run", "--interval", "100", "--quiet", "--view", "off", "--store", url,
-                        "--out", str(tmp_path / "run"), str(tmp_path / "train.py"), cwd=tmp_path)
+    ran = run_stepwatch("run", "--interval", "100", "--quiet", "--view", "off", "--store", url, "--report",
+                        "--export", "tensorboard", "--out", str(tmp_path / "run"), str(tmp_path / "train.py"),
+                        cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     run_dir = tmp_path / "run"
     assert not (run_dir / "history.sqlite").exists()
+    # made from the store, of this run's session
+    assert "report not written" not in ran.stderr and "failed" not in ran.stderr, ran.stderr
+    manifest_id = json.loads((run_dir / "run.json").read_text())["session_id"]
+    assert manifest_id in (run_dir / "report.html").read_text()
+    assert list((run_dir / "tensorboard").glob(f"rank_0/events.out.tfevents.stepwatch-{manifest_id}"))
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["extra"]["store"] == url
     final = json.loads((run_dir / "final_summary.json").read_text())
@@ -140,13 +160,10 @@ def test_run_store_writes_the_history_to_clickhouse_and_summarises_from_it(click
     assert again == final
 
 
-def test_run_store_refuses_a_path_and_the_dashboard(tmp_path: Path) -> None:
+def test_run_store_refuses_a_path(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("pass\n")
     path = run_stepwatch("run", "--store", str(tmp_path / "h.sqlite"), str(tmp_path / "train.py"), cwd=tmp_path)
     assert path.returncode == 2 and "--store" in path.stderr
-    ui = run_stepwatch("run", "--store", "clickhouse://h/db", "--ui-port", "0", str(tmp_path / "train.py"),
-                       cwd=tmp_path)
-    assert ui.returncode == 2 and "--ui-port" in ui.stderr
 
 
 def test_run_with_its_store_down_still_trains_and_summarises_from_its_artifacts(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..lifetime import preexec_die_with_parent
 from ..log import logger
-from ..web.process import TOKEN_ENV
+from ..web.process import STORE_ENV, TOKEN_ENV
 
 __all__ = ["DashboardProcess"]
 
@@ -41,8 +41,9 @@ class DashboardProcess:
         dashboard.stop()
     """
 
-    def __init__(self, path: Path, host: str, port: int, token: str | None) -> None:
-        self.path = Path(path).resolve()
+    def __init__(self, path: Path | str, host: str, port: int, token: str | None) -> None:
+        # a store URL goes to the child in its environment: its password stays out of `ps`
+        self.path: Path | str = path if isinstance(path, str) else Path(path).resolve()
         self.host = host
         self.port = port
         self.token = token
@@ -68,12 +69,16 @@ class DashboardProcess:
             self.bound = int(sockets[0].getsockname()[1])
             env = dict(os.environ)
             env.pop(TOKEN_ENV, None)
+            env.pop(STORE_ENV, None)
             if self.token is not None:
                 env[TOKEN_ENV] = self.token
+            source = ["--path", str(self.path)]
+            if isinstance(self.path, str):
+                env[STORE_ENV], source = self.path, []
             fds = [str(sock.fileno()) for sock in sockets]
             # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "stepwatch.web.process", "--path", str(self.path),
+                [sys.executable, "-m", "stepwatch.web.process", *source,
                  *(arg for fd in fds for arg in ("--fd", fd))],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=[sock.fileno() for sock in sockets],
                 env=env, preexec_fn=preexec_die_with_parent())

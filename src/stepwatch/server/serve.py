@@ -99,7 +99,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                 raise ListenError(f"cannot listen for HTTP on {host}:{http_port}: {exc.strerror or exc}") from None
             http_bound = runner.addresses[0][1] if runner.addresses else http_port
         if ui_port is not None:
-            dashboard, ui_url = _start_dashboard(run_dir, host, ui_port, token, ui_host)
+            dashboard, ui_url = _start_dashboard(store_url or run_dir, host, ui_port, token, ui_host)
             if children is not None:  # serve() stops it whatever ends this coroutine
                 children.append(dashboard)
         fed = _start_feeds(feeds, run_dir, aggregator, host, token)
@@ -163,9 +163,10 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     return stats
 
 
-def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None,
+def _start_dashboard(source: Path | str, host: str, port: int, token: str | None,
                      ui_host: str | None = None) -> tuple[Any, str]:
-    """The dashboard (web/app.py) over this server's directory, in a process of its own
+    """The dashboard (web/app.py) over this server's directory (or the store URL it writes to),
+    in a process of its own
     (server/dashboard.py): building a page's data never takes the writer's GIL, heap or garbage
     collector, and the child reads the store read-only (WAL: it never blocks the writer). It
     binds ``ui_host`` when given (refused beyond loopback without a token), else the aggregator's
@@ -176,7 +177,7 @@ def _start_dashboard(run_dir: Path, host: str, port: int, token: str | None,
     from .dashboard import DashboardProcess
 
     bind = http_bind(host, token, ui_host, "--ui-host")
-    dashboard = DashboardProcess(run_dir, bind, port, token)
+    dashboard = DashboardProcess(source, bind, port, token)
     try:
         url = dashboard.start()
     except OSError as exc:

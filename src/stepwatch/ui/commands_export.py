@@ -313,22 +313,25 @@ def export_wandb_run(run_dir: Path | str, out: Path | None, project: str, sessio
 TRACKERS = ("mlflow", "tensorboard", "wandb")
 
 
-def export_after_run(run_dir: Path, session_id: str | None, trackers: tuple[str, ...]) -> None:
+def export_after_run(run_dir: Path, session_id: str | None, trackers: tuple[str, ...],
+                     store: str | None = None) -> None:
     """``run --export``: each tracker's export with its defaults (MLflow: $MLFLOW_TRACKING_URI,
-    else sqlite:///RUN_DIR/mlflow.db; TensorBoard: RUN_DIR/tensorboard; W&B: RUN_DIR/wandb). A
-    failure is one line naming the tracker, never the run's exit code: the training is done, and
-    ``stepwatch export`` can do it again later."""
+    else sqlite:///RUN_DIR/mlflow.db; TensorBoard: RUN_DIR/tensorboard; W&B: RUN_DIR/wandb), read
+    from ``store`` when the history went there. A failure is one line naming the tracker, never
+    the run's exit code: the training is done, and ``stepwatch export`` can do it again later."""
     import os
 
+    source: Path | str = store or run_dir
     for tracker in dict.fromkeys(trackers):
         try:
             if tracker == "mlflow":
-                export_mlflow_run(run_dir, os.environ.get("MLFLOW_TRACKING_URI") or None, "stepwatch", False,
+                default = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}" if store else None
+                export_mlflow_run(source, os.environ.get("MLFLOW_TRACKING_URI") or default, "stepwatch", False,
                                   session_id)
             elif tracker == "tensorboard":
-                export_tensorboard(run_dir, None, session_id)
+                export_tensorboard(source, run_dir / "tensorboard" if store else None, session_id)
             else:
-                export_wandb_run(run_dir, None, "stepwatch", session_id)
+                export_wandb_run(source, run_dir if store else None, "stepwatch", session_id)
         except Exception as exc:  # noqa: BLE001 (a tracker's own errors too: the run's result stands)
             text = " ".join(str(exc).split()) or type(exc).__name__
             _say(f"export {tracker} failed: {text}")

@@ -94,9 +94,6 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     if store is not None and not isinstance(store, str):
         raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is the run directory's "
                                  "history.sqlite", param_hint="--store")
-    if store is not None and (options.get("ui_port") is not None or write_html):
-        raise click.UsageError("--ui-port and --report read the run directory's history.sqlite; with --store "
-                               "they are not served yet")
     check_binds(read_token(options.get("token_env")), metrics_host=(options.get("metrics_host"),
                                                                     options.get("metrics_port")),
                 ui_host=(options.get("ui_host"), options.get("ui_port")))
@@ -115,12 +112,13 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
         from ..analysis.summary import render_summary_text
 
         sys.stdout.write(_fit_text(render_summary_text(summary)))  # from memory: a full disk may not hold the file
+    session_id = options.get("session_id") or _run_session(run_dir)
     if write_html:
-        _write_html_report(run_dir, options.get("session_id"), console)
+        _write_html_report(run_dir, session_id, console, store)
     if exports:
         from .commands_export import export_after_run
 
-        export_after_run(run_dir, options.get("session_id"), exports)
+        export_after_run(run_dir, session_id, exports, store)
     console.print(f"[stepwatch] exit code {code}; run directory: {run_dir.resolve()}", markup=False)
     console.print(f"[stepwatch] look at: {run_dir}/final_summary.txt, stepwatch inspect {run_dir}", markup=False)
     sys.exit(code)
@@ -139,13 +137,27 @@ def _run_view(console: Any, mode: str, every_s: float | None) -> Any:
     return RunView(console, live=live, refresh_s=every_s or REFRESH_S, plain_every_s=every_s or PLAIN_EVERY_S)
 
 
-def _write_html_report(run_dir: Path, session_id: str | None, console: Any) -> None:
-    """``run --report``: the run's report.html; a failure is one line, never the run's exit code."""
+def _run_session(run_dir: Path) -> str | None:
+    """The session ``run`` recorded (run.json), so what is made after it names this run's, not
+    the newest session of a store other jobs write to as well."""
+    try:
+        session = json.loads((run_dir / "run.json").read_text()).get("session_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return session if isinstance(session, str) else None
+
+
+def _write_html_report(run_dir: Path, session_id: str | None, console: Any, store: str | None = None) -> None:
+    """``run --report``: the run's report.html (from ``store`` when the history went there); a
+    failure is one line, never the run's exit code."""
     from ..errors import StepwatchError
     from ..web.report import write_report
 
     try:
-        target = write_report(run_dir)
+        if store is None:
+            target = write_report(run_dir, session_id=session_id)
+        else:
+            target = write_report(store, run_dir / "report.html", session_id)
     except (StepwatchError, OSError) as exc:
         console.print(f"[stepwatch] report not written: {exc}", markup=False, soft_wrap=_soft_wrap(stderr=True))
         return
@@ -212,8 +224,6 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
     if store is not None and not isinstance(store, str):
         raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is --out's history.sqlite",
                                  param_hint="--store")
-    if store is not None and ui_port is not None:
-        raise click.UsageError("--ui-port reads --out's history.sqlite; with --store it is not served yet")
     retention_ns = None
     if retention:
         try:

@@ -39,10 +39,11 @@ from pathlib import Path
 __all__ = ["TOKEN_ENV", "main"]
 
 TOKEN_ENV = "STEPWATCH_UI_TOKEN"
+STORE_ENV = "STEPWATCH_UI_STORE"  # a store URL to serve instead of --path (its password stays out of `ps`)
 SHUTDOWN_S = 1.0  # how long a stopping dashboard lets a request in flight finish
 
 
-async def _serve(path: Path, fds: list[int], token: str | None) -> None:
+async def _serve(path: Path | str, fds: list[int], token: str | None) -> None:
     from aiohttp import web
 
     from ..views.sources import Catalog
@@ -83,12 +84,16 @@ async def _serve(path: Path, fds: list[int], token: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stepwatch.web.process")
-    parser.add_argument("--path", type=Path, required=True, help="what the dashboard serves (as `stepwatch ui PATH`)")
+    parser.add_argument("--path", type=Path, help="what the dashboard serves (as `stepwatch ui PATH`); "
+                        f"without it, the store URL in ${STORE_ENV}")
     parser.add_argument("--fd", type=int, action="append", required=True,
                         help="a listening socket inherited from the parent (one per address)")
     parser.add_argument("--nice", type=int, default=10, help="added to this process's niceness (0: none)")
     args = parser.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, None) or None
+    source: Path | str | None = args.path or os.environ.pop(STORE_ENV, None)
+    if source is None:
+        parser.error(f"--path or ${STORE_ENV} names what to serve")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.nice:
         try:
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:  # not allowed here: the same priority as the aggregator
             pass
     try:
-        asyncio.run(_serve(args.path, args.fd, token))
+        asyncio.run(_serve(source, args.fd, token))
     except Exception as exc:  # noqa: BLE001 - one line on stderr, never a traceback over the job's output
         print(f"[stepwatch] the dashboard stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.stderr.flush()
