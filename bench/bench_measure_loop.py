@@ -20,7 +20,11 @@ time-driven work that lands on the training thread).
 Besides the total, each row gives the part outside glibc's ``malloc``/``free``: torch's tensor
 allocations go through glibc, whose cost a step moves by +-3k between runs of the same code with
 the heap's layout (what else the process allocated, and when), so code changes are best
-compared on that column.
+compared on that column. The interpreter loop's own instructions (``_PyEval_EvalFrameDefault``,
+the bytecodes the Python code executed) are printed too: they move only when the Python a step
+runs changes, whereas glibc's heap and CPython's type-attribute cache (slots hashed from the
+addresses of attribute names and types' version tags) move the rest by a few k a step between
+builds whose per-step code is the same.
 """
 
 from __future__ import annotations
@@ -93,11 +97,11 @@ def _main_thread_dump(directory: Path) -> Path:
     raise SystemExit(f"{directory}: no client-request dump of the main thread (see valgrind.log there)")
 
 
-def _costs(path: Path) -> tuple[int, int]:
-    """(all instructions, those in glibc's malloc family) of one dump."""
+def _costs(path: Path) -> tuple[int, int, int]:
+    """(all instructions, those in glibc's malloc family, those of the interpreter loop) of one dump."""
     text = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(path)],
                           capture_output=True, text=True, check=True).stdout
-    total = malloc = 0
+    total = malloc = interpreter = 0
     for line in text.splitlines():
         match = _COST.match(line)
         if match is None:
@@ -107,10 +111,12 @@ def _costs(path: Path) -> tuple[int, int]:
             total = value
         elif "malloc/" in name or "/arena.c" in name:
             malloc += value
-    return total, malloc
+        elif ":_PyEval_EvalFrameDefault" in name:
+            interpreter += value
+    return total, malloc, interpreter
 
 
-def _run(arm: str, depth: int, steps: int, work: Path) -> tuple[int, int]:
+def _run(arm: str, depth: int, steps: int, work: Path) -> tuple[int, int, int]:
     out = work / f"{arm}-{depth}"
     out.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
@@ -136,17 +142,24 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         got = dict(zip(runs, pool.map(lambda run: _run(*run, args.steps, work), runs)))
     added: dict[int, float] = {}
+    outside: dict[int, float] = {}
+    loop: dict[int, float] = {}
     for depth in args.depths:
-        (plain, plain_malloc), (sw, sw_malloc) = got[("plain", depth)], got[("stepwatch", depth)]
+        (plain, plain_malloc, plain_loop), (sw, sw_malloc, sw_loop) = got[("plain", depth)], got[("stepwatch", depth)]
         n = args.steps
         added[depth] = (sw - plain) / n
-        rest = ((sw - sw_malloc) - (plain - plain_malloc)) / n
+        outside[depth] = ((sw - sw_malloc) - (plain - plain_malloc)) / n
+        loop[depth] = (sw_loop - plain_loop) / n
         print(f"depth {depth} ({2 * depth + 2} module calls): plain {plain / n / 1e3:,.1f}k instr/step; "
-              f"stepwatch +{added[depth] / 1e3:.1f}k (+{rest / 1e3:.1f}k outside glibc malloc; "
-              f"malloc {(sw_malloc - plain_malloc) / n / 1e3:+.1f}k)", flush=True)
+              f"stepwatch +{added[depth] / 1e3:.1f}k (+{outside[depth] / 1e3:.1f}k outside glibc malloc; "
+              f"malloc {(sw_malloc - plain_malloc) / n / 1e3:+.1f}k; interpreter loop {loop[depth] / 1e3:+.1f}k)",
+              flush=True)
     if len(added) > 1:
         lo, hi = min(added), max(added)
-        print(f"per extra module call: {(added[hi] - added[lo]) / (2 * (hi - lo)) / 1e3:.2f}k")
+        calls = 2 * (hi - lo)
+        print(f"per extra module call: {(added[hi] - added[lo]) / calls / 1e3:.2f}k "
+              f"(outside glibc malloc {(outside[hi] - outside[lo]) / calls / 1e3:.2f}k; "
+              f"interpreter loop {(loop[hi] - loop[lo]) / calls / 1e3:.2f}k)")
     print(f"dumps in {work}")
 
 
