@@ -1,0 +1,268 @@
+"""Ingest from simulated ranks through the aggregator into a real ClickHouse server, against the
+same load into today's ``history.sqlite``, in one run (issue 23 §5).
+
+Usage::
+
+    .venv/bin/python bench/bench_clickhouse_aggregator.py [--ranks 64] [--rows 600000]
+        [--steps-per-frame 20] [--gen-procs 2] [--stores sqlite,clickhouse]
+        [--url clickhouse://default@127.0.0.1:PORT/db --server-pid PID] [--tmp-dir DIR]
+
+The rank simulation is ``bench_ingest.py``'s ``tcp`` phase (its ``gen-tcp`` workers: one thread
+and socket per rank, frames built and encoded before the clock starts, then sent as fast as the
+aggregator reads them; a training step is 9 wire rows and the store derives a tenth, the
+``steps`` row). For each store a fresh aggregator (``python -m stepwatch.server --out DIR
+[--store URL]``, with ``bench_ingest.BOOT``'s extra counters) takes ``--rows`` wire rows.
+
+Measured, for each store: rows/s stored (the store's own count: ``MAX(rowid)`` on SQLite,
+``count()`` of the ``*_rows`` tables on ClickHouse, polled every 0.25 s), the aggregator's CPU
+time split into its event-loop thread (frame decode and the tick) and its other threads (the
+SQLite writer; or the ClickHouse feed: the columnar encode in ``clickhouse-driver`` and the
+socket), its peak RSS, the ClickHouse server's CPU time (``/proc/<pid>/stat``), the generator
+processes' CPU while sending, and the load average. From the CPU seconds per stored row of every
+process the run needs, the rows/s two cores could reach with nothing else on the machine (the
+ceiling this design has on this machine, whatever the scheduling).
+
+Without ``--url`` a private Debian ``clickhouse-server`` (18.16) is started from ``--tmp-dir`` as
+the tests' fixture starts it (``tests/support/clickhouse.py``) and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_ingest as ingest
+from _common import REPO_ROOT, load_average, machine_header, print_header
+
+PYTHON = sys.executable
+WIRE_TABLES = ("telemetry", "spans", "marks", "heartbeats")
+TARGET_ROWS_PER_S = 1_000_000
+
+
+def proc_cpu_s(pid: int | None) -> float:
+    """User + system seconds of ``pid`` from ``/proc/<pid>/stat`` (0 without one)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Aggregator:
+    """``python -c BOOT --out DIR --http-port 0 [--store URL]``: the aggregator ``serve`` runs."""
+
+    def __init__(self, out: Path, store_url: str | None, env: dict[str, str] | None = None) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.err = (out.parent / f"{out.name}.stderr").open("w")
+        store = ["--store", store_url] if store_url else []
+        started = time.perf_counter()
+        self.proc = subprocess.Popen([PYTHON, "-c", ingest.BOOT, "--out", str(out), "--http-port", "0", *store],
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO_ROOT,
+                                     env={**os.environ, **(env or {})})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"aggregator did not start: {(out.parent / f'{out.name}.stderr').read_text()[-3000:]}")
+        self.ready_s = time.perf_counter() - started
+        self.ready = json.loads(line)
+        self.tcp = self.ready["tcp"]
+        host, _, port = self.ready["http"].rpartition(":")
+        self.http = (host, int(port))
+        self.pid = self.ready["pid"]
+
+    health = ingest.StepwatchServer.health
+
+    def stop(self, timeout: float = 300) -> tuple[dict[str, Any], float]:
+        started = time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise SystemExit("the aggregator did not stop after SIGTERM") from None
+        self.err.close()
+        return json.loads((self.out / "aggregator_stats.json").read_text()), time.perf_counter() - started
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ClickHouseCounter:
+    """Rows of each table the server holds now (``count()`` of the ``*_rows`` tables: MergeTree
+    answers it from part metadata, a few ms)."""
+
+    def __init__(self, url: str, tables: tuple[str, ...]) -> None:
+        from stepwatch.store.clickhouse_url import parse_clickhouse_url
+
+        self.url = parse_clickhouse_url(url)
+        self.tables = tables
+        self.client: Any = None
+
+    def counts(self) -> dict[str, int]:
+        import clickhouse_driver
+
+        if self.client is None:
+            self.client = clickhouse_driver.Client(self.url.host, port=self.url.port, user=self.url.user,
+                                                   database="default", connect_timeout=5)
+        sql = "SELECT " + ", ".join(f"(SELECT count() FROM {self.url.database}.{t}_rows)" for t in self.tables)
+        try:
+            values = self.client.execute(sql)[0]
+        except Exception:  # noqa: BLE001 - the database or a table not made yet
+            return dict.fromkeys(self.tables, 0)
+        return {t: int(v) for t, v in zip(self.tables, values)}
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.disconnect()
+
+
+def start_server(home: Path) -> Any:
+    """A private ``clickhouse-server`` (tests/support/clickhouse.py's ``PrivateClickHouse``)."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.support.clickhouse import PrivateClickHouse
+
+    return PrivateClickHouse(home)
+
+
+def start_generators(tcp: str, args: argparse.Namespace, frames: int, session: str, work: Path) -> list[Any]:
+    workers = []
+    for ranks in ingest.split(list(range(args.ranks)), args.gen_procs):
+        workers.append(ingest.Worker("gen-tcp", ["--address", tcp, "--ranks", f"{ranks[0]}-{ranks[-1]}",
+                                                 "--frames", str(frames), "--steps", str(args.steps_per_frame),
+                                                 "--session", session, "--world", str(args.ranks)], work))
+    ingest.wait_ready(workers, 900)
+    return workers
+
+
+def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> dict[str, Any]:
+    rows_per_frame = args.steps_per_frame * ingest.ROWS_PER_STEP + 1
+    frames = max(1, round(args.rows / (args.ranks * rows_per_frame)))
+    expected = args.ranks * frames * rows_per_frame
+    session = str(uuid.uuid4())
+    out = work / f"{kind}-agg"
+    url = None
+    server_pid = None
+    if kind == "clickhouse":
+        url = f"{args.url.rstrip('/').rpartition('/')[0]}/bench_agg_{uuid.uuid4().hex[:8]}"
+        server_pid = args.server_pid
+    aggregator = Aggregator(out, url)
+    counter: Any = ClickHouseCounter(url, WIRE_TABLES) if url else ingest.StoreCounter(out / "history.sqlite",
+                                                                                      ingest.STEPWATCH_TABLES)
+    print(f"  {kind}: aggregator pid {aggregator.pid} ready in {aggregator.ready_s:.2f} s", flush=True)
+    workers: list[Any] = []
+    try:
+        workers = start_generators(aggregator.tcp, args, frames, session, work)
+        time.sleep(1.0)
+        load_before = load_average()
+        server_cpu0 = proc_cpu_s(server_pid)
+        t_go = time.time()
+        for worker in workers:
+            worker.go()
+        mon = ingest.monitor(aggregator.pid, counter, lambda c: sum(c[t] for t in WIRE_TABLES), expected, t_go,
+                             args.timeout, health=aggregator.health, senders=workers)
+        server_cpu = proc_cpu_s(server_pid) - server_cpu0
+        load_after = load_average()
+        results = [w.result(120) for w in workers]
+        counter.close()
+        stats, stop_s = aggregator.stop()
+    finally:
+        for worker in workers:
+            worker.kill()
+        aggregator.kill()
+    rate = ingest.rate_stats(mon["samples"], expected, t_go)
+    wall = mon["wall_s"]
+    stored = mon["reached"]
+    gen_cpu = sum(r["send_cpu_s"] for r in results)
+    figures = {
+        "store": kind, "rows_expected": expected, "rows_stored": stored, "wall_s": wall,
+        "rows_per_s": stored / wall if wall > 0 else None, "rate": rate,
+        "aggregator_cpu_s": mon["cpu_s"], "aggregator_thread_cpu_s": mon["thread_cpu_s"],
+        "aggregator_rss_max": mon["rss_max"], "aggregator_vm_hwm": mon["vm_hwm"], "rss_start": mon["rss_start"],
+        "server_cpu_s": server_cpu, "generator_send_cpu_s": gen_cpu,
+        "load_before": load_before, "load_after": load_after, "stop_s": stop_s,
+        "sent_all_s": max(r["t_last_sent"] or 0 for r in results) - t_go,
+        "frame_bytes": sum(r["bytes"] for r in results),
+        "spilled_rows": stats.get("store_spilled_rows"), "replayed_rows": stats.get("store_replayed_rows"),
+        "degraded_episodes": stats.get("store_degraded_episodes"), "rows_lost": stats.get("rows_lost"),
+        "gc_s": stats.get("bench_gc_seconds"),
+    }
+    return figures
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    print()
+    print("| store | wire rows stored | wall s (load 1m before/after) | rows/s | aggregator CPU s (loop / other threads) "
+          "| server CPU s | generators' send CPU s | aggregator peak RSS MiB | spilled / replayed rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = r["aggregator_thread_cpu_s"]
+        print(f"| {r['store']} | {r['rows_stored']:,} of {r['rows_expected']:,} | {r['wall_s']:.2f} "
+              f"({r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}) | {r['rows_per_s']:,.0f} | "
+              f"{r['aggregator_cpu_s']:.2f} ({t['main']:.2f} / {t['other']:.2f}) | {r['server_cpu_s']:.2f} | "
+              f"{r['generator_send_cpu_s']:.2f} | {r['aggregator_rss_max'] / 2**20:.0f} | "
+              f"{r['spilled_rows'] if r['spilled_rows'] is not None else '-'} / "
+              f"{r['replayed_rows'] if r['replayed_rows'] is not None else '-'} |")
+    print()
+    print("CPU per stored wire row, and the rows/s 2 idle cores would allow (2 / CPU-s per row):")
+    for r in results:
+        n = r["rows_stored"] or 1
+        t = r["aggregator_thread_cpu_s"]
+        parts = {"aggregator loop (decode, tick)": t["main"], "aggregator other threads (store write)": t["other"],
+                 "clickhouse-server": r["server_cpu_s"], "generators (send)": r["generator_send_cpu_s"]}
+        total = sum(parts.values())
+        detail = ", ".join(f"{k} {v * 1e6 / n:.2f} us" for k, v in parts.items() if v)
+        store_only = total - r["generator_send_cpu_s"]
+        print(f"  {r['store']}: {detail}; total {total * 1e6 / n:.2f} us/row -> ceiling {2 * n / total:,.0f} rows/s "
+              f"on 2 cores ({2 * n / store_only:,.0f} rows/s with the ranks on other machines)")
+    print(f"  target: {TARGET_ROWS_PER_S:,} rows/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=600_000, help="wire rows per store (default 600000)")
+    parser.add_argument("--steps-per-frame", type=int, default=20)
+    parser.add_argument("--gen-procs", type=int, default=2)
+    parser.add_argument("--stores", default="sqlite,clickhouse")
+    parser.add_argument("--url", default=None, help="a ClickHouse URL (its database is ignored: one per run is made)")
+    parser.add_argument("--server-pid", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+    header = machine_header(args.tmp_dir)
+    print_header(f"aggregator ingest into ClickHouse vs SQLite: {args.ranks} ranks over TCP", header)
+    work = Path(tempfile.mkdtemp(prefix="bench-chagg-", dir=args.tmp_dir))
+    server = None
+    results = []
+    try:
+        stores = [s.strip() for s in args.stores.split(",") if s.strip()]
+        if "clickhouse" in stores and args.url is None:
+            server = start_server(work)
+            args.url, args.server_pid = server.url("unused"), server.pid
+            print(f"clickhouse-server pid {server.pid} on {args.url}")
+        for kind in stores:
+            results.append(run_store(kind, args, work, server))
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    report(results)
+    print(f"load average at end: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
