@@ -199,7 +199,7 @@ def main() -> None:
             print(f"  {name}: {w['wall_s']:.1f} s wall, client CPU {w['cpu_s']:.1f} s{server_cpu} "
                   f"= {rows / w['wall_s']:,.0f} rows/s")
         results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for size, steps in sizes.items():
+        for size in sizes:
             for name, target, pid in (("clickhouse", args.url, args.server_pid), ("sqlite", str(sqlite_path), None)):
                 rounds = [run_worker(SCRIPT, "read", [target, _session(size), str(pid) if pid else "-"])
                           for _ in range(args.repeat)]
