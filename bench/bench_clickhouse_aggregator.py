@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ingest as ingest
-from _common import REPO_ROOT, load_average, machine_header, print_header
+from _common import REPO_ROOT, load_average, machine_header, print_header, run_worker, worker_main
 
 PYTHON = sys.executable
 WIRE_TABLES = ("telemetry", "spans", "marks", "heartbeats")
@@ -167,6 +167,13 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> d
     try:
         workers = start_generators(aggregator.tcp, args, frames, session, work)
         time.sleep(1.0)
+        poll_cpu_per_s = 0.0
+        if server_pid is not None:  # what the count() polls alone cost the server: 2 s of them, idle
+            idle0, idle_t = proc_cpu_s(server_pid), time.perf_counter()
+            while time.perf_counter() - idle_t < 2.0:
+                counter.counts()
+                time.sleep(0.25)
+            poll_cpu_per_s = (proc_cpu_s(server_pid) - idle0) / (time.perf_counter() - idle_t)
         load_before = load_average()
         server_cpu0 = proc_cpu_s(server_pid)
         t_go = time.time()
@@ -192,7 +199,7 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> d
         "rows_per_s": stored / wall if wall > 0 else None, "rate": rate,
         "aggregator_cpu_s": mon["cpu_s"], "aggregator_thread_cpu_s": mon["thread_cpu_s"],
         "aggregator_rss_max": mon["rss_max"], "aggregator_vm_hwm": mon["vm_hwm"], "rss_start": mon["rss_start"],
-        "server_cpu_s": server_cpu, "generator_send_cpu_s": gen_cpu,
+        "server_cpu_s": server_cpu, "server_poll_cpu_s": poll_cpu_per_s * wall, "generator_send_cpu_s": gen_cpu,
         "load_before": load_before, "load_after": load_after, "stop_s": stop_s,
         "sent_all_s": max(r["t_last_sent"] or 0 for r in results) - t_go,
         "frame_bytes": sum(r["bytes"] for r in results),
@@ -201,6 +208,88 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> d
         "gc_s": stats.get("bench_gc_seconds"),
     }
     return figures
+
+
+def _cpu() -> float:
+    return time.process_time()  # this process, every thread, at the clock's resolution (not 10 ms)
+
+
+def worker_profile(argv: list[str]) -> dict[str, Any]:
+    """argv: url, server pid, ranks, frames, steps. The ClickHouse path of one batch, stage by
+    stage, in one thread: the aggregator's decode (``decode_typed`` + ``wire_tuples``, as its
+    loop runs them), the store's column build (``clickhouse._column``), the driver's columnar
+    INSERT of each table (client CPU: its encode and the socket; server CPU over the same call),
+    and the same batch into a fresh ``history.sqlite`` (``append_tuples``) for comparison."""
+    from stepwatch.store import clickhouse as ch
+    from stepwatch.store.base import COLUMNS
+    from stepwatch.store.rows import wire_tuples
+    from stepwatch.store.sqlite import SqliteStore
+    from stepwatch.transport.frames import decode_typed
+
+    url, pid_text, ranks, frames, steps = argv
+    pid = int(pid_text)
+    sid = str(uuid.uuid4())
+    base = ingest._base_events(sid)
+    bodies, wire = [], 0
+    for rank in range(int(ranks)):
+        encoded, n = ingest.tcp_frames(rank, int(frames), int(steps), sid, int(ranks), base, time.time_ns())
+        bodies += [f[4:] for f in encoded]
+        wire += n
+    stages: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        wall, cpu, server = time.perf_counter(), _cpu(), proc_cpu_s(pid)
+        out = fn()
+        stages[name] = {"wall_s": time.perf_counter() - wall, "cpu_s": _cpu() - cpu,
+                        "server_cpu_s": proc_cpu_s(pid) - server}
+        return out
+
+    typed = timed("aggregator decode: decode_typed", lambda: [decode_typed(b) for b in bodies])
+    parts = timed("aggregator decode: wire_tuples", lambda: [wire_tuples(m["session_id"], m["rank"], t) for m, t in typed])
+    batch: dict[str, list[tuple[Any, ...]]] = {}
+    for tables in parts:
+        for table, rows in tables.items():
+            batch.setdefault(table, []).extend(rows)
+    typed = parts = []
+    stored = sum(len(rows) for rows in batch.values())
+    store = ch.ClickHouseStore(url)
+    columns = {}
+    for table, rows in batch.items():
+        columns[table] = timed(f"store column build: {table}", lambda table=table, rows=rows: [
+            ch._column(values, kind, name in ch._key_columns(table))
+            for (name, kind), values in zip(COLUMNS[table], zip(*rows))])
+    for table, cols in columns.items():
+        names = ", ".join(name for name, _ in COLUMNS[table])
+        timed(f"driver INSERT: {table} ({len(batch[table]):,} rows, {len(cols)} columns)",
+              lambda table=table, cols=cols, names=names: store._client.execute(
+                  f"INSERT INTO {table}_rows ({names}) VALUES", cols, columnar=True))
+    store.query_tuples(f"DROP DATABASE IF EXISTS {store.url.database}")
+    store.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        sqlite = SqliteStore(Path(tmp) / "history.sqlite")
+        timed("SQLite append_tuples (same batch)", lambda: sqlite.append_tuples(batch))
+        sqlite.close()
+    return {"wire_rows": wire, "stored_rows": stored, "stages": stages}
+
+
+def print_profile(profile: dict[str, Any]) -> None:
+    wire, stored = profile["wire_rows"], profile["stored_rows"]
+    print(f"\none batch, stage by stage in one process ({wire:,} wire rows -> {stored:,} stored rows with the "
+          f"derived steps rows; us per wire row):")
+    sums = {"aggregator decode": 0.0, "store column build": 0.0, "driver INSERT": 0.0}
+    server = 0.0
+    for name, t in profile["stages"].items():
+        print(f"  {name:<58} client CPU {t['cpu_s'] * 1e6 / wire:6.2f} us, server CPU "
+              f"{t['server_cpu_s'] * 1e6 / wire:6.2f} us, wall {t['wall_s'] * 1e6 / wire:6.2f} us")
+        for key in sums:
+            if name.startswith(key):
+                sums[key] += t["cpu_s"]
+        if name.startswith("driver INSERT"):
+            server += t["server_cpu_s"]
+    total = sum(sums.values()) + server
+    print("  sum: " + ", ".join(f"{k} {v * 1e6 / wire:.2f} us" for k, v in sums.items())
+          + f", server {server * 1e6 / wire:.2f} us = {total * 1e6 / wire:.2f} us/wire row "
+          f"-> {2 * wire / total:,.0f} wire rows/s on 2 idle cores")
 
 
 def report(results: list[dict[str, Any]]) -> None:
@@ -222,10 +311,13 @@ def report(results: list[dict[str, Any]]) -> None:
         n = r["rows_stored"] or 1
         t = r["aggregator_thread_cpu_s"]
         parts = {"aggregator loop (decode, tick)": t["main"], "aggregator other threads (store write)": t["other"],
-                 "clickhouse-server": r["server_cpu_s"], "generators (send)": r["generator_send_cpu_s"]}
+                 "clickhouse-server": r["server_cpu_s"] - r["server_poll_cpu_s"],
+                 "generators (send)": r["generator_send_cpu_s"]}
         total = sum(parts.values())
         detail = ", ".join(f"{k} {v * 1e6 / n:.2f} us" for k, v in parts.items() if v)
         store_only = total - r["generator_send_cpu_s"]
+        if r["server_poll_cpu_s"]:
+            detail += f" (the server's count() polls, {r['server_poll_cpu_s']:.2f} s, taken out)"
         print(f"  {r['store']}: {detail}; total {total * 1e6 / n:.2f} us/row -> ceiling {2 * n / total:,.0f} rows/s "
               f"on 2 cores ({2 * n / store_only:,.0f} rows/s with the ranks on other machines)")
     print(f"  target: {TARGET_ROWS_PER_S:,} rows/s")
@@ -242,12 +334,17 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--profile", action="store_true",
+                        help="also one batch stage by stage in one process (decode, column build, INSERT, server)")
+    parser.add_argument("--profile-ranks", type=int, default=64)
+    parser.add_argument("--profile-frames", type=int, default=8)
     args = parser.parse_args()
     header = machine_header(args.tmp_dir)
     print_header(f"aggregator ingest into ClickHouse vs SQLite: {args.ranks} ranks over TCP", header)
     work = Path(tempfile.mkdtemp(prefix="bench-chagg-", dir=args.tmp_dir))
     server = None
     results = []
+    profile = None
     try:
         stores = [s.strip() for s in args.stores.split(",") if s.strip()]
         if "clickhouse" in stores and args.url is None:
@@ -256,13 +353,21 @@ def main() -> None:
             print(f"clickhouse-server pid {server.pid} on {args.url}")
         for kind in stores:
             results.append(run_store(kind, args, work, server))
+        if args.profile and args.url:
+            url = f"{args.url.rstrip('/').rpartition('/')[0]}/bench_profile_{uuid.uuid4().hex[:8]}"
+            profile = run_worker(Path(__file__).resolve(), "profile",
+                                 [url, str(args.server_pid), str(args.profile_ranks), str(args.profile_frames),
+                                  str(args.steps_per_frame)])
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
     report(results)
+    if profile is not None:
+        print_profile(profile)
     print(f"load average at end: {load_average()}")
 
 
 if __name__ == "__main__":
-    main()
+    if not worker_main({"profile": worker_profile}, sys.argv[1:]):
+        main()
