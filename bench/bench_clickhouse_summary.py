@@ -141,9 +141,52 @@ def worker_read(argv: list[str]) -> dict[str, Any]:
                                                           expected_ranks=inputs.expected_ranks))
     if found.primary is None or found.primary.name != "COMPUTE_STRAGGLER":
         raise SystemExit(f"unexpected window verdict: {found.primary}")
+    parts = _window_parts(store, session, pid)
+    floor = _server_reduction(store, session, pid) if pid is not None else None
     store.close()
     return {"rows": rows, "summary": whole, "step_read": read, "window_read": window_read,
-            "window_rows": len(inputs.steps), "window_diagnose": window_diagnose, "peak_rss_bytes": peak_rss_bytes()}
+            "window_rows": len(inputs.steps), "window_diagnose": window_diagnose, "window_parts": parts,
+            "server_reduction": floor, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def _window_parts(store: Any, session: str, pid: int | None) -> dict[str, dict[str, float]]:
+    """``load_verdict_inputs(last_steps=100)``'s queries one by one (as it issues them), to see
+    which one the time is in."""
+    from stepwatch.analysis.verdicts import inputs as vi
+
+    parts: dict[str, dict[str, float]] = {}
+    _, parts["world size (sessions)"] = _timed(pid, lambda: vi._expected_ranks(store, session))
+    own = getattr(store, "rank_last_steps", None)
+    found, parts["each rank's last step"] = _timed(
+        pid, lambda: own(session) if own is not None else store.query(vi._LAST_STEPS, (session,)))
+    lasts = {int(r["rank"]): int(r["last"]) for r in found if r["last"] is not None}
+    ranks, high = sorted(lasts), min(lasts.values())
+    marks = ", ".join("?" * len(ranks))
+    sql = (f"SELECT {vi._STEP_SELECT} FROM steps WHERE session_id = ? AND rank IN ({marks}) AND step BETWEEN ? AND ? "
+           "ORDER BY rank, step")
+    steps, parts["the window's step rows"] = _timed(
+        pid, lambda: vi._step_columns(store, sql, (session, *ranks, high - 99, high)))
+    span = steps.span()
+    _, parts["its memory samples"] = _timed(pid, lambda: store.query(
+        f"SELECT {vi._MEMORY_SELECT} FROM telemetry WHERE session_id = ? AND rank IN ({marks}) AND timestamp_ns "
+        "BETWEEN ? AND ? AND event_type = 'sample' ORDER BY rank, timestamp_ns", (session, *ranks, *span)))
+    _, parts["NVML utilisation samples"] = _timed(pid, lambda: vi._gpu_utilisation(store, session, ranks, span))
+    return parts
+
+
+def _server_reduction(store: Any, session: str, pid: int | None) -> dict[str, dict[str, float]]:
+    """What the summary's per-rank statistics cost when the server computes them (one GROUP BY
+    rank: count, quantiles of the step time, each phase's mean; 1,024 rows come back): through
+    the view (FINAL, as stepwatch reads today) and on the table itself."""
+    from stepwatch.analysis.verdicts.step_columns import COLUMNS
+
+    phases = ", ".join(f"avg({c})" for c in COLUMNS[5:])
+    out = {}
+    for label, source in (("view (FINAL)", "steps"), ("table (no FINAL)", "steps_rows")):
+        sql = (f"SELECT rank, count(), quantiles(0.5, 0.9, 0.99)(step_ns), {phases} FROM {source} "
+               "WHERE session_id = ? GROUP BY rank ORDER BY rank")
+        _, out[label] = _timed(pid, lambda sql=sql: store.query_tuples(sql, (session,)))
+    return out
 
 
 def _start_server(home: Path) -> Any:
@@ -217,15 +260,31 @@ def main() -> None:
                 print(_line("load_verdict_inputs(last_steps=100)", best["window_read"],
                             f", {rounds[0]['window_rows']:,} rows"))
                 print(_line("diagnose (that window)", best["window_diagnose"]))
-        print(f"\nextrapolated to {TARGET_ROWS:,} rows (linear in rows through the two sizes; target < {TARGET_S} s):")
+                for part, t in rounds[-1]["window_parts"].items():
+                    print(_line(f"  window: {part}", t))
+                for part, t in (rounds[-1]["server_reduction"] or {}).items():
+                    print(_line(f"server GROUP BY rank, {part}", t))
+        print(f"\nextrapolated to {TARGET_ROWS:,} rows, linear in rows through the two sizes, on CPU seconds "
+              f"(client + server: the load moves wall times by 2x here; target < {TARGET_S} s wall):")
         small_n, big_n = args.ranks * sizes["small"], args.ranks * sizes["big"]
+
+        def cpu(t: dict[str, float]) -> float:
+            return t["cpu_s"] + t["server_cpu_s"]
+
         for name in ("clickhouse", "sqlite"):
-            for key in ("summary", "window_read"):
-                a = min(r[key]["wall_s"] for r in results["small"][name])
-                b = min(r[key]["wall_s"] for r in results["big"][name])
-                slope = (b - a) / (big_n - small_n)
-                print(f"  {name:<10} {key:<12} {b:6.2f} s at {big_n:,} -> ~{b + slope * (TARGET_ROWS - big_n):.1f} s "
-                      f"({slope * 1e9:.0f} ns per added row)")
+            for key in ("summary", "step_read", "window_read"):
+                a = min(cpu(r[key]) for r in results["small"][name])
+                b = min(cpu(r[key]) for r in results["big"][name])
+                slope = max(0.0, (b - a) / (big_n - small_n))
+                print(f"  {name:<10} {key:<12} {b:6.2f} CPU s at {big_n:,} -> ~{b + slope * (TARGET_ROWS - big_n):.1f} "
+                      f"CPU s ({slope * 1e9:.0f} ns per added row)")
+        if args.server_pid:
+            for part in ("view (FINAL)", "table (no FINAL)"):
+                a = min(r["server_reduction"][part]["server_cpu_s"] for r in results["small"]["clickhouse"])
+                b = min(r["server_reduction"][part]["server_cpu_s"] for r in results["big"]["clickhouse"])
+                slope = max(0.0, (b - a) / (big_n - small_n))
+                print(f"  clickhouse server GROUP BY rank, {part}: {b:.2f} server CPU s at {big_n:,} -> "
+                      f"~{b + slope * (TARGET_ROWS - big_n):.1f} s ({slope * 1e9:.0f} ns per added row)")
         print(f"load average at end: {load_average()}")
     finally:
         if not args.keep:
