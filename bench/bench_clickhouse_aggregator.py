@@ -205,7 +205,8 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> d
         "frame_bytes": sum(r["bytes"] for r in results),
         "spilled_rows": stats.get("store_spilled_rows"), "replayed_rows": stats.get("store_replayed_rows"),
         "degraded_episodes": stats.get("store_degraded_episodes"), "rows_lost": stats.get("rows_lost"),
-        "gc_s": stats.get("bench_gc_seconds"),
+        "gc_s": stats.get("bench_gc_seconds"), "mean_batch_s": stats.get("mean_batch_seconds"),
+        "last_batch_rows": stats.get("last_batch_rows"),
     }
     return figures
 
@@ -320,6 +321,9 @@ def report(results: list[dict[str, Any]]) -> None:
             detail += f" (the server's count() polls, {r['server_poll_cpu_s']:.2f} s, taken out)"
         print(f"  {r['store']}: {detail}; total {total * 1e6 / n:.2f} us/row -> ceiling {2 * n / total:,.0f} rows/s "
               f"on 2 cores ({2 * n / store_only:,.0f} rows/s with the ranks on other machines)")
+    for r in results:
+        print(f"  {r['store']}: the last 100 store writes took {r['mean_batch_s'] or 0:.3f} s each on average "
+              f"(last one {r['last_batch_rows']} rows)")
     print(f"  target: {TARGET_ROWS_PER_S:,} rows/s")
 
 

@@ -204,6 +204,9 @@ def main() -> None:
     print(f"  rows spilled {stats.get('store_spilled_rows'):,} in {stats.get('store_spilled_batches')} batches; "
           f"replayed {stats.get('store_replayed_rows'):,}; lost {stats.get('rows_lost')}; degraded episodes "
           f"{stats.get('store_degraded_episodes')}, {stats.get('store_degraded_s')} s")
+    print(f"  the feed's last {min(100, stats.get('store_replayed_batches') or 100)} writes to the server: "
+          f"{stats.get('mean_batch_seconds', 0):.3f} s each on average (one INSERT per table); last batch "
+          f"{stats.get('last_batch_rows')} rows")
     print(f"  spill file peak {max(sampler.spill_bytes, default=0) / 2**20:.1f} MiB (with its WAL)")
     print(f"  aggregator CPU {cpu:.2f} s over the run; RSS idle {rss_idle / 2**20:.0f} MiB")
     for name, (low, high) in phases.items():
