@@ -49,6 +49,7 @@ from _common import REPO_ROOT, load_average, machine_header, print_header, run_w
 PYTHON = sys.executable
 WIRE_TABLES = ("telemetry", "spans", "marks", "heartbeats")
 TARGET_ROWS_PER_S = 1_000_000
+TICK_ROWS = 2_700  # rows of a tick batch the feed wrote under 64 paced ranks (bench_clickhouse_spill_memory.py)
 
 
 def proc_cpu_s(pid: int | None) -> float:
@@ -264,6 +265,15 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
         timed(f"driver INSERT: {table} ({len(batch[table]):,} rows, {len(cols)} columns)",
               lambda table=table, cols=cols, names=names: store._client.execute(
                   f"INSERT INTO {table}_rows ({names}) VALUES", cols, columnar=True))
+    # the same rows through the store's append_tuples: whole, then in tick-sized batches (what the
+    # feed writes, one batch at a time, healthy or replaying)
+    chunks = max(1, stored // TICK_ROWS)
+    store.query_tuples("SELECT 1")
+    timed("append_tuples: the batch whole", lambda: store.append_tuples(batch))
+    pieces = [{t: rows[i * len(rows) // chunks:(i + 1) * len(rows) // chunks] for t, rows in batch.items()}
+              for i in range(chunks)]
+    timed(f"append_tuples: in {chunks} tick-sized batches of ~{stored // chunks:,} rows",
+          lambda: [store.append_tuples(piece) for piece in pieces])
     store.query_tuples(f"DROP DATABASE IF EXISTS {store.url.database}")
     store.close()
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,7 +287,7 @@ def print_profile(profile: dict[str, Any]) -> None:
     wire, stored = profile["wire_rows"], profile["stored_rows"]
     print(f"\none batch, stage by stage in one process ({wire:,} wire rows -> {stored:,} stored rows with the "
           f"derived steps rows; us per wire row):")
-    sums = {"aggregator decode": 0.0, "store column build": 0.0, "driver INSERT": 0.0}
+    sums = {"aggregator decode": 0.0, "store column build": 0.0, "driver INSERT": 0.0}  # append_tuples: apart
     server = 0.0
     for name, t in profile["stages"].items():
         print(f"  {name:<58} client CPU {t['cpu_s'] * 1e6 / wire:6.2f} us, server CPU "
