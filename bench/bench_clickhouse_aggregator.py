@@ -221,7 +221,8 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
     stage, in one thread: the aggregator's decode (``decode_typed`` + ``wire_tuples``, as its
     loop runs them), the store's column build (``clickhouse._column``), the driver's columnar
     INSERT of each table (client CPU: its encode and the socket; server CPU over the same call),
-    and the same batch into a fresh ``history.sqlite`` (``append_tuples``) for comparison."""
+    the same rows through ``append_tuples`` whole and in tick-sized batches (``TICK_ROWS``, what the
+    feed writes), and the batch into a fresh ``history.sqlite`` (``append_tuples``) for comparison."""
     from stepwatch.store import clickhouse as ch
     from stepwatch.store.base import COLUMNS
     from stepwatch.store.rows import wire_tuples
