@@ -21,6 +21,7 @@ from stepwatch.store.importers import import_path
 from stepwatch.store.sqlite import SqliteStore
 from tests.store.test_sqlite import S1, S2, heartbeat, mark, span, step, telemetry
 from tests.support import run_stepwatch
+from tests.support.clickhouse import mutations_done
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 
 pytestmark = pytest.mark.real
@@ -168,20 +169,16 @@ def test_bound_parameters_reach_the_server_as_the_values_given(clickhouse_server
         store.close()
 
 
-def _mutations_done(store: Any) -> None:
-    """Waits until the server has applied the store's ALTER ... DELETE mutations (18.16 has no
-    synchronous mutations): the event is the server's own table of them."""
-    import time
-
-    deadline = time.monotonic() + 30
-    while store.query_tuples("SELECT count() FROM system.mutations WHERE database = ? AND is_done = 0",
-                             (store.url.database,)) != [(0,)]:
-        assert time.monotonic() < deadline, "mutations not applied in 30 s"
-        time.sleep(0.05)
+DAY = 86_400_000_000_000
+T0 = 1_700_000_000_000_000_000  # 2023-11-14T22:13:20Z
 
 
-def test_retention_and_batch_ids_as_on_sqlite(clickhouse_server: Any, tmp_path: Path) -> None:
-    times = {(S1, 0): [100, 700, 900, 1000], (S1, 1): [100, 200, 450, 500], (S2, 0): [1000, 9000, 10_000]}
+def retention_rows() -> dict[str, list[dict[str, Any]]]:
+    """Rows of three sessions and ranks over three UTC days, for a window of 300 ns: S1 rank 0
+    keeps only its last day's rows (the middle day holds nothing else: a partition to drop),
+    S1 rank 1 and S2 lose some rows of a day that keeps others (deleted row by row)."""
+    times = {(S1, 0): [T0, T0 + DAY, T0 + 2 * DAY + 700, T0 + 2 * DAY + 1000],
+             (S1, 1): [T0 + 100, T0 + 200, T0 + 450, T0 + 500], (S2, 0): [T0 + 1000, T0 + 9000, T0 + 10_000]}
     batch: dict[str, list[dict[str, Any]]] = {"telemetry": [], "heartbeats": [], "marks": [], "spans": [], "steps": []}
     for (sid, rank), ts in times.items():
         for i, t in enumerate(ts):
@@ -190,20 +187,43 @@ def test_retention_and_batch_ids_as_on_sqlite(clickhouse_server: Any, tmp_path: 
             batch["marks"].append(mark(sid, rank, f"m{i}", t))
             batch["spans"].append(span(sid, rank, f"s{i}", t))
             batch["steps"].append(step(sid, rank, i, t))
+    return batch
+
+
+RETAINED = ("SELECT session_id, rank, timestamp_ns FROM telemetry ORDER BY 1, 2, 3",
+            "SELECT session_id, rank, ts_ns, step FROM heartbeats ORDER BY 1, 2, 3",
+            "SELECT session_id, rank, mark_id, ts_ns FROM marks ORDER BY 1, 2, 4",
+            "SELECT session_id, rank, span_id, start_ns FROM spans ORDER BY 1, 2, 4",
+            "SELECT session_id, rank, step, start_ns FROM steps ORDER BY 1, 2, 3")
+
+
+def check_retention(ch: Any, sqlite: SqliteStore) -> list[str]:
+    """Applies a 300 ns window to the same rows on both stores: the same count, then the same
+    rows, and the day with no row left in its window gone as a whole partition. Returns the
+    mutations the server was given (what deleted the rest)."""
+    def days() -> set[str]:
+        return {p for (p,) in ch.query_tuples("SELECT DISTINCT partition FROM system.parts WHERE database = ? "
+                                              "AND table = 'steps_rows' AND active", (ch.url.database,))}
+
+    for store in (sqlite, ch):
+        store.append_many(retention_rows())
+    assert len(days()) == 3
+    assert ch.apply_retention(300) == sqlite.apply_retention(300) == 5 * 5  # 5 rows in each of 5 tables
+    mutations_done(ch)
+    for sql in RETAINED:
+        assert ch.query(sql) == sqlite.query(sql), sql
+    assert len(days()) == 2  # the middle day dropped whole
+    assert ch.apply_retention(300) == 0
+    return [c for (c,) in ch.query_tuples("SELECT command FROM system.mutations WHERE database = ?",
+                                          (ch.url.database,))]
+
+
+def test_retention_and_batch_ids_as_on_sqlite(clickhouse_server: Any, tmp_path: Path) -> None:
     sqlite = SqliteStore(tmp_path / "history.sqlite")
     ch = open_store(clickhouse_server.database_url("retention"))
     try:
-        for store in (sqlite, ch):
-            store.append_many(batch)
-        assert ch.apply_retention(300) == sqlite.apply_retention(300) > 0
-        _mutations_done(ch)
-        for sql in ("SELECT session_id, rank, timestamp_ns FROM telemetry ORDER BY 1, 2, 3",
-                    "SELECT session_id, rank, ts_ns, step FROM heartbeats ORDER BY 1, 2, 3",
-                    "SELECT session_id, rank, mark_id, ts_ns FROM marks ORDER BY 1, 2, 4",
-                    "SELECT session_id, rank, span_id, start_ns FROM spans ORDER BY 1, 2, 4",
-                    "SELECT session_id, rank, step, start_ns FROM steps ORDER BY 1, 2, 3"):
-            assert ch.query(sql) == sqlite.query(sql), sql
-        assert ch.apply_retention(300) == 0
+        mutations = check_retention(ch, sqlite)
+        assert mutations and all("DELETE WHERE" in m for m in mutations)  # 18.16 has no TTL: mutations
         ids = [("batch-a", 1_000), ("batch-b", 2_000)]
         for store in (sqlite, ch):
             store.append_tuples({}, ids)
@@ -211,7 +231,7 @@ def test_retention_and_batch_ids_as_on_sqlite(clickhouse_server: Any, tmp_path: 
         assert ch.seen_batches(0) == sqlite.seen_batches(0) == dict(ids)
         assert ch.seen_batches(1_500) == {"batch-b": 2_000}
         assert ch.forget_batches(1_500) == sqlite.forget_batches(1_500) == 1
-        _mutations_done(ch)
+        mutations_done(ch)
         assert ch.seen_batches(0) == sqlite.seen_batches(0) == {"batch-b": 2_000}
     finally:
         sqlite.close()
@@ -279,6 +299,101 @@ def test_tables_made_before_a_column_was_declared_are_moved_forward(clickhouse_s
         assert store.count("steps") == 2
     finally:
         store.close()
+
+
+# -- the named questions and the server-side reductions -------------------------------------
+
+def named_answers(sqlite_path: Path, ch: Any, session_id: str | None = None) -> Iterator[tuple[str, Any, Any]]:
+    """(question, SQLite's (columns, rows), the ClickHouse store's) for every named question."""
+    from stepwatch.store.clickhouse_questions import ask_named
+    from stepwatch.store.user_query import NAMED_QUESTIONS, ask, named_question
+
+    for name in NAMED_QUESTIONS:
+        question = named_question(name, session_id, 5)
+        with ask(sqlite_path, *question) as answer:
+            expected = (answer.columns, list(answer.rows))
+        yield name, expected, ask_named(ch, name, question, session_id, 5)
+
+
+def test_named_questions_give_sqlite_rows(stores: dict[str, Any], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from stepwatch.ui.cli import cli
+
+    for sqlite, ch in _both(stores):
+        (session,) = sqlite.sessions()
+        for sid in (None, session["session_id"]):
+            for name, expected, got in named_answers(stores["sqlite"], ch, sid):
+                assert got == expected, name
+                assert expected[1] or name in ("ooms", "alerts"), name  # a healthy run: no OOM, no alert
+    runner = CliRunner()
+    answers = [runner.invoke(cli, ["query", target, "--rank-skew", "--format", "json"])
+               for target in (stores["url"], str(stores["sqlite"]))]
+    assert answers[0].exit_code == 0, answers[0].output
+    assert json.loads(answers[0].output) == json.loads(answers[1].output) != []
+
+
+_MAYBE_NS = st.one_of(st.none(), st.integers(0, 10**10))
+
+
+@settings(max_examples=20)
+@given(data=st.data())
+def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, data: Any) -> None:
+    """Random step tables (NULL times and phases, ranks with few steps, ties): the summary's step
+    statistics reduced on the server (quantile picks, exact sums), the verdict window and the
+    named questions that reduce steps are what the SQLite store gives on the same rows."""
+    import uuid
+
+    from stepwatch.analysis.summary import _per_rank, step_aggregate, step_stats
+    from stepwatch.analysis.verdicts.inputs import load_verdict_inputs, session_steps
+    from stepwatch.phases import STEP_COLUMNS
+
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    rows = []
+    for rank in range(data.draw(st.integers(1, 3))):
+        for n in range(data.draw(st.integers(0, 12))):
+            start = T0 + n * 1_000_000 + data.draw(st.integers(0, 999))
+            row = {"session_id": sid, "rank": rank, "step": n, "start_ns": start,
+                   "end_ns": start + data.draw(st.integers(0, 10**6)), "step_ns": data.draw(_MAYBE_NS)}
+            row.update({c: data.draw(_MAYBE_NS) for c in STEP_COLUMNS})
+            rows.append(row)
+    window = data.draw(st.one_of(st.none(), st.integers(1, 8)))
+    with tempfile.TemporaryDirectory() as tmp:
+        sqlite = SqliteStore(Path(tmp) / "history.sqlite")
+        ch = open_store(f"clickhouse://default@127.0.0.1:{clickhouse_server.tcp_port}/reductions")
+        try:
+            for store in (sqlite, ch):
+                store.append_many({"steps": rows})
+            (overall, ranks), (ch_overall, ch_ranks) = sqlite.step_aggregates(sid), ch.step_aggregates(sid)
+            assert (ch_overall, ch_ranks) == (overall, ranks)
+            columns = session_steps(sqlite, sid)  # the summary's own path: one columnar read
+            assert step_aggregate(columns) == ch_overall
+            assert {rank: step_aggregate(rows) for rank, rows in _per_rank(columns).items()} == ch_ranks
+            assert step_stats(ch_overall) == step_stats(overall)
+            a, b = load_verdict_inputs(sqlite, sid, last_steps=window), load_verdict_inputs(ch, sid, last_steps=window)
+            assert [dict(r) for r in a.steps] == [dict(r) for r in b.steps] and a[1:] == b[1:]
+            sqlite.close()
+            for name, expected, got in named_answers(Path(tmp) / "history.sqlite", ch, sid):
+                if name in ("rank-skew", "slowest-steps"):
+                    assert got == expected, name
+        finally:
+            sqlite.close()
+            ch.close()
+
+
+def test_export_perfetto_from_a_url_gives_the_sqlite_trace(stores: dict[str, Any], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from stepwatch.ui.cli import cli
+
+    traces = []
+    for name, target in (("ch", stores["url"]), ("sqlite", str(stores["sqlite"]))):
+        result = CliRunner().invoke(cli, ["export", "perfetto", target, "-o", str(tmp_path / f"{name}.json")])
+        assert result.exit_code == 0, result.output
+        traces.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    (ch, sqlite) = traces
+    assert ch["traceEvents"] == sqlite["traceEvents"] != []
+    assert ch["otherData"]["session_id"] == sqlite["otherData"]["session_id"]
 
 
 def _alert(sid: str, ts: int, kind: str = "STORE_DEGRADED") -> dict[str, Any]:
@@ -350,3 +465,21 @@ def test_alerts_and_verdicts_made_as_merge_tree_are_moved_to_replacing_merge_tre
         assert store.query("SELECT message FROM alerts") == [{"message": "STORE_DEGRADED at 1000"}]
     finally:
         store.close()
+
+
+def test_the_cluster_questions_of_the_scale_out_page_run_on_the_server(stores: dict[str, Any]) -> None:
+    """Every SQL statement docs/scale-out.md shows a cluster's users runs, read-only, on 18.16."""
+    from stepwatch.store.user_query import ask_url
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
+    block = page.split("```sql\n", 1)[1].split("```", 1)[0]
+    statements = [" ".join(line for line in chunk.splitlines() if not line.startswith("--"))
+                  for chunk in block.split("\n\n")]
+    assert len(statements) == 3
+    named = [["session_id", "steps", "median_ms"], ["session_id", "name", "ranks", "message"], ["kind", "n"]]
+    for sql, columns in zip(statements, named):
+        with ask_url(stores["url"], sql) as answer:
+            assert answer.columns == columns, sql
+    with ask_url(stores["url"], statements[0].replace("1795478400000000000", "0")) as answer:
+        rows = list(answer.rows)
+    assert len(rows) == 1 and rows[0][1] == 2 * STEPS_PER_RANK  # the imported run, its every step

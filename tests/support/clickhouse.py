@@ -78,6 +78,29 @@ def require_clickhouse() -> None:
     pytest.skip(missing)
 
 
+def require_chdb() -> None:
+    """Skips the test where chdb (ClickHouse 26.x in-process, the dev extra) is not installed;
+    fails instead under STEPWATCH_REQUIRE_CLICKHOUSE=1."""
+    try:
+        import chdb  # noqa: F401
+    except ImportError:
+        missing = "chdb is not installed (pip install chdb: about 35 s, 0.9 GB with pandas and pyarrow)"
+        if os.environ.get("STEPWATCH_REQUIRE_CLICKHOUSE") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
+
+
+def mutations_done(store: Any) -> None:
+    """Waits until the server has applied the store's mutations (``ALTER ... DELETE``,
+    ``MATERIALIZE TTL``; asynchronous on every version): the event is the server's own table of
+    them (18.16 says nothing else when one is done)."""
+    deadline = time.monotonic() + 30
+    while store.query_tuples("SELECT count() FROM system.mutations WHERE database = ? AND is_done = 0",
+                             (store.url.database,)) != [(0,)]:
+        assert time.monotonic() < deadline, "mutations not applied in 30 s"
+        time.sleep(0.05)
+
+
 def _ping(http_port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ping", timeout=2) as answer:
@@ -223,3 +246,33 @@ def clickhouse_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clic
                     state_file.unlink()
                 fcntl.flock(users, fcntl.LOCK_UN)
         users.close()
+
+
+def imported_trace_run(tmp_path_factory: pytest.TempPathFactory, server: ClickHouseServer) -> dict[str, Any]:
+    """The session-shared two-rank run (tests/support/trace_run.py) imported once per server, for
+    every worker, into a database of its own and into a new history.sqlite (the same importer,
+    so the same rows): ``{"url", "sqlite", "run_dir", "session_id"}``. Read only."""
+    from stepwatch.store import open_store
+    from stepwatch.store.importers import import_path
+    from stepwatch.store.sqlite import SqliteStore
+
+    from .shared import once
+    from .trace_run import trace_run
+
+    run_dir = trace_run(tmp_path_factory)
+
+    def build(home: Path) -> dict[str, Any]:
+        url = server.database_url("trace")
+        sqlite_path = home / "history.sqlite"
+        with SqliteStore(sqlite_path) as sqlite:
+            import_path(run_dir, sqlite)
+        ch = open_store(url)
+        try:
+            import_path(run_dir, ch)
+        finally:
+            ch.close()
+        session_id = json.loads((run_dir / "run.json").read_text())["session_id"]
+        return {"url": url, "sqlite": sqlite_path, "run_dir": run_dir, "session_id": session_id}
+
+    # keyed by the server: a server started again later in the session has none of the rows
+    return once(tmp_path_factory, f"clickhouse-trace-run-{server.pid}", build)

@@ -16,7 +16,7 @@ from typing import Any
 from .._decode import read_json_file
 from ..phases import PHASES as PHASE_TABLE
 from ..phases import RESIDUAL, SHARES, STEP_COLUMNS
-from ..store.base import HistoryStore
+from ..store.base import QUANTILES, HistoryStore, StepAggregate, quantile_positions
 from .epochs import epoch_report, render_epoch_line
 from .program_settings import session_versions
 from .verdicts.diagnosis import diagnosis_lines, summary_diagnosis
@@ -24,7 +24,7 @@ from .verdicts.inputs import session_steps
 from .verdicts.step_columns import StepColumns
 
 __all__ = ["SUMMARY_SCHEMA_VERSION", "build_summary", "compare_summaries", "outcome_lines", "percentile",
-           "render_summary_text", "run_outcome"]
+           "render_summary_text", "run_outcome", "step_aggregate", "step_stats"]
 
 SUMMARY_SCHEMA_VERSION = "1.1"  # 1.1: ``diagnosis`` (analysis/diagnosis.py, docs/summary.md)
 PHASES = SHARES  # the phase shares' names (stepwatch.phases): "optimizer" is the optimizer_step phase
@@ -42,40 +42,62 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def _step_stats(steps: StepColumns) -> dict[str, Any]:
-    """Step-time statistics and phase shares of ``steps`` (one rank's rows, or every rank's)."""
+def step_aggregate(steps: StepColumns) -> StepAggregate:
+    """What the step statistics need of ``steps`` (store.base.StepAggregate): the numbers a
+    ClickHouse store reduces the same rows to on its server (``step_aggregates``), so the
+    statistics of either are the same. Whole nanoseconds below 2**53 sum exactly as float64."""
     import numpy as np
 
     step_ns = steps.arrays["step_ns"]
-    known = step_ns[~np.isnan(step_ns)]
-    times = np.sort(known) / 1e6
-    total = float(known.sum()) / 1e6  # whole nanoseconds below 2**53 sum exactly as float64
-    count = len(times)
+    known = np.sort(step_ns[~np.isnan(step_ns)])
+    n = len(known)
+    picks = tuple((int(known[lo]), int(known[hi])) for lo, hi in (quantile_positions(n, q) for q in QUANTILES)) \
+        if n else ()
     phase = {column: np.nan_to_num(steps.arrays[column]) for column in _COLUMNS}  # unknown: none spent
-    shares = {}
-    for name, column in zip(PHASES, _COLUMNS):
-        if name == RESIDUAL.share:
+    sums = []
+    for column in _COLUMNS:
+        if column == RESIDUAL.column:
             # wait_ns is the spec's residual (step - h2d - forward - backward - optimizer), which
             # still holds the step's own fetch; its share excludes data_load (the phases outside
             # the residual) so shares sum to 1.
             outside = sum((phase[c] for c in _OUTSIDE_RESIDUAL), np.zeros(len(steps)))
-            spent = float(np.maximum(0.0, phase[column] - outside).sum()) / 1e6
+            sums.append(int(np.maximum(0.0, phase[column] - outside).sum()))
         else:
-            spent = float(phase[column].sum()) / 1e6
-        shares[name] = round(spent / total, 4) if total > 0 else None
+            sums.append(int(phase[column].sum()))
     span = steps.span()
-    span_s = (span[1] - span[0]) / 1e9 if span is not None else 0.0
+    return StepAggregate(len(steps), n, picks, int(known[-1]) if n else None, int(known.sum()), tuple(sums),
+                         None if span is None else int(span[0]), None if span is None else int(span[1]))
 
-    def at(q: float) -> float | None:
-        value = percentile(times, q)
-        return None if value is None else float(value)
 
+def _step_stats(steps: StepColumns) -> dict[str, Any]:
+    """Step-time statistics and phase shares of ``steps`` (one rank's rows, or every rank's)."""
+    return step_stats(step_aggregate(steps))
+
+
+def step_stats(agg: StepAggregate) -> dict[str, Any]:
+    """The statistics of a set of steps from their ``StepAggregate`` (made here from the rows or
+    on a ClickHouse server: the same numbers). The quantiles interpolate between the sorted step
+    times at ``quantile_positions``, as ``percentile`` does over all of them."""
+    n = agg.n
+    quantiles: list[float | None] = []
+    for q, (low_ns, high_ns) in zip(QUANTILES, agg.picks or [(0, 0)] * len(QUANTILES)):
+        if not n:
+            quantiles.append(None)
+            continue
+        low, high = low_ns / 1e6, high_ns / 1e6
+        position = (n - 1) * q
+        quantiles.append(low + (high - low) * (position - int(position)))
+    total = agg.total_ns / 1e6
+    shares = {name: round(spent / 1e6 / total, 4) if total > 0 else None for name, spent in zip(PHASES, agg.phase_ns)}
+    span_s = ((agg.last_end_ns - agg.first_start_ns) / 1e9
+              if agg.rows and agg.last_end_ns is not None and agg.first_start_ns is not None else 0.0)
+    median, p90, p99 = quantiles
     return {
-        "steps": count,
-        "step_ms": {"median": at(0.5), "p90": at(0.9), "p99": at(0.99),
-                    "mean": total / count if count else None, "max": float(times[-1]) if count else None},
+        "steps": n,
+        "step_ms": {"median": median, "p90": p90, "p99": p99,
+                    "mean": total / n if n else None, "max": agg.max_ns / 1e6 if agg.max_ns is not None else None},
         "phase_share": shares,
-        "throughput_steps_per_s": round(count / span_s, 3) if span_s > 0 else None,
+        "throughput_steps_per_s": round(n / span_s, 3) if span_s > 0 else None,
     }
 
 

@@ -1,8 +1,9 @@
 """What the experiment trackers (TensorBoard, MLflow, W&B) get from a session's history: one
 point per rank per step with the same scalars for all three, and the run's params.
 
-Pure over the store (no tracker package is imported here): ``tracker_points`` reads the steps,
-the memory samples and the numeric marks of one session, ``tracker_params`` the command, world
+Pure over the store (no tracker package is imported here), any store (a history.sqlite, a
+ClickHouse URL: only SQL both speak, and the one join SQLite does in SQL made of lookups
+elsewhere): ``tracker_points`` reads the steps, the memory samples and the numeric marks of one session, ``tracker_params`` the command, world
 size, versions and the program's loader and optimizer settings. The writers
 (``exports.tensorboard``, ``exports.mlflow_export``, ``exports.wandb_export``) turn them into each
 tool's records. docs/export.md lists the names.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +142,7 @@ def _marks(store: HistoryStore, session_id: str, by_rank: Mapping[int, list[Step
         at = {p.step: p for p in series}
         ends = [p.end_ns for p in series]
         own: set[tuple[int, str]] = set()  # (step, name) the program marked itself
-        for ts, name, value, attrs, *chain in store.iterate(_MARKS, (session_id, rank)):
+        for ts, name, value, attrs, *chain in _mark_rows(store, session_id, rank):
             if not isinstance(name, str) or not name or not isinstance(value, (int, float)) or not isinstance(ts, int):
                 continue
             point = next((at.get(idx) for kind, idx in zip(chain[::2], chain[1::2], strict=True)
@@ -155,6 +156,43 @@ def _marks(store: HistoryStore, session_id: str, by_rank: Mapping[int, list[Step
             if not inferred:
                 own.add(key)
             point.values[f"mark/{name}"] = float(value)
+
+
+_SPAN_CHUNK = 1_000  # span ids one lookup names
+
+
+def _mark_rows(store: HistoryStore, session_id: str, rank: int) -> Iterable[tuple[Any, ...]]:
+    """``_MARKS``'s rows: on SQLite that query (three LEFT JOINs down ``spans_unique``), on a store
+    without joins on several keys (ClickHouse 18.16: one JOIN a SELECT, on USING columns) the
+    marks, then their spans, parents and grandparents looked up by id, a level at a time."""
+    from ..store.sqlite import SqliteStore
+
+    if isinstance(store, SqliteStore):
+        return store.iterate(_MARKS, (session_id, rank))
+    marks = store.query_tuples("SELECT ts_ns, name, value_num, attrs, span_id FROM marks WHERE session_id = ? "
+                               "AND rank = ? AND kind = 'point' AND value_num IS NOT NULL ORDER BY ts_ns",
+                               (session_id, rank))
+    spans: dict[str, tuple[Any, Any, Any]] = {}  # span id -> (name, idx, parent id)
+    wanted = {row[4] for row in marks if row[4] is not None}
+    for _level in range(3):
+        wanted -= spans.keys()
+        ids = sorted(wanted)
+        for at in range(0, len(ids), _SPAN_CHUNK):
+            chunk = ids[at:at + _SPAN_CHUNK]
+            for span_id, name, idx, parent in store.query_tuples(
+                    f"SELECT span_id, name, idx, parent_id FROM spans WHERE session_id = ? AND rank = ? "
+                    f"AND span_id IN ({', '.join('?' for _ in chunk)})", (session_id, rank, *chunk)):
+                spans[span_id] = (name, idx, parent)
+        wanted = {spans[i][2] for i in ids if i in spans and spans[i][2] is not None}
+    out = []
+    for ts, name, value, attrs, span_id in marks:
+        chain: list[Any] = []
+        for _level in range(3):
+            found = spans.get(span_id) if span_id is not None else None
+            chain += [found[0], found[1]] if found is not None else [None, None]
+            span_id = found[2] if found is not None else None
+        out.append((ts, name, value, attrs, *chain))
+    return out
 
 
 def _scalar(value: Any) -> str | None:

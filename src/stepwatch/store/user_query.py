@@ -22,7 +22,8 @@ from ..phases import STEP_COLUMNS
 from ..schema.tables import TABLES
 from .sqlite import see_todays_tables
 
-__all__ = ["NAMED_QUESTIONS", "QUERY_VIEWS", "Answer", "ask", "ask_url", "named_question", "read_only_connection"]
+__all__ = ["NAMED_QUESTIONS", "QUERY_VIEWS", "Answer", "ask", "ask_named_url", "ask_url", "named_question",
+           "read_only_connection"]
 
 # the views a query may read (each table's columns in docs/query.md); every one a view or a
 # table of every stepwatch store
@@ -34,13 +35,15 @@ _PHASE_MS = ", ".join(f"ROUND({c} / 1e6, 3) AS {c[:-3]}_ms" for c in STEP_COLUMN
 _TRUE = "COALESCE(json_extract(metadata, '$.{0}'), 0) NOT IN (0, '', 'false')"
 
 # name -> (SQL, what it answers). ?1: the session (NULL: every session), ?2: the question's N.
+# Each ORDER BY names columns enough to leave no tie between distinct rows, so a ClickHouse
+# store gives the same rows in the same order (store.clickhouse_questions).
 NAMED_QUESTIONS: dict[str, tuple[str, str]] = {
     "sessions": (
         f"SELECT s.session_id, s.status, {_ISO.format('s.started_at_ns')} AS started, "
         "ROUND((s.ended_at_ns - s.started_at_ns) / 1e9, 3) AS duration_s, s.world_size, s.host, s.source, "
         "(SELECT COUNT(*) FROM steps t WHERE t.session_id = s.session_id) AS step_rows, "
         "(SELECT COUNT(*) FROM alerts a WHERE a.session_id = s.session_id) AS alerts "
-        f"FROM sessions s WHERE {_SESSION.format('s.')} ORDER BY s.started_at_ns DESC",
+        f"FROM sessions s WHERE {_SESSION.format('s.')} ORDER BY s.started_at_ns DESC, s.session_id",
         "every session of the store: status, start, duration, ranks, step rows and alerts",
     ),
     "ooms": (
@@ -50,18 +53,18 @@ NAMED_QUESTIONS: dict[str, tuple[str, str]] = {
         f"FROM telemetry WHERE event_type = 'error' AND {_SESSION.format('')} AND CASE WHEN json_valid(metadata) THEN "
         "json_type(metadata, '$.oom_reason') IS NOT NULL OR json_type(metadata, '$.oom_dump_path') IS NOT NULL "
         f"OR {_TRUE.format('oom')} OR {_TRUE.format('is_oom')} ELSE 0 END "
-        "ORDER BY session_id, timestamp_ns",
+        "ORDER BY session_id, timestamp_ns, rank, collector, device_id",
         "the out-of-memory errors the ranks reported, with the memory at that moment",
     ),
     "alerts": (
         f"SELECT session_id, {_ISO.format('ts_ns')} AS at, kind, severity, ranks, step, message FROM alerts "
-        f"WHERE {_SESSION.format('')} ORDER BY session_id, ts_ns",
+        f"WHERE {_SESSION.format('')} ORDER BY session_id, ts_ns, kind, message",
         "the watchdog's alerts (stall, rank lost, non-finite values...), oldest first",
     ),
     "slowest-steps": (
         f"SELECT session_id, rank, step, ROUND(step_ns / 1e6, 3) AS step_ms, {_PHASE_MS}, "
         f"{_ISO.format('start_ns')} AS started FROM steps WHERE {_SESSION.format('')} "
-        "ORDER BY step_ns DESC LIMIT ?2",
+        "ORDER BY step_ns DESC, session_id, rank, step LIMIT ?2",
         "the N slowest steps of any rank, with their phase times",
     ),
     "rank-skew": (
@@ -152,6 +155,22 @@ def ask_url(url: str, sql: str, params: tuple[Any, ...] = ()) -> Iterator[Answer
             if "readonly mode" in text or "Code: 164" in text:
                 raise StoreError(f"query: refused: stepwatch query is read-only and nothing was changed ({text})") from None
             raise
+        yield Answer(columns, iter(rows))
+    finally:
+        store.close()
+
+
+@contextmanager
+def ask_named_url(url: str, name: str, session_id: str | None = None, n: int | None = None) -> Iterator[Answer]:
+    """The named question ``name`` over the store a URL names, read-only: the rows SQLite gives
+    on the same history (store.clickhouse_questions)."""
+    from .clickhouse import ClickHouseStore
+    from .clickhouse_questions import ask_named
+
+    question = named_question(name, session_id, n)  # an unknown name: the error naming those there are
+    store = ClickHouseStore(url, read_only=True)
+    try:
+        columns, rows = ask_named(store, name, question, session_id, n)
         yield Answer(columns, iter(rows))
     finally:
         store.close()

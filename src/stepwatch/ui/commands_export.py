@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from .base import _console, _reports_errors, _soft_wrap
+from .base import StoreTarget, _console, _reports_errors, _soft_wrap
 
 __all__ = ["TRACKERS", "export", "export_after_run"]
 
@@ -48,25 +48,31 @@ def export() -> None:
 
 
 @export.command("perfetto")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=StoreTarget())
 @click.option("-o", "--out", default=None, metavar="FILE",
-              help="Where to write the trace (default: RUN_DIR/trace.json; - for standard output; a name ending .gz: gzip-compressed).")
+              help="Where to write the trace (default: RUN_DIR/trace.json, ./trace.json for a store URL; - for "
+                   "standard output; a name ending .gz: gzip-compressed).")
 @click.option("--steps", callback=_steps, metavar="A:B",
               help="Only steps A to B-1 (A:, :B and N too), on each rank from its step A's start to its step B-1's end.")
 @click.option("--ranks", callback=_ranks, metavar="LIST", help="Only these ranks, e.g. 0,2,4-7.")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def perfetto(run_dir: Path, out: str | None, steps: Any, ranks: frozenset[int] | None, session_id: str | None) -> None:
+def perfetto(run_dir: Path | str, out: str | None, steps: Any, ranks: frozenset[int] | None,
+             session_id: str | None) -> None:
     """Write the run as a Perfetto / Chrome trace: a process per rank, a track per thread, every
     span with its attrs, memory counters, marks, markers, alerts and verdicts. Open it in
-    https://ui.perfetto.dev or chrome://tracing."""
+    https://ui.perfetto.dev or chrome://tracing. RUN_DIR may be a history store or a
+    clickhouse:// URL (docs/clickhouse.md)."""
     from ..exports.perfetto import TraceSelection, write_trace, write_trace_file
     from ..views.sources import run_json_of
     from .commands_verdicts import open_run_history
 
     with open_run_history(run_dir, session_id) as (store, chosen, _source):
-        folder = run_dir if run_dir.is_dir() else run_dir.parent
-        run = run_json_of(folder, chosen)
+        if isinstance(run_dir, str):  # a store URL: no run directory; what run.json says, from the session
+            folder, run = Path.cwd(), _session_run(store, chosen)
+        else:
+            folder = run_dir if run_dir.is_dir() else run_dir.parent
+            run = run_json_of(folder, chosen)
         hosts = [h for h in run.get("hosts") or [] if isinstance(h, str)]
         other = {k: run[k] for k in ("command_line", "world_size", "versions", "status") if k in run}
         selection = TraceSelection(chosen, steps, ranks)
@@ -87,32 +93,65 @@ def perfetto(run_dir: Path, out: str | None, steps: Any, ranks: frozenset[int] |
         sys.stdout.write(f"{target}\n")
 
 
+def _session_run(store: Any, session_id: str) -> dict[str, Any]:
+    """The run.json fields a trace names (command line, world size, status), from the session's
+    row: what a store URL has of them (no run directory, so no versions)."""
+    import json
+
+    rows = store.query("SELECT command_line, world_size, status FROM sessions WHERE session_id = ?", (session_id,))
+    if not rows:
+        return {}
+    row = rows[0]
+    try:
+        command_line = json.loads(row["command_line"]) if row["command_line"] else None
+    except ValueError:
+        command_line = None
+    found = {"command_line": command_line, "world_size": row["world_size"], "status": row["status"]}
+    return {k: v for k, v in found.items() if v is not None}
+
+
 _PHASE_WORDS = {"X": "spans", "C": "counter values", "i": "instants", "M": "names"}
 
 
-def _history_of(run_dir: Path, session_id: str | None, artifacts: Path | None = None) -> Any:
+def _shown(run_dir: Path | str) -> str:
+    """What a tag names the run by: its folder, or the store URL without its password."""
+    if isinstance(run_dir, str):
+        from ..store.clickhouse_url import parse_clickhouse_url
+
+        return str(parse_clickhouse_url(run_dir))
+    return str((run_dir if run_dir.is_dir() else run_dir.parent).resolve())
+
+
+def _history_of(run_dir: Path | str, session_id: str | None, artifacts: Path | None = None) -> Any:
     """(points, params, summary, folder, session id, artifact paths) of the run's session: what
     every tracker export writes, read once from the history (read-only). With ``artifacts``, a
     folder to write them in: the summary (JSON and text), the diagnosis, report.html and
-    trace.json; one that cannot be made is left out with a line saying why."""
+    trace.json; one that cannot be made is left out with a line saying why. ``run_dir`` may be a
+    store URL: then what run.json says comes from the session's row, and ``folder`` (where the
+    exports go by default) is the current directory."""
     from ..analysis.summary import build_summary
     from ..exports.tracker_data import tracker_params, tracker_points
     from ..views.sources import run_json_of
     from .commands_verdicts import open_run_history
 
     with open_run_history(run_dir, session_id) as (store, chosen, _source):
-        folder = run_dir if run_dir.is_dir() else run_dir.parent
-        run = run_json_of(folder, chosen)
+        if isinstance(run_dir, str):  # a store URL: no run directory
+            folder, run, own = Path.cwd(), _session_run(store, chosen), None
+        else:
+            folder = run_dir if run_dir.is_dir() else run_dir.parent
+            run = run_json_of(folder, chosen)
+            own = folder if (folder / "run.json").is_file() else None
         points = tracker_points(store, chosen)
         params = tracker_params(store, chosen, run)
-        summary = build_summary(store, chosen, folder if (folder / "run.json").is_file() else None)
+        summary = build_summary(store, chosen, own)
         if "outcome" in run and not summary.get("outcome"):
             summary["outcome"] = run["outcome"]
-        paths = _write_artifacts(store, chosen, folder, run, summary, artifacts) if artifacts is not None else []
+        paths = (_write_artifacts(store, chosen, run_dir if isinstance(run_dir, str) else folder, run, summary,
+                                  artifacts) if artifacts is not None else [])
     return points, params, summary, folder, chosen, paths
 
 
-def _write_artifacts(store: Any, session_id: str, folder: Path, run: dict[str, Any], summary: dict[str, Any],
+def _write_artifacts(store: Any, session_id: str, folder: Path | str, run: dict[str, Any], summary: dict[str, Any],
                      out: Path) -> list[Path]:
     import json
 
@@ -148,19 +187,20 @@ def _say(line: str) -> None:
 
 
 @export.command("tensorboard")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=StoreTarget())
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None, metavar="DIR",
-              help="Where to write the event files (default: RUN_DIR/tensorboard): DIR/rank_N per rank, DIR/summary.")
+              help="Where to write the event files (default: RUN_DIR/tensorboard, ./tensorboard for a store URL): "
+                   "DIR/rank_N per rank, DIR/summary.")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> None:
+def tensorboard(run_dir: Path | str, out: Path | None, session_id: str | None) -> None:
     """Write the run as TensorBoard event files: per rank and step, the step time, phase shares,
     steps/s, memory and the numeric marks (the loss); `tensorboard --logdir DIR` shows them."""
     target = export_tensorboard(run_dir, out, session_id)
     sys.stdout.write(f"{target}\n")
 
 
-def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) -> Path:
+def export_tensorboard(run_dir: Path | str, out: Path | None, session_id: str | None) -> Path:
     from ..exports.tensorboard import write_tensorboard
     from ..exports.tracker_data import summary_metrics
     from ..exports.trackers import require, tracker_errors
@@ -177,15 +217,15 @@ def export_tensorboard(run_dir: Path, out: Path | None, session_id: str | None) 
 
 
 @export.command("mlflow")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=StoreTarget())
 @click.option("--tracking-uri", default=None, metavar="URI", envvar="MLFLOW_TRACKING_URI",
-              help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db; "
+              help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db, ./mlflow.db for a store URL; "
                    "a server: http://HOST:5000).")
 @click.option("--experiment", default="stepwatch", show_default=True, help="Experiment name (made if missing).")
 @click.option("--per-rank", is_flag=True, help="One MLflow run per rank instead of one per session.")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def mlflow(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: bool, session_id: str | None) -> None:
+def mlflow(run_dir: Path | str, tracking_uri: str | None, experiment: str, per_rank: bool, session_id: str | None) -> None:
     """Log the run to MLflow: params (command, world size, versions, loader and optimizer
     settings), a metric point per rank per step, the summary's figures, and the summary,
     diagnosis, report.html and trace.json as artifacts."""
@@ -193,7 +233,7 @@ def mlflow(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: b
         sys.stdout.write(f"{run_id}\n")
 
 
-def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, per_rank: bool,
+def export_mlflow_run(run_dir: Path | str, tracking_uri: str | None, experiment: str, per_rank: bool,
                       session_id: str | None) -> list[str]:
     import os
     import tempfile
@@ -211,7 +251,7 @@ def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, 
         points, params, summary, folder, chosen, paths = _history_of(run_dir, session_id, Path(tmp))
         uri = tracking_uri or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
         primary = (summary.get("diagnosis") or {}).get("primary") or {}
-        tags = {"stepwatch.session_id": chosen, "stepwatch.run_dir": str(folder.resolve()),
+        tags = {"stepwatch.session_id": chosen, "stepwatch.run_dir": _shown(run_dir),
                 **({"stepwatch.verdict": str(primary["name"])} if primary.get("name") else {}),
                 **({"stepwatch.outcome": str(summary["outcome"])} if summary.get("outcome") else {})}
         text = next((p for p in paths if p.name == "summary.txt"), None)
@@ -233,20 +273,20 @@ def export_mlflow_run(run_dir: Path, tracking_uri: str | None, experiment: str, 
 
 
 @export.command("wandb")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=StoreTarget())
 @click.option("--dir", "out", type=click.Path(path_type=Path), default=None, metavar="DIR",
-              help="Where W&B writes (default: RUN_DIR): DIR/wandb/offline-run-<time>-<id>.")
+              help="Where W&B writes (default: RUN_DIR, . for a store URL): DIR/wandb/offline-run-<time>-<id>.")
 @click.option("--project", default="stepwatch", show_default=True, help="The W&B project `wandb sync` uploads to.")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def wandb(run_dir: Path, out: Path | None, project: str, session_id: str | None) -> None:
+def wandb(run_dir: Path | str, out: Path | None, project: str, session_id: str | None) -> None:
     """Write the run as a W&B offline run (no login, no network): config from the params, a
     history row per step with every rank's scalars, the summary, and the summary, diagnosis,
     report.html and trace.json as files. `wandb sync DIR` uploads it later."""
     sys.stdout.write(f"{export_wandb_run(run_dir, out, project, session_id)}\n")
 
 
-def export_wandb_run(run_dir: Path, out: Path | None, project: str, session_id: str | None) -> Path:
+def export_wandb_run(run_dir: Path | str, out: Path | None, project: str, session_id: str | None) -> Path:
     import tempfile
 
     from ..exports.tracker_data import summary_metrics

@@ -96,11 +96,12 @@ def query(path: Path | str, sql: str | None, fmt: str, named: str | None, slowes
         raise click.UsageError("--session narrows a named question; in SQL write WHERE session_id = '...'")
     statement, params = (sql, ()) if sql is not None else named_question(named or "", session_id, slowest_steps)
     if isinstance(path, str):  # a store URL
-        if named is not None:
-            raise click.UsageError("the named questions use SQLite's functions; on a clickhouse:// store "
-                                   "write the SQL (the views and columns are the same: docs/clickhouse.md)")
-        from ..store.user_query import ask_url
+        from ..store.user_query import ask_named_url, ask_url
 
+        if named is not None:
+            with ask_named_url(path, named, session_id, slowest_steps) as answer:
+                _answer(answer, fmt, named)
+            return
         with ask_url(path, statement or "", params) as answer:
             _answer(answer, fmt, "query")
         return

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .base import _console, _reports_errors, _soft_wrap
+from .base import StoreTarget, _console, _reports_errors, _soft_wrap
 
 __all__ = ["report", "ui", "ui_token"]
 
@@ -26,15 +26,16 @@ def ui_token(token_env: str | None, host: str) -> str | None:
 
 
 @click.command()
-@click.argument("path", type=click.Path(path_type=Path), default=Path("stepwatch_runs"))
+@click.argument("path", type=StoreTarget(), default=Path("stepwatch_runs"))
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (anything but loopback needs --token-env).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8050, show_default=True, help="Port (0: any free).")
 @click.option("--token-env", help="Name of the environment variable holding the access token.")
 @_reports_errors
-def ui(path: Path, host: str, port: int, token_env: str | None) -> None:
+def ui(path: Path | str, host: str, port: int, token_env: str | None) -> None:
     """Serve the dashboard over PATH: a run directory, a history store (.sqlite), a serve --out
-    directory, or a directory of run directories (default: ./stepwatch_runs).
+    directory, a directory of run directories (default: ./stepwatch_runs), or a store URL
+    (clickhouse://host:9000/db: every session of the database).
 
     Read-only. Prints one JSON line with its URL; Ctrl-C stops it.
     """
@@ -42,7 +43,7 @@ def ui(path: Path, host: str, port: int, token_env: str | None) -> None:
     from ..web.app import serve_ui
 
     token = ui_token(token_env, host)
-    if not path.exists():
+    if isinstance(path, Path) and not path.exists():
         raise ArtifactError(path, "no such file or directory")
     try:
         serve_ui(path, host=host, port=port, token=token)
@@ -51,12 +52,12 @@ def ui(path: Path, host: str, port: int, token_env: str | None) -> None:
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path, exists=True))
+@click.argument("run_dir", type=StoreTarget(exists=True))
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Where to write the report (default: RUN_DIR/report.html).")
+              help="Where to write the report (default: RUN_DIR/report.html, ./report.html for a store URL).")
 @click.option("--session", "session_id", help="Session id (default: the run's own, else the newest).")
 @_reports_errors
-def report(run_dir: Path, out: Path | None, session_id: str | None) -> None:
+def report(run_dir: Path | str, out: Path | None, session_id: str | None) -> None:
     """Write one self-contained HTML report of a run: summary, diagnosis, charts, alerts, epochs
     and environment, with nothing to fetch (open it from a mail or a CI artifact)."""
     from ..views.sources import check_session_id

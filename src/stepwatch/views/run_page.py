@@ -9,6 +9,11 @@ finds both), its phase sums (the stacked phase shares) and its slowest step (the
 Memory samples are cut down the same way in SQL (the lowest and highest sample per bucket of
 time), marks by ``downsample.minmax`` after a range read.
 
+A store on a server (ClickHouse) answers the reads SQLite answers with SQL of its own (a
+recursive CTE, a TEMP table of buckets, a bare column beside MIN/MAX) by methods of its own
+(``rank_step_extents``, ``step_bucket_points``, ``phase_bucket_sums``, ``memory_bucket_rows``:
+``store.clickhouse_views``), the same numbers; every other read is SQL both speak.
+
 Live growth (``run_updates``): the rows after the page's cursors (each rank's last step, the last
 sample's time, the alerts and verdict changes it has), read by index seeks, so a poll costs what
 is new, not the run.
@@ -59,6 +64,9 @@ def _r(value: float, digits: int = 3) -> float:
 
 def last_steps(store: HistoryStore, session_id: str) -> dict[int, tuple[int, int]]:
     """rank -> (its first step, its last step)."""
+    own = getattr(store, "rank_step_extents", None)
+    if own is not None:
+        return dict(own(session_id))
     return {int(r["rank"]): (int(r["first"]), int(r["last"])) for r in store.query(_LAST_STEPS, (session_id,))
             if r["last"] is not None}
 
@@ -147,6 +155,10 @@ def _step_buckets(store: HistoryStore, session_id: str, ranks: list[int], first:
     """Per (rank, bucket): its lowest and highest step time with their steps. The step is packed
     under the time (``ns * pack + offset``) so one MIN and one MAX find each point; a time too
     large to pack comes back as a float and the point is put at its bucket's first step."""
+    own = getattr(store, "step_bucket_points", None)
+    if own is not None:
+        return [{"rank": rank, "b": b, "lo": lo, "hi": hi}
+                for rank, b, lo, hi in own(session_id, ranks, first, width, n_buckets)]
     pack = 1 << max(1, (width - 1).bit_length())
     rows = _bucket_rows(store, session_id, ranks, first, width, n_buckets,
                         "MIN(s.step_ns * ?2 + s.step - k.lo), MAX(s.step_ns * ?2 + s.step - k.lo)", (pack,))
@@ -182,8 +194,10 @@ def _phase_buckets(store: HistoryStore, session_id: str, ranks: list[int], first
                    n_buckets: int) -> dict[int, list[float]]:
     """bucket -> [each phase column's sum..., the step times' sum] over ``ranks``."""
     out: dict[int, list[float]] = {}
-    for _rank, b, total, *sums in _bucket_rows(store, session_id, ranks, first, width, n_buckets,
-                                               f"SUM(s.step_ns), {_phase_sums(store)}"):
+    own = getattr(store, "phase_bucket_sums", None)
+    rows = (own(session_id, ranks, first, width, n_buckets) if own is not None else
+            _bucket_rows(store, session_id, ranks, first, width, n_buckets, f"SUM(s.step_ns), {_phase_sums(store)}"))
+    for _rank, b, total, *sums in rows:
         if total is None:
             continue
         into = out.setdefault(b, [0.0] * (len(sums) + 1))
@@ -204,12 +218,12 @@ def _in_parallel(store: HistoryStore, jobs: list[Any]) -> list[Any]:
     """``job(store)`` for each job, on threads with a read-only connection each when the store is
     a SQLite file (SQLite runs each query without the GIL, so two cores scan two ranges at once),
     else one after the other on ``store``."""
-    path = getattr(store, "path", None)
+    from ..store.sqlite import SqliteStore
+
+    path = store.path if isinstance(store, SqliteStore) else None
     if path is None or len(jobs) < 2:
         return [job(store) for job in jobs]
     from concurrent.futures import ThreadPoolExecutor
-
-    from ..store.sqlite import SqliteStore
 
     def run(job: Any) -> Any:
         with SqliteStore(path, read_only=True) as own:
@@ -284,6 +298,12 @@ def _memory(store: HistoryStore, session_id: str, t0: int | None, since_ns: int 
     after = "AND timestamp_ns > ?2" if since_ns is not None else ""
     params: tuple[Any, ...] = (session_id, since_ns) if since_ns is not None else (session_id,)
     where = f"session_id = ?1 AND event_type = 'sample' {after}"
+    own = getattr(store, "memory_bucket_rows", None)
+    value = _MEMORY_VALUE
+    if own is not None:  # a server store: its own scalar maximum and bucket reads
+        from ..store import clickhouse_views
+
+        value = clickhouse_views.MEMORY_VALUE
     extents = _tuples(store, f"SELECT rank, device_id, collector, MIN(timestamp_ns), MAX(timestamp_ns), COUNT(*) "
                              f"FROM telemetry WHERE {where} GROUP BY rank, device_id, collector", params)
     if not extents:
@@ -293,7 +313,7 @@ def _memory(store: HistoryStore, session_id: str, t0: int | None, since_ns: int 
     last = max(e[4] for e in extents)
     grouped: dict[tuple[int, int, str], list[tuple[int, float]]] = {}
     if max(e[5] for e in extents) <= 2 * buckets:
-        rows = _tuples(store, f"SELECT rank, device_id, collector, timestamp_ns, {_MEMORY_VALUE} FROM telemetry "
+        rows = _tuples(store, f"SELECT rank, device_id, collector, timestamp_ns, {value} FROM telemetry "
                               f"WHERE {where} ORDER BY rank, device_id, collector, timestamp_ns", params)
         for rank, device, collector, ts, value in rows:
             grouped.setdefault((rank, -1 if device is None else device, collector), []).append((ts, value))
@@ -301,9 +321,10 @@ def _memory(store: HistoryStore, session_id: str, t0: int | None, since_ns: int 
         width = bucket_width(first, last, buckets)
         n = len(params)
         for pick in ("MIN", "MAX"):
-            rows = _tuples(store, f"SELECT rank, device_id, collector, (timestamp_ns - ?{n + 1}) / ?{n + 2} AS b, "
-                                  f"timestamp_ns, {pick}({_MEMORY_VALUE}) FROM telemetry WHERE {where} "
-                                  f"GROUP BY rank, device_id, collector, b", (*params, first, width))
+            rows = own(session_id, since_ns, first, width, pick) if own is not None else _tuples(
+                store, f"SELECT rank, device_id, collector, (timestamp_ns - ?{n + 1}) / ?{n + 2} AS b, "
+                       f"timestamp_ns, {pick}({_MEMORY_VALUE}) FROM telemetry WHERE {where} "
+                       f"GROUP BY rank, device_id, collector, b", (*params, first, width))
             for rank, device, collector, _b, ts, value in rows:
                 grouped.setdefault((rank, -1 if device is None else device, collector), []).append((ts, value))
     base = t0 if t0 is not None else first
@@ -364,9 +385,15 @@ def _marks(store: HistoryStore, session_id: str, t0: int | None) -> list[dict[st
 
 def _verdict_changes(store: HistoryStore, session_id: str, offset: int = 0) -> list[dict[str, Any]]:
     """The live verdict's stored changes ([] from a history written before the verdicts table)."""
+    from ..store.sqlite import SqliteStore
+
     try:
-        rows = store.query("SELECT ts_ns, step, window_steps, name, severity, ranks, message FROM verdicts "
-                           "WHERE session_id = ? ORDER BY ts_ns LIMIT -1 OFFSET ?", (session_id, offset))
+        if isinstance(store, SqliteStore):
+            rows = store.query("SELECT ts_ns, step, window_steps, name, severity, ranks, message FROM verdicts "
+                               "WHERE session_id = ? ORDER BY ts_ns LIMIT -1 OFFSET ?", (session_id, offset))
+        else:  # SQLite's LIMIT -1 (no limit) is its own: the few changes read whole, the seen ones skipped
+            rows = store.query("SELECT ts_ns, step, window_steps, name, severity, ranks, message FROM verdicts "
+                               "WHERE session_id = ? ORDER BY ts_ns", (session_id,))[offset:]
     except StoreError:
         return []
     return [{**r, "ranks": json.loads(r["ranks"] or "[]")} for r in rows]

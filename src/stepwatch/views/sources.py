@@ -1,5 +1,7 @@
 """Where the sessions a surface shows are: a run directory, a history store, a ``serve --out``
-directory of many sessions, or a directory of run directories (``stepwatch_runs/``).
+directory of many sessions, a directory of run directories (``stepwatch_runs/``), or a store
+URL (``clickhouse://host:9000/db``: one store holding every session of its database, with no run
+directory beside it).
 
 A ``Catalog`` finds the stores under its path each time it is asked (runs appear while a
 dashboard is open) and opens them read-only, one connection per use, so a reader never holds
@@ -42,10 +44,15 @@ def check_session_id(value: str) -> str:
 
 
 class Located(NamedTuple):
-    """One store and the run directory its artifacts (run.json, alerts.jsonl, stacks/) are in."""
+    """One store and the run directory its artifacts (run.json, alerts.jsonl, stacks/) are in.
+    ``store``: a file, or the URL of a store on a server (``is_url``; no run directory)."""
 
-    store: Path
+    store: Path | str
     run_dir: Path | None
+
+    @property
+    def is_url(self) -> bool:
+        return isinstance(self.store, str)
 
 
 class Catalog:
@@ -56,9 +63,13 @@ class Catalog:
         with catalog.open_session(session_id) as (store, run_dir): ...
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        if not self.path.exists():
+    def __init__(self, path: Path | str) -> None:
+        from ..store.open import is_store_url
+
+        self.url: str | None = path if isinstance(path, str) and is_store_url(path) else None
+        # what pages and messages name: a URL without its password (the store's own str)
+        self.path: Path | str = _shown(path) if self.url is not None else Path(path)
+        if self.url is None and not Path(path).exists():
             raise ArtifactError(self.path, "no such file or directory")
         self._imported: dict[Path, Path] = {}  # run dir without history -> its temporary store
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -66,8 +77,10 @@ class Catalog:
         self._owner: dict[str, Located] = {}  # session id -> where it was last found
 
     def stores(self) -> list[Located]:
-        """Every store under the path, found now."""
-        path = self.path
+        """Every store under the path, found now (a URL: that one store)."""
+        if self.url is not None:
+            return [Located(self.url, None)]
+        path = Path(self.path)
         if path.is_file():
             if path.suffix not in _STORE_SUFFIXES:
                 raise ArtifactError(path, "not a history store (a .sqlite file) nor a run directory")
@@ -122,9 +135,11 @@ class Catalog:
     @contextmanager
     def open(self, located: Located) -> Iterator[HistoryStore]:
         """The store, read-only, closed after use."""
+        from ..store.open import open_store
         from ..store.sqlite import SqliteStore
 
-        store = SqliteStore(located.store, read_only=True)
+        store = open_store(located.store, read_only=True) if located.is_url else SqliteStore(located.store,
+                                                                                            read_only=True)
         try:
             yield store
         finally:
@@ -146,7 +161,7 @@ class Catalog:
         """Where ``session_id`` is; NoSuchSession when nowhere under the path."""
         check_session_id(session_id)
         known = self._owner.get(session_id)
-        if known is not None and known.store.exists():
+        if known is not None and (known.is_url or Path(known.store).exists()):
             return known
         for located in self.stores():
             with self.open(located) as store:
@@ -163,7 +178,7 @@ class Catalog:
 
     def default_session(self) -> str | None:
         """The run's own session (run.json) when the path is one run, else the newest."""
-        own = _run_json(self.path).get("session_id") if self.path.is_dir() else None
+        own = _run_json(self.path).get("session_id") if isinstance(self.path, Path) and self.path.is_dir() else None
         sessions = self.sessions()
         if isinstance(own, str) and any(row["session_id"] == own for _, row in sessions):
             return own
@@ -175,9 +190,22 @@ class Catalog:
             self._tmp = None
 
 
-def _run_json(run_dir: Path | None) -> dict[str, Any]:
+def _shown(url: str) -> str:
+    """``url`` as messages name it: without its password (a URL the store parser refuses is
+    refused when opened, with its message)."""
+    from ..store.clickhouse_url import is_clickhouse_url, parse_clickhouse_url
+
+    if is_clickhouse_url(url):
+        try:
+            return str(parse_clickhouse_url(url))
+        except StepwatchError:
+            return url.split("://", 1)[0] + "://..."
+    return url
+
+
+def _run_json(run_dir: Path | str | None) -> dict[str, Any]:
     """run.json of ``run_dir`` as a dict ({} when absent or unreadable)."""
-    if run_dir is None:
+    if not isinstance(run_dir, Path):
         return {}
     try:
         value = json.loads((run_dir / "run.json").read_text())

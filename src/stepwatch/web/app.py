@@ -262,9 +262,11 @@ class Dashboard:
         from ..views.run_page import run_page
 
         located = self.catalog.locate(session)
-        key = (session, *_stamp(located.store), *_stamp(located.run_dir / "final_summary.json"
-                                                        if located.run_dir else None))
-        cached = self._pages.get(key)
+        # a store on a server (a URL) has no file stamp that every write changes: its pages are
+        # built on each request, kept neither here nor on disk (docs/dashboard.md)
+        key = None if located.is_url else (session, *_stamp(located.store), *_stamp(
+            located.run_dir / "final_summary.json" if located.run_dir else None))
+        cached = self._pages.get(key) if key is not None else None
         if cached is not None:
             self._pages.move_to_end(key)
             return cached
@@ -277,7 +279,7 @@ class Dashboard:
                 status = store.query("SELECT status FROM sessions WHERE session_id = ?", (session,))
                 if status and status[0]["status"] == "running":
                     return live[2]
-            if self.page_cache.folder is not None and not self.catalog.imported(located):
+            if self.page_cache.folder is not None and not located.is_url and not self.catalog.imported(located):
                 # a finished session's page, kept on disk by an earlier server (views.page_cache)
                 kept = page_key(store, located.store, session, located.run_dir)
                 page = self.page_cache.get(located.store, session, kept)
@@ -291,8 +293,10 @@ class Dashboard:
             self._live_pages[session] = (time.monotonic(), time.monotonic() - started, page)
         else:
             self._live_pages.pop(session, None)
-            self.page_cache.put(located.store, session, kept, page)
-        self._remember(key, page)
+            if key is not None:
+                self.page_cache.put(located.store, session, kept, page)
+        if key is not None:
+            self._remember(key, page)
         return page
 
     def _remember(self, key: tuple[Any, ...], page: dict[str, Any]) -> None:
@@ -313,7 +317,7 @@ class Dashboard:
     def _starting_session(self) -> str | None:
         """The session of the run directory this dashboard serves (its run.json), if it is one."""
         path = self.catalog.path
-        if not path.is_dir():
+        if not isinstance(path, Path) or not path.is_dir():
             return None
         try:
             value = json.loads((path / "run.json").read_text()).get("session_id")
@@ -454,7 +458,7 @@ async def start_ui(catalog: Catalog, host: str, port: int, token: str | None, *,
     return runner, int(bound)
 
 
-def serve_ui(path: Path, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+def serve_ui(path: Path | str, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
              ready: Any = None) -> None:
     """``stepwatch ui``: serves until SIGINT/SIGTERM. Writes one line with the URL to ``ready``."""
     import signal
@@ -471,9 +475,9 @@ def serve_ui(path: Path, *, host: str = "127.0.0.1", port: int = 0, token: str |
         shown = f"[{host}]" if ":" in host else host
         out = ready or sys.stdout
         out.write(json.dumps({"event": "ready", "url": f"http://{shown}:{bound}/", "pid": os.getpid(),
-                              "path": str(path), "at": time.time()}) + "\n")
+                              "path": str(catalog.path), "at": time.time()}) + "\n")
         out.flush()
-        print(f"[stepwatch] dashboard of {path} on http://{shown}:{bound}/ (Ctrl-C stops it)", file=sys.stderr,
+        print(f"[stepwatch] dashboard of {catalog.path} on http://{shown}:{bound}/ (Ctrl-C stops it)", file=sys.stderr,
               flush=True)
         await stop.wait()
         await runner.cleanup()

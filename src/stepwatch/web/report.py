@@ -26,8 +26,8 @@ def _packed(data: bytes, element_id: str) -> str:
     return f'<script type="application/octet-stream" id="{element_id}">{text}</script>'
 
 
-def build_report(run_dir: Path, session_id: str | None = None) -> str:
-    """The report's HTML for ``run_dir`` (a run directory or a history store) and ``session_id``
+def build_report(run_dir: Path | str, session_id: str | None = None) -> str:
+    """The report's HTML for ``run_dir`` (a run directory, a history store or a store URL) and ``session_id``
     (default: the run's own, else the newest)."""
     from ..errors import ArtifactError
     from ..views.page_cache import PageCache, cache_folder, page_key
@@ -42,7 +42,7 @@ def build_report(run_dir: Path, session_id: str | None = None) -> str:
         located = catalog.locate(chosen)
         # the dashboard's page cache both ways: a page a dashboard kept is not built again, and
         # the page built here (run --report, at the run's end) is the next `stepwatch ui`'s
-        cache = PageCache(None if catalog.imported(located) else cache_folder())
+        cache = PageCache(None if located.is_url or catalog.imported(located) else cache_folder())
         with catalog.open(located) as store:
             located_dir = located.run_dir
             key = page_key(store, located.store, chosen, located_dir) if cache.folder is not None else None
@@ -64,10 +64,16 @@ def build_report(run_dir: Path, session_id: str | None = None) -> str:
     return shell_html(config, title=f"stepwatch report: {chosen}", head=head, body_end=body_end)
 
 
-def write_report(run_dir: Path, out: Path | None = None, session_id: str | None = None) -> Path:
-    """Writes the report (default ``<run_dir>/report.html``) and returns its path."""
+def write_report(run_dir: Path | str, out: Path | None = None, session_id: str | None = None) -> Path:
+    """Writes the report (default ``<run_dir>/report.html``, ``./report.html`` for a store URL)
+    and returns its path."""
     from ..artifacts._files import atomic_write_bytes
 
-    target = out if out is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
+    if out is not None:
+        target = out
+    elif isinstance(run_dir, str):  # a store URL: no run directory
+        target = Path.cwd() / "report.html"
+    else:
+        target = (run_dir if run_dir.is_dir() else run_dir.parent) / "report.html"
     atomic_write_bytes(target, build_report(run_dir, session_id).encode("utf-8"), fsync=False)
     return target

@@ -100,7 +100,11 @@ def _rank_last_steps(steps: StepColumns) -> dict[int, int]:
 
 
 def _step_columns(store: HistoryStore, sql: str, params: tuple[Any, ...]) -> StepColumns:
-    """The window's step rows as columns, from tuples where the store gives them."""
+    """The window's step rows as columns: as column lists where the store reads them so (the
+    ClickHouse store: its native blocks), from tuples where it gives them, else from rows."""
+    column_lists = getattr(store, "query_column_lists", None)
+    if column_lists is not None:
+        return StepColumns.from_lists(column_lists(sql, params), no_bools=True)
     query_tuples = getattr(store, "query_tuples", None)
     if query_tuples is not None:
         return StepColumns.from_tuples(query_tuples(sql, params))
