@@ -16,7 +16,9 @@ is a fresh interpreter per store (``_common.run_worker``) that times:
 * its one step read alone (``session_steps``: every step row of the session moved to the
   client as columns), so what is left is the client's own work on them;
 * ``load_verdict_inputs(store, session, last_steps=100)`` then ``diagnose`` on it (the live
-  window: 100 steps x every rank).
+  window: 100 steps x every rank), and each of the window's queries apart;
+* on ClickHouse, ``store.step_aggregates`` (the summary's statistics reduced on the server) and
+  one ``GROUP BY rank`` with quantiles through the view and on the table.
 
 Each figure carries the worker's CPU time and, on ClickHouse, the server's CPU time over the
 same call (``/proc/<pid>/stat``): which side the time is spent on. Issue 23 §5 asks for 20M
@@ -141,12 +143,15 @@ def worker_read(argv: list[str]) -> dict[str, Any]:
                                                           expected_ranks=inputs.expected_ranks))
     if found.primary is None or found.primary.name != "COMPUTE_STRAGGLER":
         raise SystemExit(f"unexpected window verdict: {found.primary}")
+    aggregates = None
+    if hasattr(store, "step_aggregates"):  # the statistics reduced on the server (ClickHouse store)
+        _, aggregates = _timed(pid, lambda: store.step_aggregates(session))
     parts = _window_parts(store, session, pid)
     floor = _server_reduction(store, session, pid) if pid is not None else None
     store.close()
     return {"rows": rows, "summary": whole, "step_read": read, "window_read": window_read,
             "window_rows": len(inputs.steps), "window_diagnose": window_diagnose, "window_parts": parts,
-            "server_reduction": floor, "peak_rss_bytes": peak_rss_bytes()}
+            "server_reduction": floor, "step_aggregates": aggregates, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def _window_parts(store: Any, session: str, pid: int | None) -> dict[str, dict[str, float]]:
@@ -262,6 +267,9 @@ def main() -> None:
                 print(_line("diagnose (that window)", best["window_diagnose"]))
                 for part, t in rounds[-1]["window_parts"].items():
                     print(_line(f"  window: {part}", t))
+                if rounds[-1].get("step_aggregates"):
+                    best_agg = min((r["step_aggregates"] for r in rounds), key=lambda t: t["wall_s"])
+                    print(_line("store.step_aggregates (on the server)", best_agg))
                 for part, t in (rounds[-1]["server_reduction"] or {}).items():
                     print(_line(f"server GROUP BY rank, {part}", t))
         print(f"\nextrapolated to {TARGET_ROWS:,} rows, linear in rows through the two sizes, on CPU seconds "
