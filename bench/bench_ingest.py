@@ -422,8 +422,11 @@ def worker_gen_tcp(argv: list[str]) -> dict[str, Any]:
         nbytes += sum(len(f) for f in frames)
     gen_s = time.perf_counter() - started
     _send_go_wait()
+    times = os.times()
     result = _run_senders((host, int(port)), per_rank, a.paced, seed=a.ranks[0])
-    return {"rows": rows, "bytes": nbytes, "gen_s": gen_s, **result}
+    after = os.times()
+    send_cpu_s = after.user + after.system - times.user - times.system
+    return {"rows": rows, "bytes": nbytes, "gen_s": gen_s, "send_cpu_s": send_cpu_s, **result}
 
 
 def worker_gen_http(argv: list[str]) -> dict[str, Any]:
