@@ -74,3 +74,23 @@ def test_a_damaged_batch_is_named_with_its_rows(tmp_path: Path) -> None:
     queue.remove(1)
     assert queue.first() is None and queue.batches == 0
     queue.close()
+
+
+def test_the_head_is_the_first_batches_that_fit_and_stops_before_a_damaged_one(tmp_path: Path) -> None:
+    path = tmp_path / "spill.sqlite"
+    queue = SpillQueue(path)
+    for seq, rows in ((1, 3), (2, 4), (3, 2), (4, 5)):
+        queue.push(batch(seq, {"steps": [[seq, n] for n in range(rows)]}))
+    assert [b.seq for b in queue.head(0)] == [1]  # at least one, however big
+    assert [b.seq for b in queue.head(9)] == [1, 2, 3]
+    assert [b.seq for b in queue.head(100)] == [1, 2, 3, 4]
+    db = sqlite3.connect(path)
+    db.execute("UPDATE batches SET payload = x'c1c1c1' WHERE seq = 3")
+    db.commit()
+    db.close()
+    assert [b.seq for b in queue.head(100)] == [1, 2]  # the damaged one is read alone, and named, later
+    queue.remove(1)
+    queue.remove(2)
+    with pytest.raises(UnreadableBatch, match="batch 3"):
+        queue.head(100)
+    queue.close()

@@ -107,20 +107,38 @@ class SpillQueue:
 
     def first(self) -> SpillBatch | None:
         """The batch with the lowest seq, or None when the queue is empty."""
+        batches = self.head(0)
+        return batches[0] if batches else None
+
+    def head(self, max_rows: int) -> list[SpillBatch]:
+        """The first batches in seq order, as many as fit in ``max_rows`` (at least one; none when
+        the queue is empty): what a replay writes as one INSERT per table. UnreadableBatch when
+        the first cannot be read back; a later one that cannot ends the list before it."""
         with self._lock:
             try:
-                found = self._db.execute("SELECT seq, payload, rows FROM batches ORDER BY seq LIMIT 1").fetchone()
+                sizes = self._db.execute("SELECT seq, rows FROM batches ORDER BY seq LIMIT 64").fetchall()
+                total = last = 0
+                for number, (seq, rows) in enumerate(sizes):
+                    if number and total + int(rows) > max_rows:
+                        break
+                    total, last = total + int(rows), int(seq)
+                found = self._db.execute("SELECT seq, payload, rows FROM batches WHERE seq <= ? ORDER BY seq",
+                                         (last,)).fetchall() if sizes else []
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: cannot read the spill queue: {exc}") from None
-        if found is None:
-            return None
-        seq, payload, rows = found
-        try:
-            body = _decoder.decode(payload)
-            return SpillBatch(int(seq), {str(t): list(rows) for t, rows in body["tables"].items()},
-                              list(body["batch_ids"]), list(body["opens"]), list(body["closes"]))
-        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise UnreadableBatch(f"{self.path}: batch {seq} cannot be read back: {exc}", int(seq), int(rows)) from None
+        batches: list[SpillBatch] = []
+        for seq, payload, rows in found:
+            try:
+                body = _decoder.decode(payload)
+                batch = SpillBatch(int(seq), {str(t): list(r) for t, r in body["tables"].items()},
+                                   list(body["batch_ids"]), list(body["opens"]), list(body["closes"]))
+            except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+                if batches:
+                    break
+                raise UnreadableBatch(f"{self.path}: batch {seq} cannot be read back: {exc}", int(seq),
+                                      int(rows)) from None
+            batches.append(batch)
+        return batches
 
     def remove(self, seq: int) -> None:
         with self._lock:
