@@ -7,7 +7,8 @@ local memory or the local spill file) and goes back to reading the ranks. A thre
 feed writes the batches to the store, oldest first:
 
 - **healthy**: a batch waits in memory (at most ``memory_batches`` batches and ``memory_rows``
-  rows) until the thread writes it, as the aggregator's own tick did before;
+  rows) until the thread writes it, with the others waiting then as one INSERT per table
+  (``MERGE_ROWS``);
 - **degraded**: a write failed (the server is unreachable, refused, or dropped the connection),
   or the server is slow: the batches in memory are full (it takes them slower than the ranks
   send), or a write has waited on it for ``slow_s`` (5 s; ``STEPWATCH_STORE_SLOW_S``) when the
@@ -16,7 +17,8 @@ feed writes the batches to the store, oldest first:
   when ``submit`` returns), the ones still in memory first, each with its sequence number so
   the order is kept. The thread retries with exponential backoff (``backoff_s``: 0.5 s doubling
   to 30 s, ``STEPWATCH_STORE_RETRY_MAX_S``) and, once a write succeeds, replays the queue in order, removing each batch only
-  after the store took it; when the queue is empty the feed is healthy again.
+  after the store took it (several at once, as in memory); when the queue is empty the feed is
+healthy again.
 
 Exactly once: a batch whose write failed part way (ClickHouse has no transaction over tables)
 is written again whole. Every ClickHouse table is a ReplacingMergeTree on a key that makes a row
@@ -176,7 +178,7 @@ class StoreFeed:
         feed.close()                                    # drains what it can, spills the rest
     """
 
-    def __init__(self, store: Any, spill_path: str | Path, *, memory_batches: int = 8, memory_rows: int = 500_000,
+    def __init__(self, store: Any, spill_path: str | Path, *, memory_batches: int = 64, memory_rows: int = 500_000,
                  backoff_s: tuple[float, float] = (0.5, 30.0), drain_s: float = 30.0, slow_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
