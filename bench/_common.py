@@ -53,15 +53,21 @@ COLLECTOR_METADATA = {
 RECORD_SHAPES = ("lean", "collector")
 SESSION_ID = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
 T0 = 1_790_000_000_000_000_000  # the synthetic histories' first instant (ns, 2026)
+_MS = 1_000_000
+SLOW_RANK = 17  # the compute straggler of aggregator_ticks' runs
+TICK_STEPS = 20  # steps of every rank in one aggregator tick (one transaction)
 
 __all__ = [
+    "aggregator_ticks",
     "BENCH_DIR",
     "COLLECTOR_METADATA",
     "RECORD_SHAPES",
     "RECORD_METADATA",
     "RESULTS_DIR",
     "SESSION_ID",
+    "SLOW_RANK",
     "T0",
+    "TICK_STEPS",
     "GcTimer",
     "Measured",
     "best_of",
@@ -447,3 +453,37 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+# -- a synthetic run, as the aggregator stores it ------------------------------------------------
+
+
+def aggregator_ticks(session: str, ranks: int, steps: int, seed: int) -> Iterator[tuple[list[Any], list[Any]]]:
+    """(step rows, memory samples) of a synthetic run, one aggregator tick at a time: every
+    rank's next ``TICK_STEPS`` steps, sorted by time as the ranks' frames arrive, a memory sample
+    every 10 steps. Rank ``SLOW_RANK`` is a compute straggler. Needs stepwatch on ``sys.path``."""
+    from stepwatch.analysis.verdicts.step_columns import COLUMNS
+
+    rng = random.Random(seed)
+    clock = [T0] * ranks
+    for first in range(0, steps, TICK_STEPS):
+        rows, samples = [], []
+        for rank in range(ranks):
+            for step in range(first, min(first + TICK_STEPS, steps)):
+                fetch = 200_000 + rng.randrange(50_000)
+                forward = 3 * _MS + rng.randrange(100_000) + (_MS if rank == SLOW_RANK else 0)
+                backward = 4 * _MS + rng.randrange(100_000) + (0 if rank == SLOW_RANK else _MS)
+                step_ns = fetch + forward + backward + _MS + 300_000
+                t = clock[rank]
+                values = (rank, step, t, t + step_ns, step_ns, fetch, 0, forward, backward, _MS, 0, fetch + 300_000)
+                rows.append({"session_id": session, **dict(zip(COLUMNS, values))})
+                if step % 10 == 0:
+                    samples.append({"session_id": session, "rank": rank, "timestamp_ns": t + 1000,
+                                    "event_type": "sample", "collector": "stepwatch.cpu_tracker", "device_id": -1,
+                                    "allocated": (3 << 30) + rng.randrange(1 << 24), "reserved": 3 << 30,
+                                    "free": 40 << 30, "total": 64 << 30, "host": f"node{rank // 8}",
+                                    "active": None, "inactive": None, "change": 0, "used": 3 << 30, "pid": 1,
+                                    "context": None, "metadata": {}})
+                clock[rank] = t + step_ns + 50_000
+        rows.sort(key=lambda r: r["start_ns"])
+        yield rows, samples

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 import time
@@ -38,13 +37,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO_ROOT, load_average, machine_header, peak_rss_bytes, run_worker, worker_main
+from _common import (
+    REPO_ROOT,
+    SLOW_RANK,
+    T0,
+    TICK_STEPS,
+    aggregator_ticks,
+    load_average,
+    machine_header,
+    peak_rss_bytes,
+    run_worker,
+    worker_main,
+)
 
 SCRIPT = Path(__file__).resolve()
-T0 = 1_790_000_000_000_000_000
-MS = 1_000_000
-SLOW_RANK = 17
-TICK_STEPS = 20
 TARGET_ROWS = 1024 * 20_000
 TARGET_S = 1.0
 
@@ -65,36 +71,6 @@ def _server_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _ticks(session: str, ranks: int, steps: int, seed: int) -> Any:
-    """(step rows, memory samples) of one aggregator tick at a time: every rank's next 20 steps,
-    sorted by time as the ranks' frames arrive. Rank 17 is a compute straggler."""
-    from stepwatch.analysis.verdicts.step_columns import COLUMNS
-
-    rng = random.Random(seed)
-    clock = [T0] * ranks
-    for first in range(0, steps, TICK_STEPS):
-        rows, samples = [], []
-        for rank in range(ranks):
-            for step in range(first, min(first + TICK_STEPS, steps)):
-                fetch = 200_000 + rng.randrange(50_000)
-                forward = 3 * MS + rng.randrange(100_000) + (MS if rank == SLOW_RANK else 0)
-                backward = 4 * MS + rng.randrange(100_000) + (0 if rank == SLOW_RANK else MS)
-                step_ns = fetch + forward + backward + MS + 300_000
-                t = clock[rank]
-                values = (rank, step, t, t + step_ns, step_ns, fetch, 0, forward, backward, MS, 0, fetch + 300_000)
-                rows.append({"session_id": session, **dict(zip(COLUMNS, values))})
-                if step % 10 == 0:
-                    samples.append({"session_id": session, "rank": rank, "timestamp_ns": t + 1000,
-                                    "event_type": "sample", "collector": "stepwatch.cpu_tracker", "device_id": -1,
-                                    "allocated": (3 << 30) + rng.randrange(1 << 24), "reserved": 3 << 30,
-                                    "free": 40 << 30, "total": 64 << 30, "host": f"node{rank // 8}",
-                                    "active": None, "inactive": None, "change": 0, "used": 3 << 30, "pid": 1,
-                                    "context": None, "metadata": {}})
-                clock[rank] = t + step_ns + 50_000
-        rows.sort(key=lambda r: r["start_ns"])
-        yield rows, samples
-
-
 def _write(stores: dict[str, Any], ranks: int, sizes: dict[str, int], server_pid: int | None) -> dict[str, Any]:
     """The same ticks into every store; each store's write wall and CPU time (ClickHouse: + the server's)."""
     spent = {name: [0.0, 0.0, 0.0] for name in stores}
@@ -104,7 +80,7 @@ def _write(stores: dict[str, Any], ranks: int, sizes: dict[str, int], server_pid
             store.upsert_session({"session_id": session, "status": "completed", "started_at_ns": T0 + number,
                                   "ended_at_ns": None, "host": "bench", "world_size": ranks, "source": "bench",
                                   "command_line": None})
-        for rows, samples in _ticks(session, ranks, steps, number):
+        for rows, samples in aggregator_ticks(session, ranks, steps, number):
             for name, store in stores.items():
                 wall, cpu, server = time.perf_counter(), _cpu(), _server_cpu(server_pid)
                 store.append_many({"steps": rows, "telemetry": samples})

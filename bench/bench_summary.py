@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -26,14 +25,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_header, peak_rss_bytes, run_worker, worker_main
+from _common import SLOW_RANK, T0, aggregator_ticks, machine_header, peak_rss_bytes, run_worker, worker_main
 
 SCRIPT = Path(__file__).resolve()
 SESSION = "5b0c8f4e-3a1d-4c2b-9e7f-0123456789ab"
-T0 = 1_790_000_000_000_000_000
-MS = 1_000_000
-SLOW_RANK = 17
-TICK_STEPS = 20  # steps of every rank in one aggregator tick (one transaction)
 
 
 def _stepwatch_path() -> None:
@@ -42,38 +37,16 @@ def _stepwatch_path() -> None:
 
 def _write(path: Path, ranks: int, steps: int, sessions_before: int) -> float:
     _stepwatch_path()
-    from stepwatch.analysis.verdicts.step_columns import COLUMNS
     from stepwatch.store.sqlite import SqliteStore
 
     started = time.perf_counter()
     store = SqliteStore(path)
     ids = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(sessions_before)] + [SESSION]
     for number, session in enumerate(ids):
-        rng = random.Random(number)
         store.upsert_session({"session_id": session, "status": "completed", "started_at_ns": T0 + number,
                               "ended_at_ns": None, "host": "bench", "world_size": ranks, "source": "bench",
                               "command_line": None})
-        clock = [T0] * ranks
-        for first in range(0, steps, TICK_STEPS):
-            rows, samples = [], []
-            for rank in range(ranks):
-                for step in range(first, min(first + TICK_STEPS, steps)):
-                    fetch = 200_000 + rng.randrange(50_000)
-                    forward = 3 * MS + rng.randrange(100_000) + (MS if rank == SLOW_RANK else 0)
-                    backward = 4 * MS + rng.randrange(100_000) + (0 if rank == SLOW_RANK else MS)
-                    step_ns = fetch + forward + backward + MS + 300_000
-                    t = clock[rank]
-                    values = (rank, step, t, t + step_ns, step_ns, fetch, 0, forward, backward, MS, 0, fetch + 300_000)
-                    rows.append({"session_id": session, **dict(zip(COLUMNS, values))})
-                    if step % 10 == 0:
-                        samples.append({"session_id": session, "rank": rank, "timestamp_ns": t + 1000,
-                                        "event_type": "sample", "collector": "stepwatch.cpu_tracker", "device_id": -1,
-                                        "allocated": (3 << 30) + rng.randrange(1 << 24), "reserved": 3 << 30,
-                                        "free": 40 << 30, "total": 64 << 30, "host": f"node{rank // 8}",
-                                        "active": None, "inactive": None, "change": 0, "used": 3 << 30, "pid": 1,
-                                        "context": None, "metadata": {}})
-                    clock[rank] = t + step_ns + 50_000
-            rows.sort(key=lambda r: r["start_ns"])  # as the ranks' batches arrive: by time
+        for rows, samples in aggregator_ticks(session, ranks, steps, number):
             store.append_many({"steps": rows, "telemetry": samples})
     store.close()
     return time.perf_counter() - started
