@@ -72,6 +72,7 @@ __all__ = [
     "Measured",
     "best_of",
     "cpu_seconds",
+    "process_cpu_seconds",
     "current_rss_bytes",
     "finish_report",
     "format_rate",
@@ -176,6 +177,14 @@ def cpu_seconds() -> float:
     """This process's CPU time so far (user + system): the figure to trust on a shared machine."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of another process so far (a server's, from /proc), 0 without one."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Measured:

@@ -16,27 +16,15 @@ store; issue 23 §5's benchmark (64 ranks through the aggregator) is not this.
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import tempfile
 import time
 from pathlib import Path
 
+from _common import cpu_seconds, process_cpu_seconds
+
 from stepwatch.store.base import COLUMNS
 from stepwatch.store.clickhouse import ClickHouseStore
 from stepwatch.store.sqlite import SqliteStore
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _server_cpu(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -52,17 +40,17 @@ def main() -> None:
             for r in range(args.rows)]
     ch = ClickHouseStore(args.url)
     try:
-        cpu, server, wall = _cpu(), _server_cpu(args.server_pid), time.perf_counter()
+        cpu, server, wall = cpu_seconds(), process_cpu_seconds(args.server_pid), time.perf_counter()
         for i in range(0, args.rows, args.batch):
             ch.append_tuples({"steps": rows[i:i + args.batch]})
         print(f"clickhouse: {args.rows} step rows in {time.perf_counter() - wall:.2f} s wall, "
-              f"{_cpu() - cpu:.2f} s client CPU, {_server_cpu(args.server_pid) - server:.2f} s server CPU")
+              f"{cpu_seconds() - cpu:.2f} s client CPU, {process_cpu_seconds(args.server_pid) - server:.2f} s server CPU")
         with tempfile.TemporaryDirectory() as tmp, SqliteStore(Path(tmp) / "history.sqlite") as sqlite:
-            cpu, wall = _cpu(), time.perf_counter()
+            cpu, wall = cpu_seconds(), time.perf_counter()
             for i in range(0, args.rows, args.batch):
                 sqlite.append_tuples({"steps": rows[i:i + args.batch]})
             print(f"sqlite: {args.rows} step rows in {time.perf_counter() - wall:.2f} s wall, "
-                  f"{_cpu() - cpu:.2f} s CPU")
+                  f"{cpu_seconds() - cpu:.2f} s CPU")
             for store in (ch, sqlite):
                 wall = time.perf_counter()
                 count = store.count("steps")

@@ -21,37 +21,26 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import resource
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _common import cpu_seconds, process_cpu_seconds
+
 from stepwatch.store.base import COLUMNS, SqlReads
 from stepwatch.store.clickhouse import ClickHouseStore
 from stepwatch.store.sqlite import SqliteStore
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _server_cpu(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _best(read: Callable[[], Any], repeat: int, pid: int | None) -> tuple[Any, float, float, float]:
     """(result, wall s, client CPU s, server CPU s) of the fastest of ``repeat`` reads."""
     best = None
     for _ in range(repeat):
-        cpu, server, wall = _cpu(), _server_cpu(pid), time.perf_counter()
+        cpu, server, wall = cpu_seconds(), process_cpu_seconds(pid), time.perf_counter()
         result = read()
-        took = (result, time.perf_counter() - wall, _cpu() - cpu, _server_cpu(pid) - server)
+        took = (result, time.perf_counter() - wall, cpu_seconds() - cpu, process_cpu_seconds(pid) - server)
         if best is None or took[1] < best[1]:
             best = took
     assert best is not None

@@ -46,6 +46,7 @@ from _common import (
     load_average,
     machine_header,
     peak_rss_bytes,
+    process_cpu_seconds,
     run_worker,
     worker_main,
 )
@@ -59,18 +60,6 @@ def _session(size: str) -> str:
     return {"small": "0000000a-0000-4000-8000-000000000000", "big": "0000000b-0000-4000-8000-000000000000"}[size]
 
 
-def _cpu() -> float:
-    return time.process_time()  # this process, every thread, at the clock's resolution (not 10 ms)
-
-
-def _server_cpu(pid: int | None) -> float:
-    """User + system seconds of ``pid`` (the ClickHouse server), 0 without one."""
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _write(stores: dict[str, Any], ranks: int, sizes: dict[str, int], server_pid: int | None) -> dict[str, Any]:
     """The same ticks into every store; each store's write wall and CPU time (ClickHouse: + the server's)."""
     spent = {name: [0.0, 0.0, 0.0] for name in stores}
@@ -82,19 +71,19 @@ def _write(stores: dict[str, Any], ranks: int, sizes: dict[str, int], server_pid
                                   "command_line": None})
         for rows, samples in aggregator_ticks(session, ranks, steps, number):
             for name, store in stores.items():
-                wall, cpu, server = time.perf_counter(), _cpu(), _server_cpu(server_pid)
+                wall, cpu, server = time.perf_counter(), time.process_time(), process_cpu_seconds(server_pid)
                 store.append_many({"steps": rows, "telemetry": samples})
                 spent[name][0] += time.perf_counter() - wall
-                spent[name][1] += _cpu() - cpu
-                spent[name][2] += _server_cpu(server_pid) - server if name == "clickhouse" else 0.0
+                spent[name][1] += time.process_time() - cpu
+                spent[name][2] += process_cpu_seconds(server_pid) - server if name == "clickhouse" else 0.0
     return {name: {"wall_s": w, "cpu_s": c, "server_cpu_s": s} for name, (w, c, s) in spent.items()}
 
 
 def _timed(server_pid: int | None, fn: Any) -> tuple[Any, dict[str, float]]:
-    wall, cpu, server = time.perf_counter(), _cpu(), _server_cpu(server_pid)
+    wall, cpu, server = time.perf_counter(), time.process_time(), process_cpu_seconds(server_pid)
     out = fn()
-    return out, {"wall_s": time.perf_counter() - wall, "cpu_s": _cpu() - cpu,
-                 "server_cpu_s": _server_cpu(server_pid) - server, "load_1m": os.getloadavg()[0]}
+    return out, {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+                 "server_cpu_s": process_cpu_seconds(server_pid) - server, "load_1m": os.getloadavg()[0]}
 
 
 def worker_read(argv: list[str]) -> dict[str, Any]:
