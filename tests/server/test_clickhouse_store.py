@@ -185,3 +185,22 @@ def test_run_with_its_store_down_still_trains_and_summarises_from_its_artifacts(
         spilled.close()
     final = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert final["overall"]["steps"] >= STEPS - 2
+
+
+def test_run_hands_the_store_url_to_its_aggregator_out_of_its_command_line(clickhouse_server: Any,
+                                                                          tmp_path: Path) -> None:
+    """A password in ``--store`` must not show in `ps`: the launcher passes the URL in the
+    aggregator's environment, and the aggregator still writes there."""
+    from stepwatch.server.launcher import LaunchOptions, _start_aggregator
+
+    url = clickhouse_server.database_url("hidden")
+    process, ready = _start_aggregator(tmp_path / "run", LaunchOptions(script=["train.py"], store=url))
+    try:
+        command = Path(f"/proc/{process.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert "clickhouse://" not in command and "--store" not in command, command
+        assert ready["store"] == url
+    finally:
+        process.terminate()
+        process.wait(30)
+        assert process.stdout is not None
+        process.stdout.close()

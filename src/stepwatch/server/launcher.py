@@ -31,6 +31,9 @@ _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 
 # says a command ran too long), and how long the job has between SIGTERM and SIGKILL
 STALL_KILL_EXIT = 124
 KILL_GRACE_S = 5.0
+# the store URL the aggregator writes to (``--store``): in its environment, not on its command
+# line, where a password in it would show in `ps` to every user of the machine
+AGGREGATOR_STORE_ENV = "STEPWATCH_AGGREGATOR_STORE"
 TORCHRUN_PORT = 29500  # torchrun's default rendezvous port: what every node of a multi-node job names
 
 
@@ -97,10 +100,11 @@ def _start_aggregator(run_dir: Path, options: LaunchOptions) -> tuple[subprocess
         command += ["--alert-webhook", options.alert_webhook]
     if options.otlp_endpoint:
         command += ["--otlp-endpoint", options.otlp_endpoint]
+    env = {k: v for k, v in os.environ.items() if k != AGGREGATOR_STORE_ENV}
     if options.store:
-        command += ["--store", options.store]
+        env[AGGREGATOR_STORE_ENV] = options.store  # not --store: its password would show in `ps`
     # preexec_fn only calls prctl (libc loaded before the fork): nothing a thread could hold a lock for
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env,
                                preexec_fn=preexec_die_with_parent())
     assert process.stdout is not None
     line = process.stdout.readline()  # the ready line (or EOF if it failed to start)

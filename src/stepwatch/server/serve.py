@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from ..analysis.alerts import AlertPolicy
+    from .launcher import AGGREGATOR_STORE_ENV
 
     parser = argparse.ArgumentParser(prog="python -m stepwatch.server")
     parser.add_argument("--out", type=Path, required=True)
@@ -363,8 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alert-webhook", default=None, help="POST each alert and verdict change to this URL")
     parser.add_argument("--otlp-endpoint", default=None, help="export metrics and spans over OTLP/HTTP to this URL")
     parser.add_argument("--store", default=None,
-                        help="write the history to this store URL (clickhouse://host:9000/db) instead of OUT/history.sqlite")
+                        help="write the history to this store URL (clickhouse://host:9000/db) instead of OUT/history.sqlite"
+                             f" (or ${AGGREGATOR_STORE_ENV}: a URL with a password stays out of `ps`)")
     args = parser.parse_args(argv)
+    store = args.store or os.environ.pop(AGGREGATOR_STORE_ENV, None) or None
     if not args.stall_after > 0 or not args.throughput_window > 0:
         parser.error("--stall-after and --throughput-window must be positive")
     token = os.environ.get(args.token_env) if args.token_env else None
@@ -375,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(args.out, host=args.host, port=args.port, http_port=args.http_port, token=token,
               session_id=args.session_id, retention_ns=retention_ns, say_losses=not args.launched, ui_port=args.ui_port,
-              ui_host=args.ui_host, store=args.store,
+              ui_host=args.ui_host, store=store,
               feeds={"metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                      "alert_webhook": args.alert_webhook, "otlp_endpoint": args.otlp_endpoint},
               watch={"stall_after_s": args.stall_after, "throughput_window_s": args.throughput_window,
