@@ -8,8 +8,9 @@ import this module without this module importing it back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Self
 
 from ..errors import StoreError
 from ..phases import PHASES, RESIDUAL, STEP_COLUMNS
@@ -116,8 +117,22 @@ class HistoryStore(Protocol):
 
 
 class SqlReads:
-    """The reads every SQL store answers with the same SQL over the same views: one copy, each
-    store bringing its own ``query``."""
+    """What every SQL store shares: the reads it answers with the same SQL over the same views,
+    its clock and its context manager; each store brings its own ``query`` and ``close``."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def now_ns() -> int:
+        """The store's clock for retention: wall-clock nanoseconds, as the rows' times are."""
+        return time.time_ns()
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         raise NotImplementedError

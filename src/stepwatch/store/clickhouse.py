@@ -481,15 +481,6 @@ class ClickHouseStore(SqlReads):
         with self._lock:
             self._client.disconnect()
 
-    def __enter__(self) -> ClickHouseStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @staticmethod
-    def now_ns() -> int:
-        return time.time_ns()
 
 
 _MIN_INT64 = "toInt64('-9223372036854775808')"

@@ -21,7 +21,6 @@ import logging
 import math
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from pathlib import Path
@@ -446,15 +445,6 @@ class SqliteStore(SqlReads):
         with self._lock:
             self._db.close()
 
-    def __enter__(self) -> SqliteStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @staticmethod
-    def now_ns() -> int:
-        return time.time_ns()
 
 
 def see_todays_tables(db: sqlite3.Connection) -> None:
