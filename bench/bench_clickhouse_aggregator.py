@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -44,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ingest as ingest
-from _common import REPO_ROOT, load_average, machine_header, print_header, run_worker, worker_main
+from _common import REPO_ROOT, load_average, machine_header, print_header, process_cpu_seconds, run_worker, worker_main
 
 PYTHON = sys.executable
 WIRE_TABLES = ("telemetry", "spans", "marks", "heartbeats")
@@ -52,38 +51,12 @@ TARGET_ROWS_PER_S = 1_000_000
 TICK_ROWS = 2_700  # rows of a tick batch the feed wrote under 64 paced ranks (bench_clickhouse_spill_memory.py)
 
 
-def proc_cpu_s(pid: int | None) -> float:
-    """User + system seconds of ``pid`` from ``/proc/<pid>/stat`` (0 without one)."""
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Aggregator:
+class Aggregator(ingest.StepwatchServer):
     """``python -c BOOT --out DIR --http-port 0 [--store URL]``: the aggregator ``serve`` runs."""
 
     def __init__(self, out: Path, store_url: str | None, env: dict[str, str] | None = None) -> None:
-        self.out = out
         out.mkdir(parents=True, exist_ok=True)
-        self.err = (out.parent / f"{out.name}.stderr").open("w")
-        store = ["--store", store_url] if store_url else []
-        started = time.perf_counter()
-        self.proc = subprocess.Popen([PYTHON, "-c", ingest.BOOT, "--out", str(out), "--http-port", "0", *store],
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO_ROOT,
-                                     env={**os.environ, **(env or {})})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"aggregator did not start: {(out.parent / f'{out.name}.stderr').read_text()[-3000:]}")
-        self.ready_s = time.perf_counter() - started
-        self.ready = json.loads(line)
-        self.tcp = self.ready["tcp"]
-        host, _, port = self.ready["http"].rpartition(":")
-        self.http = (host, int(port))
-        self.pid = self.ready["pid"]
-
-    health = ingest.StepwatchServer.health
+        super().__init__(out, extra=["--store", store_url] if store_url else [], env=env)
 
     def stop(self, timeout: float = 300) -> tuple[dict[str, Any], float]:
         started = time.perf_counter()
@@ -170,19 +143,19 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> d
         time.sleep(1.0)
         poll_cpu_per_s = 0.0
         if server_pid is not None:  # what the count() polls alone cost the server: 2 s of them, idle
-            idle0, idle_t = proc_cpu_s(server_pid), time.perf_counter()
+            idle0, idle_t = process_cpu_seconds(server_pid), time.perf_counter()
             while time.perf_counter() - idle_t < 2.0:
                 counter.counts()
                 time.sleep(0.25)
-            poll_cpu_per_s = (proc_cpu_s(server_pid) - idle0) / (time.perf_counter() - idle_t)
+            poll_cpu_per_s = (process_cpu_seconds(server_pid) - idle0) / (time.perf_counter() - idle_t)
         load_before = load_average()
-        server_cpu0 = proc_cpu_s(server_pid)
+        server_cpu0 = process_cpu_seconds(server_pid)
         t_go = time.time()
         for worker in workers:
             worker.go()
         mon = ingest.monitor(aggregator.pid, counter, lambda c: sum(c[t] for t in WIRE_TABLES), expected, t_go,
                              args.timeout, health=aggregator.health, senders=workers)
-        server_cpu = proc_cpu_s(server_pid) - server_cpu0
+        server_cpu = process_cpu_seconds(server_pid) - server_cpu0
         load_after = load_average()
         results = [w.result(120) for w in workers]
         counter.close()
@@ -241,10 +214,10 @@ def worker_profile(argv: list[str]) -> dict[str, Any]:
     stages: dict[str, dict[str, float]] = {}
 
     def timed(name: str, fn: Any) -> Any:
-        wall, cpu, server = time.perf_counter(), _cpu(), proc_cpu_s(pid)
+        wall, cpu, server = time.perf_counter(), _cpu(), process_cpu_seconds(pid)
         out = fn()
         stages[name] = {"wall_s": time.perf_counter() - wall, "cpu_s": _cpu() - cpu,
-                        "server_cpu_s": proc_cpu_s(pid) - server}
+                        "server_cpu_s": process_cpu_seconds(pid) - server}
         return out
 
     typed = timed("aggregator decode: decode_typed", lambda: [decode_typed(b) for b in bodies])

@@ -42,8 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ingest as ingest
-from _common import load_average, machine_header, print_header
-from bench_clickhouse_aggregator import WIRE_TABLES, Aggregator, proc_cpu_s, start_server
+from _common import load_average, machine_header, print_header, process_cpu_seconds
+from bench_clickhouse_aggregator import WIRE_TABLES, Aggregator, start_server
 
 
 class Sampler:
@@ -142,7 +142,7 @@ def main() -> None:
         time.sleep(1.0)
         rss_idle = sampler.proc.memory_info().rss
         load_start = load_average()
-        cpu0 = proc_cpu_s(aggregator.pid)
+        cpu0 = process_cpu_seconds(aggregator.pid)
         t0, t0_wall = time.monotonic(), time.time()
         sampler.start(t0)
         for worker in workers:
@@ -172,7 +172,7 @@ def main() -> None:
                 break
         marks["drained"] = time.monotonic() - t0
         sampler.stop()
-        cpu = proc_cpu_s(aggregator.pid) - cpu0
+        cpu = process_cpu_seconds(aggregator.pid) - cpu0
         load_end = load_average()
         results = [w.result(120) for w in workers]
         stats, _ = aggregator.stop()

@@ -773,17 +773,21 @@ def split(ranks: list[int], parts: int) -> list[list[int]]:
 class StepwatchServer:
     """``python -c BOOT --out DIR --http-port 0``: ``python -m stepwatch.server`` with richer stats."""
 
-    def __init__(self, out: Path, dashboard: bool = False) -> None:
+    def __init__(self, out: Path, dashboard: bool = False, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``extra``: more of the server's arguments (``--store URL``); ``env``: added to this
+        process's environment for it."""
         self.out = out
         self.err = (out.parent / f"{out.name}.stderr").open("w")
         started = time.perf_counter()
-        extra = ["--ui-port", "0"] if dashboard else []
+        extra = [*(["--ui-port", "0"] if dashboard else []), *(extra or [])]
         self.proc = subprocess.Popen([PYTHON, "-c", BOOT, "--out", str(out), "--http-port", "0", *extra],
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO_ROOT)
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=REPO_ROOT,
+                                     env={**os.environ, **(env or {})})
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"aggregator did not start: {(out.parent / f'{out.name}.stderr').read_text()}")
+            raise SystemExit(f"aggregator did not start: {(out.parent / f'{out.name}.stderr').read_text()[-3000:]}")
         self.ready_s = time.perf_counter() - started
         self.ready = json.loads(line)
         self.tcp = self.ready["tcp"]

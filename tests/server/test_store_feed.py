@@ -274,7 +274,7 @@ def test_batches_left_by_an_earlier_aggregator_are_replayed_first_and_a_refused_
     from stepwatch.server.store_feed import StoreFeed
     from stepwatch.store.rows import row_tuples
     from stepwatch.store.spill import SpillBatch, SpillQueue
-    from tests.store.test_sqlite import step
+    from tests.support.store_rows import step
 
     sid = "left-over"
     good = row_tuples("steps", [step(sid, 0, n, 100 * n) for n in range(3)])
@@ -312,7 +312,7 @@ def test_waiting_batches_go_to_the_server_as_one_insert_per_table(clickhouse_ser
     from stepwatch.server.store_feed import StoreFeed
     from stepwatch.store.rows import row_tuples
     from stepwatch.store.spill import SpillBatch, SpillQueue
-    from tests.store.test_sqlite import step
+    from tests.support.store_rows import step
 
     sid = "merged"
     left = SpillQueue(tmp_path / "store_spill.sqlite")

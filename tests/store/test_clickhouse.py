@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,10 @@ from stepwatch.store import open_store
 from stepwatch.store.base import COLUMNS
 from stepwatch.store.importers import import_path
 from stepwatch.store.sqlite import SqliteStore
-from tests.store.test_sqlite import S1, S2, heartbeat, mark, span, step, telemetry
 from tests.support import run_stepwatch
 from tests.support.clickhouse import mutations_done
+from tests.support.store_compare import SELECTS, T0, both_stores, check_retention, named_answers
+from tests.support.store_rows import mark, span, step
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 
 pytestmark = pytest.mark.real
@@ -50,44 +50,18 @@ def stores(clickhouse_server: Any, run_dir: Path, tmp_path_factory: pytest.TempP
     return {"url": url, "sqlite": sqlite_path, "first": first, "second": second, "first_sqlite": first_sqlite}
 
 
-def _both(stores: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
-    sqlite = SqliteStore(stores["sqlite"], read_only=True)
-    ch = open_store(stores["url"], read_only=True)
-    try:
-        yield sqlite, ch
-    finally:
-        sqlite.close()
-        ch.close()
-
-
 def test_import_stores_every_row_once(stores: dict[str, Any]) -> None:
     assert stores["first"] == stores["first_sqlite"]
     assert stores["first"]["steps"] == 2 * STEPS_PER_RANK
-    for sqlite, ch in _both(stores):
+    for sqlite, ch in both_stores(stores["sqlite"], stores["url"]):
         for table in COLUMNS:  # the second import stored nothing twice
             assert ch.count(table) == sqlite.count(table), table
         assert ch.count("steps") == 2 * STEPS_PER_RANK
 
 
-SELECTS = (
-    "SELECT * FROM steps ORDER BY rank, step",
-    "SELECT * FROM sessions",
-    "SELECT session_id, rank, span_id, parent_id, name, idx, start_ns, end_ns, gpu_ns, thread_id, pid, attrs "
-    "FROM spans ORDER BY rank, start_ns, span_id",
-    "SELECT * FROM telemetry ORDER BY rank, timestamp_ns, event_type, collector",
-    "SELECT * FROM marks ORDER BY rank, ts_ns, mark_id",
-    "SELECT * FROM heartbeats ORDER BY rank, ts_ns",
-    "SELECT rank, COUNT(*) AS n, MIN(step) AS first, MAX(step) AS last, SUM(step_ns) AS total FROM steps "
-    "GROUP BY rank ORDER BY rank",
-    "SELECT name, COUNT(*) AS n FROM spans GROUP BY name ORDER BY name",
-    "SELECT MIN(step) AS none_here, COUNT(*) AS n FROM steps WHERE session_id = 'no-such-session'",
-    "SELECT rank, MAX(allocated) AS peak FROM telemetry WHERE event_type = 'sample' GROUP BY rank ORDER BY rank",
-)
-
-
 @pytest.mark.parametrize("sql", SELECTS)
 def test_the_same_select_gives_the_same_rows(stores: dict[str, Any], sql: str) -> None:
-    for sqlite, ch in _both(stores):
+    for sqlite, ch in both_stores(stores["sqlite"], stores["url"]):
         expected = sqlite.query(sql)
         assert expected or "no-such" in sql  # the run has rows for every other question
         assert ch.query(sql) == expected
@@ -121,7 +95,7 @@ def test_query_is_read_only_and_answers_like_sqlite(stores: dict[str, Any], tmp_
         refused = run_stepwatch("query", stores["url"], write, cwd=tmp_path)
         assert refused.returncode == 2
         assert "read-only" in refused.stderr or "readonly" in refused.stderr, refused.stderr
-    for sqlite_store, ch_store in _both(stores):
+    for sqlite_store, ch_store in both_stores(stores["sqlite"], stores["url"]):
         assert ch_store.count("steps") == sqlite_store.count("steps") == 2 * STEPS_PER_RANK
 
 
@@ -167,55 +141,6 @@ def test_bound_parameters_reach_the_server_as_the_values_given(clickhouse_server
         assert list(row) == values
     finally:
         store.close()
-
-
-DAY = 86_400_000_000_000
-T0 = 1_700_000_000_000_000_000  # 2023-11-14T22:13:20Z
-
-
-def retention_rows() -> dict[str, list[dict[str, Any]]]:
-    """Rows of three sessions and ranks over three UTC days, for a window of 300 ns: S1 rank 0
-    keeps only its last day's rows (the middle day holds nothing else: a partition to drop),
-    S1 rank 1 and S2 lose some rows of a day that keeps others (deleted row by row)."""
-    times = {(S1, 0): [T0, T0 + DAY, T0 + 2 * DAY + 700, T0 + 2 * DAY + 1000],
-             (S1, 1): [T0 + 100, T0 + 200, T0 + 450, T0 + 500], (S2, 0): [T0 + 1000, T0 + 9000, T0 + 10_000]}
-    batch: dict[str, list[dict[str, Any]]] = {"telemetry": [], "heartbeats": [], "marks": [], "spans": [], "steps": []}
-    for (sid, rank), ts in times.items():
-        for i, t in enumerate(ts):
-            batch["telemetry"].append(telemetry(sid, rank, t))
-            batch["heartbeats"].append(heartbeat(sid, rank, t, i))
-            batch["marks"].append(mark(sid, rank, f"m{i}", t))
-            batch["spans"].append(span(sid, rank, f"s{i}", t))
-            batch["steps"].append(step(sid, rank, i, t))
-    return batch
-
-
-RETAINED = ("SELECT session_id, rank, timestamp_ns FROM telemetry ORDER BY 1, 2, 3",
-            "SELECT session_id, rank, ts_ns, step FROM heartbeats ORDER BY 1, 2, 3",
-            "SELECT session_id, rank, mark_id, ts_ns FROM marks ORDER BY 1, 2, 4",
-            "SELECT session_id, rank, span_id, start_ns FROM spans ORDER BY 1, 2, 4",
-            "SELECT session_id, rank, step, start_ns FROM steps ORDER BY 1, 2, 3")
-
-
-def check_retention(ch: Any, sqlite: SqliteStore) -> list[str]:
-    """Applies a 300 ns window to the same rows on both stores: the same count, then the same
-    rows, and the day with no row left in its window gone as a whole partition. Returns the
-    mutations the server was given (what deleted the rest)."""
-    def days() -> set[str]:
-        return {p for (p,) in ch.query_tuples("SELECT DISTINCT partition FROM system.parts WHERE database = ? "
-                                              "AND table = 'steps_rows' AND active", (ch.url.database,))}
-
-    for store in (sqlite, ch):
-        store.append_many(retention_rows())
-    assert len(days()) == 3
-    assert ch.apply_retention(300) == sqlite.apply_retention(300) == 5 * 5  # 5 rows in each of 5 tables
-    mutations_done(ch)
-    for sql in RETAINED:
-        assert ch.query(sql) == sqlite.query(sql), sql
-    assert len(days()) == 2  # the middle day dropped whole
-    assert ch.apply_retention(300) == 0
-    return [c for (c,) in ch.query_tuples("SELECT command FROM system.mutations WHERE database = ?",
-                                          (ch.url.database,))]
 
 
 def test_retention_and_batch_ids_as_on_sqlite(clickhouse_server: Any, tmp_path: Path) -> None:
@@ -303,24 +228,12 @@ def test_tables_made_before_a_column_was_declared_are_moved_forward(clickhouse_s
 
 # -- the named questions and the server-side reductions -------------------------------------
 
-def named_answers(sqlite_path: Path, ch: Any, session_id: str | None = None) -> Iterator[tuple[str, Any, Any]]:
-    """(question, SQLite's (columns, rows), the ClickHouse store's) for every named question."""
-    from stepwatch.store.clickhouse_questions import ask_named
-    from stepwatch.store.user_query import NAMED_QUESTIONS, ask, named_question
-
-    for name in NAMED_QUESTIONS:
-        question = named_question(name, session_id, 5)
-        with ask(sqlite_path, *question) as answer:
-            expected = (answer.columns, list(answer.rows))
-        yield name, expected, ask_named(ch, name, question, session_id, 5)
-
-
 def test_named_questions_give_sqlite_rows(stores: dict[str, Any], tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from stepwatch.ui.cli import cli
 
-    for sqlite, ch in _both(stores):
+    for sqlite, ch in both_stores(stores["sqlite"], stores["url"]):
         (session,) = sqlite.sessions()
         for sid in (None, session["session_id"]):
             for name, expected, got in named_answers(stores["sqlite"], ch, sid):

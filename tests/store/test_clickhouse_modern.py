@@ -15,8 +15,8 @@ import pytest
 from stepwatch.store.base import COLUMNS
 from stepwatch.store.importers import import_path
 from stepwatch.store.sqlite import SqliteStore
-from tests.store.test_clickhouse import SELECTS, check_retention, named_answers
 from tests.support.clickhouse import require_chdb
+from tests.support.store_compare import SELECTS, check_retention, named_answers
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 
 pytestmark = pytest.mark.real

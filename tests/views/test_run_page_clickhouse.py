@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 
-from stepwatch.store import open_store
-from stepwatch.store.sqlite import SqliteStore
 from stepwatch.views import run_page as views
 from stepwatch.views.compare_page import compare_page
 from stepwatch.views.runs import runs_list
 from stepwatch.views.sources import Catalog
 from tests.support.clickhouse import imported_trace_run
+from tests.support.store_compare import both_stores
 
 pytestmark = pytest.mark.real
 
@@ -29,13 +28,7 @@ def imported(clickhouse_server: Any, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def both(imported: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
-    sqlite = SqliteStore(imported["sqlite"], read_only=True)
-    ch = open_store(imported["url"], read_only=True)
-    try:
-        yield sqlite, ch
-    finally:
-        sqlite.close()
-        ch.close()
+    yield from both_stores(imported["sqlite"], imported["url"])
 
 
 def test_the_run_page_spans_and_updates_equal_sqlites(both: tuple[Any, Any], imported: dict[str, Any]) -> None:
