@@ -37,10 +37,11 @@ SITECUSTOMIZE = """
 import atexit, json, os, resource, sys
 def _report():
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    with open(os.environ["STEPWATCH_BENCH_SUITE_LOG"], "a") as out:
+    with open(os.environ["BENCH_SUITE_LOG"], "a") as out:
         out.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cmd": " ".join(sys.orig_argv)[:400],
-                              "cpu": usage.ru_utime + usage.ru_stime}) + "\\n")
-if "STEPWATCH_BENCH_SUITE_LOG" in os.environ:
+                              "cpu": usage.ru_utime + usage.ru_stime,
+                              "test": os.environ.get("PYTEST_CURRENT_TEST", "")}) + "\\n")
+if "BENCH_SUITE_LOG" in os.environ:
     atexit.register(_report)
 """
 # (kind, pattern on the command line): the first that matches names the process
@@ -66,6 +67,18 @@ def kind_of(command: str) -> str:
         if re.search(pattern, command):
             return kind
     return "other"
+
+
+def _test_of(process: psutil.Process) -> str:
+    """The test that started ``process`` (pytest's ``PYTEST_CURRENT_TEST``, which its children inherit)."""
+    try:
+        return process.environ().get("PYTEST_CURRENT_TEST", "")
+    except (psutil.Error, OSError):
+        return ""
+
+
+def test_file(current_test: str) -> str:
+    return current_test.split("::", 1)[0] if current_test else "(none: workers, shared servers)"
 
 
 class Sampler(threading.Thread):
@@ -94,7 +107,8 @@ class Sampler(threading.Thread):
                         cpu = times.user + times.system
                         entry = self.seen.get(child.pid)
                         if entry is None:
-                            entry = self.seen[child.pid] = {"cmd": " ".join(child.cmdline())[:400], "cpu": 0.0}
+                            entry = self.seen[child.pid] = {"cmd": " ".join(child.cmdline())[:400], "cpu": 0.0,
+                                                           "test": _test_of(child)}
                         entry["cpu"] = max(entry["cpu"], cpu)
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
@@ -109,7 +123,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stepwatch-bench-suite-") as tmp:
         log = Path(tmp) / "exits.jsonl"
         (Path(tmp) / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env = dict(os.environ, STEPWATCH_BENCH_SUITE_LOG=str(log),
+        env = dict(os.environ, BENCH_SUITE_LOG=str(log),
                    PYTHONPATH=os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")])))
         command = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "-p", "no:cacheprovider",
                    *args.pytest_args]
@@ -123,14 +137,18 @@ def main() -> None:
         sampler.stopped.set()
         sampler.join()
         exits = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    cpu: dict[int, tuple[str, float]] = {pid: (e["cmd"], e["cpu"]) for pid, e in sampler.seen.items()}
+    cpu: dict[int, tuple[str, float, str]] = {pid: (e["cmd"], e["cpu"], e["test"]) for pid, e in sampler.seen.items()}
     for e in exits:
         if e["pid"] != proc.pid:
             known = cpu.get(e["pid"])
-            cpu[e["pid"]] = (e["cmd"], max(e["cpu"], known[1] if known else 0.0))
+            cpu[e["pid"]] = (e["cmd"], max(e["cpu"], known[1] if known else 0.0), e["test"] or (known[2] if known else ""))
     by_kind: dict[str, list[float]] = defaultdict(list)
-    for command_line, seconds in cpu.values():
-        by_kind[kind_of(command_line)].append(seconds)
+    by_file: dict[str, list[float]] = defaultdict(list)
+    for command_line, seconds, current_test in cpu.values():
+        kind = kind_of(command_line)
+        by_kind[kind].append(seconds)
+        if kind != "pytest worker":
+            by_file[test_file(current_test)].append(seconds)
     own = next((e["cpu"] for e in exits if e["pid"] == proc.pid), 0.0)
     by_kind["pytest"].append(own)
     total = sum(sum(v) for v in by_kind.values())
@@ -141,8 +159,11 @@ def main() -> None:
     for kind, values in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
         spent = sum(values)
         print(f"{kind:28} {len(values):9d} {spent:8.1f} {spent / total:6.1%} {spent / len(values):7.2f}")
+    print(f"\nthe {args.top} test files whose processes cost the most (pytest's workers left out):")
+    for name, values in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
+        print(f"{sum(values):7.1f} s in {len(values):3d} processes  {name}")
     print(f"\nthe {args.top} costliest processes:")
-    for command_line, seconds in sorted(cpu.values(), key=lambda c: -c[1])[:args.top]:
+    for command_line, seconds, _ in sorted(cpu.values(), key=lambda c: -c[1])[:args.top]:
         print(f"{seconds:7.1f} s  {command_line[:150]}")
     sys.exit(code)
 

@@ -176,6 +176,12 @@ def test_torchrun_run_id_none_is_no_job_id() -> None:
     assert as_tuple(resolve_distributed_identity(env=env)) == (None, 0, 0, 2)
 
 
+def test_only_torchrun_gives_none_the_meaning_of_no_job() -> None:
+    # found by hypothesis: a Slurm job named "none" lost its id
+    env = launcher_env("slurm", 0, 0, 1, "none")
+    assert as_tuple(resolve_distributed_identity(env=env)) == ("none", 0, 0, 1)
+
+
 def test_a_contradictory_launcher_environment_does_not_stop_the_program(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import stepwatch
     from stepwatch.guard import reset_swallowed, swallowed

@@ -44,6 +44,13 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _job_id(env: Mapping[str, str], job_var: str | None) -> str | None:
+    """The launcher's job id; torchrun writes ``TORCHELASTIC_RUN_ID=none`` when given no run id,
+    which means none, while "none" from any other launcher is a name like any other."""
+    value = env.get(job_var) if job_var else None
+    return None if job_var == "TORCHELASTIC_RUN_ID" and value == "none" else value
+
+
 def resolve_distributed_identity(
     *,
     job_id: str | None = None,
@@ -74,7 +81,7 @@ def resolve_distributed_identity(
             "rank": env_rank,
             "local_rank": _env_int(env, local_var),
             "world_size": env_size,
-            "job_id": env.get(job_var) if job_var and env.get(job_var) != "none" else None,  # torchrun's "none"
+            "job_id": _job_id(env, job_var),
         }
         source = rank_var.split("_")[0].lower() if rank_var != "RANK" else "torchrun"
         break

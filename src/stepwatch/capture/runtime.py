@@ -113,7 +113,7 @@ def _shared_origin(identity: DistributedIdentity) -> tuple[str, int | None] | No
     in one directory whatever second each of them started in."""
     if identity.world_size <= 1:
         return None
-    if identity.job_id and identity.job_id != "none":
+    if identity.job_id:
         # the launcher's job id names the job; no start time is shared across nodes
         return str(uuid.uuid5(uuid.NAMESPACE_URL, f"stepwatch:{identity.job_id}")), None
     # same parent (the torchrun agent) on this node: its pid and start time name the job
