@@ -16,6 +16,7 @@ import stepwatch
 from stepwatch import guard
 from stepwatch.capture import torch_patches, training
 from stepwatch.schema import new_session_id
+from tests.support import EAGER_TORCH
 
 # Property tests have no per-example deadline: speed is measured by bench/, never by a timed
 # test, and a loaded machine is slower than this one. They draw new examples on every run
@@ -26,6 +27,13 @@ settings.register_profile("ci", parent=settings.get_profile("stepwatch"), derand
 # the inner loop (make test-fast): a fifth of the examples, still new ones each run
 settings.register_profile("fast", parent=settings.get_profile("stepwatch"), max_examples=20)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "stepwatch"))
+
+# Every process the suite starts (its workers too) has this folder first on PYTHONPATH, where a
+# sitecustomize keeps torch from importing its compiler into programs that never compile: 1.3 s
+# of CPU in each of the suite's ~150 training processes (the module says how; test_eager_torch.py
+# checks it changes no result).
+if EAGER_TORCH not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [EAGER_TORCH, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the folder tests/conftest.py puts first on PYTHONPATH (its sitecustomize says why)
+EAGER_TORCH = str(Path(__file__).resolve().parent / "eager_torch")
 
 _script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
 STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
