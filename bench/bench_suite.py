@@ -44,6 +44,18 @@ def _report():
 if "BENCH_SUITE_LOG" in os.environ:
     atexit.register(_report)
 """
+# in pytest's workers: the CPU each test spent in the worker itself (setup, call and teardown)
+PLUGIN = """
+import json, os, time
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.process_time()
+    yield
+    with open(os.environ["BENCH_SUITE_LOG"], "a") as out:
+        out.write(json.dumps({"in_worker": item.nodeid, "cpu": time.process_time() - started}) + "\\n")
+"""
 # (kind, pattern on the command line): the first that matches names the process
 KINDS = (
     ("pytest worker", r"execnet|xdist|-c import sys;exec\(eval"),
@@ -123,10 +135,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stepwatch-bench-suite-") as tmp:
         log = Path(tmp) / "exits.jsonl"
         (Path(tmp) / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        (Path(tmp) / "bench_suite_plugin.py").write_text(PLUGIN)
         env = dict(os.environ, BENCH_SUITE_LOG=str(log),
                    PYTHONPATH=os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")])))
         command = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "-p", "no:cacheprovider",
-                   *args.pytest_args]
+                   "-p", "bench_suite_plugin", *args.pytest_args]
         started = time.monotonic()
         load_before = os.getloadavg()[0]
         proc = subprocess.Popen(command, cwd=REPO, env=env)
@@ -136,7 +149,12 @@ def main() -> None:
         wall = time.monotonic() - started
         sampler.stopped.set()
         sampler.join()
-        exits = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    exits = [e for e in lines if "pid" in e]
+    in_workers: dict[str, float] = defaultdict(float)
+    for e in lines:
+        if "in_worker" in e:
+            in_workers[test_file(e["in_worker"])] += e["cpu"]
     cpu: dict[int, tuple[str, float, str]] = {pid: (e["cmd"], e["cpu"], e["test"]) for pid, e in sampler.seen.items()}
     for e in exits:
         if e["pid"] != proc.pid:
@@ -162,6 +180,9 @@ def main() -> None:
     print(f"\nthe {args.top} test files whose processes cost the most (pytest's workers left out):")
     for name, values in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
         print(f"{sum(values):7.1f} s in {len(values):3d} processes  {name}")
+    print(f"\nthe {args.top} test files that cost pytest's workers the most ({sum(in_workers.values()):.0f} s in all):")
+    for name, seconds in sorted(in_workers.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"{seconds:7.1f} s  {name}")
     print(f"\nthe {args.top} costliest processes:")
     for command_line, seconds, _ in sorted(cpu.values(), key=lambda c: -c[1])[:args.top]:
         print(f"{seconds:7.1f} s  {command_line[:150]}")
