@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from stepwatch.artifacts.alerts_log import AlertLog
 from stepwatch.views.live import FOLD_ABOVE, LiveReader, LiveSnapshot, RankLive, fold_ranks, named_ranks
+from stepwatch.views.live.reader import SUMMARY_GRACE_S
 from tests.support import STEPWATCH, clean_env
 from tests.support.live_program import TOTAL
 from tests.support.live_runs import Killed, Watched, killed_run, watched_run
@@ -145,6 +147,31 @@ def test_the_ended_runs_verdict_is_its_diagnosis(watched: Watched) -> None:
     primary = summary["diagnosis"]["primary"]
     assert watched.final.verdict is not None
     assert (watched.final.verdict["name"], watched.final.verdict["message"]) == (primary["name"], primary["message"])
+
+
+@pytest.mark.real
+def test_a_run_ends_with_its_summary_not_before(watched: Watched, tmp_path: Path) -> None:
+    # stepwatch run writes run.json's end, then the summary (which reads run.json): a reader
+    # between the two saw an ended run with no verdict, and `top` ended on "no verdict yet"
+    copy = tmp_path / "run"
+    shutil.copytree(watched.run_dir, copy)
+    summary = (copy / "final_summary.json").read_bytes()
+    (copy / "final_summary.json").unlink()
+    ended_at = json.loads((copy / "run.json").read_text())["ended_at_ns"] / 1e9
+
+    def snapshot_at(now: float) -> Any:
+        reader = LiveReader(copy, clock=lambda: now)
+        try:
+            return reader.snapshot()
+        finally:
+            reader.close()
+
+    assert not snapshot_at(ended_at + 1).ended
+    assert snapshot_at(ended_at + SUMMARY_GRACE_S + 1).ended  # a summary that never comes
+    (copy / "final_summary.json").write_bytes(summary)
+    final = snapshot_at(ended_at + 1)
+    assert final.ended and final.verdict is not None
+    assert final.verdict["name"] == json.loads(summary)["diagnosis"]["primary"]["name"]
 
 
 @pytest.mark.real

@@ -19,10 +19,11 @@ from .ledger import LedgerDirectory, MappedLedger
 from .model import WINDOW, LiveSnapshot, RankLive, rank_state
 from .plan import PlanReader
 from .tails import AlertTail, MemorySamples
-from .verdicts import OwnVerdict, final_primary, read_json_object
+from .verdicts import OwnVerdict, final_primary, final_summary, read_json_object
 
 __all__ = ["LiveReader"]
 
+SUMMARY_GRACE_S = 15.0  # a ``run`` that says it ended and writes no summary (a remote aggregator's) ends this long after
 LAUNCHER_GRACE_S = 90.0  # a ``run`` whose ranks all stopped ends once its launcher says so, or this long after
 
 
@@ -53,7 +54,7 @@ class LiveReader:
         self._alerts = AlertTail(self.run_dir / ALERTS_FILE)
         self._plan = PlanReader(self.run_dir)
         self._own = OwnVerdict(window)
-        self._final: dict[str, Any] | None = None
+        self._summary: dict[str, Any] | None = None  # the session's final_summary.json, once the run ended
         self._windows: dict[int, Any] = {}  # rank -> its last ledger window (for the engine's own verdict)
         self._local = True  # the ranks ran on this host (run.json's hosts): a dead pid means a dead rank
 
@@ -67,11 +68,13 @@ class LiveReader:
             self.session_id = manifest.get("session_id") if isinstance(manifest.get("session_id"), str) else None
         ranks = self._ranks(now)  # a session still unknown becomes the newest ledger's
         alerts = self._alerts.read(self.session_id)
-        if self._final is None and manifest.get("ended_at_ns"):
-            self._final = final_primary(self.run_dir, self.session_id)
+        ended_at = _seconds(manifest.get("ended_at_ns"))
+        if self._summary is None and ended_at is not None:
+            self._summary = final_summary(self.run_dir, self.session_id)
         # an ended run's diagnosis (of the whole run) has the last word over the live window's
-        verdict = self._final or self._history.live_verdict(self.session_id) or self._own_verdict(now)
-        ended = bool(manifest.get("ended_at_ns")) or _all_stopped(ranks, manifest)
+        final = final_primary(self._summary) if self._summary is not None else None
+        verdict = final or self._history.live_verdict(self.session_id) or self._own_verdict(now)
+        ended = (ended_at is not None and self._summarised(manifest, ended_at, now)) or _all_stopped(ranks, manifest)
         world = manifest.get("world_size") if type(manifest.get("world_size")) is int else None
         return LiveSnapshot(run_dir=str(self.run_dir), session_id=self.session_id, taken_at=now, ranks=tuple(ranks),
                             world_size=world or (len(ranks) or None), total_steps=self._plan.total(now),
@@ -105,6 +108,11 @@ class LiveReader:
         if self.session_id is not None and value.get("session_id") not in (None, self.session_id):
             return {}  # a reused run directory's manifest of another session
         return value
+
+    def _summarised(self, manifest: dict[str, Any], ended_at: float, now: float) -> bool:
+        """``stepwatch run`` writes run.json's end before the final summary (which reads it): its
+        run has ended once the summary is there too, so the last frame shows the run's diagnosis."""
+        return manifest.get("launcher") != "run" or self._summary is not None or now - ended_at > SUMMARY_GRACE_S
 
     def _own_verdict(self, now: float) -> dict[str, Any] | None:
         """With a history, the aggregator's verdicts are the run's and this is never computed."""

@@ -12,7 +12,7 @@ import msgspec
 from ..._decode import DECODE_FAILURES
 from ...phases import PHASES, RESIDUAL
 
-__all__ = ["OwnVerdict", "final_primary"]
+__all__ = ["OwnVerdict", "final_primary", "final_summary"]
 
 OWN_VERDICT_EVERY_S = 10.0  # a run with no history: the engine over the ledgers this often
 _VERDICT_KEYS = ("name", "severity", "ranks", "message", "next_step")
@@ -28,12 +28,16 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def final_primary(run_dir: Path, session_id: str | None) -> dict[str, Any] | None:
-    """The primary verdict of the session's ``final_summary.json`` diagnosis (None: no summary
-    yet, another session's, or none in it)."""
+def final_summary(run_dir: Path, session_id: str | None) -> dict[str, Any] | None:
+    """The session's ``final_summary.json`` (None: none yet, or another session's)."""
     summary = read_json_object(run_dir / "final_summary.json")
     if summary is None or summary.get("session_id") not in (None, session_id):
         return None
+    return summary
+
+
+def final_primary(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The primary verdict of a final summary's diagnosis (None: none in it)."""
     diagnosis = summary.get("diagnosis")
     primary = diagnosis.get("primary") if isinstance(diagnosis, dict) else None
     if not isinstance(primary, dict) or not isinstance(primary.get("name"), str):
