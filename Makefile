@@ -40,13 +40,18 @@ prometheus:
 	  [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; fi
 
+# The suite starts ~800 Python processes. Each loads stepwatch from its bytecode cache, and each
+# pytest worker the test modules with their asserts already rewritten, only where Python may write
+# those caches (__pycache__/, ignored by git): PYTHONDONTWRITEBYTECODE, set on some images, is
+# unset for the suite (with it, on a clean clone, every process compiles stepwatch again, 0.1 s
+# each, and each worker rewrites every test module, 7 s).
 test: $(VENV)/.installed browser clickhouse prometheus
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out), and
 # property tests on a fifth of their examples
 test-fast: $(VENV)/.installed
-	STEPWATCH_TESTS_FAST=1 HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-fast} $(PY) -m pytest -q -n 2 -m "not real" --durations=10
+	PYTHONDONTWRITEBYTECODE= STEPWATCH_TESTS_FAST=1 HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-fast} $(PY) -m pytest -q -n 2 -m "not real" --durations=10
 
 bench: $(VENV)/.installed
 	$(PY) bench/bench_sink_write.py
