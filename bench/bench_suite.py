@@ -51,10 +51,11 @@ import pytest
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    started = time.process_time()
+    started, began = time.process_time(), time.time()
     yield
     with open(os.environ["BENCH_SUITE_LOG"], "a") as out:
-        out.write(json.dumps({"in_worker": item.nodeid, "cpu": time.process_time() - started}) + "\\n")
+        out.write(json.dumps({"in_worker": item.nodeid, "cpu": time.process_time() - started, "began": began,
+                              "ended": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\\n")
 """
 # (kind, pattern on the command line): the first that matches names the process
 KINDS = (
@@ -152,9 +153,9 @@ def main() -> None:
         lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     exits = [e for e in lines if "pid" in e]
     in_workers: dict[str, float] = defaultdict(float)
-    for e in lines:
-        if "in_worker" in e:
-            in_workers[test_file(e["in_worker"])] += e["cpu"]
+    tests = [e for e in lines if "in_worker" in e]
+    for e in tests:
+        in_workers[test_file(e["in_worker"])] += e["cpu"]
     cpu: dict[int, tuple[str, float, str]] = {pid: (e["cmd"], e["cpu"], e["test"]) for pid, e in sampler.seen.items()}
     for e in exits:
         if e["pid"] != proc.pid:
@@ -183,6 +184,17 @@ def main() -> None:
     print(f"\nthe {args.top} test files that cost pytest's workers the most ({sum(in_workers.values()):.0f} s in all):")
     for name, seconds in sorted(in_workers.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{seconds:7.1f} s  {name}")
+    if tests:
+        # the tail: each worker's last test, the suite waiting on the slowest of them
+        last = {}
+        for e in tests:
+            if e["ended"] > last.get(e["worker"], {"ended": 0})["ended"]:
+                last[e["worker"]] = e
+        end = max(e["ended"] for e in tests)
+        print("\neach worker's last test (the suite's end waits on them):")
+        for e in sorted(last.values(), key=lambda e: e["ended"]):
+            print(f"  {e['worker'] or 'main':5} done {end - e['ended']:5.1f} s before the end, "
+                  f"{e['ended'] - e['began']:5.1f} s long: {e['in_worker'][:110]}")
     print(f"\nthe {args.top} costliest processes:")
     for command_line, seconds, _ in sorted(cpu.values(), key=lambda c: -c[1])[:args.top]:
         print(f"{seconds:7.1f} s  {command_line[:150]}")
