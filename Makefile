@@ -46,7 +46,7 @@ prometheus:
 # unset for the suite (with it, on a clean clone, every process compiles stepwatch again, 0.1 s
 # each, and each worker rewrites every test module, 7 s).
 test: $(VENV)/.installed browser clickhouse prometheus
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20
 
 # the inner loop: no process started, no model trained (the tests marked `real` stay out), and
 # property tests on a fifth of their examples

@@ -139,7 +139,7 @@ def main() -> None:
         (Path(tmp) / "bench_suite_plugin.py").write_text(PLUGIN)
         env = dict(os.environ, BENCH_SUITE_LOG=str(log), PYTHONDONTWRITEBYTECODE="",  # as make test runs it
                    PYTHONPATH=os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "-p", "no:cacheprovider",
+        command = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "--dist", "worksteal", "-p", "no:cacheprovider",
                    "-p", "bench_suite_plugin", *args.pytest_args]
         started = time.monotonic()
         load_before = os.getloadavg()[0]

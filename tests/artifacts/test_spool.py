@@ -127,8 +127,13 @@ def test_a_concurrent_reader_never_sees_a_partial_batch(tmp_path: Path) -> None:
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        for i in range(40):
+        # at least 40 batches, and on until the reader has read some (a loaded machine may not
+        # schedule its thread before the first 40 are written)
+        deadline = time.monotonic() + 30
+        i = 0
+        while i < 40 or (read < 10 and time.monotonic() < deadline):
             writer.write([span(j, pad=20_000) for j in range(i, i + 5)], [], [])
+            i += 1
     finally:
         done.set()
         thread.join()

@@ -64,14 +64,16 @@ with open(os.path.join(control, f"{job}-rank{rank}"), "w") as out:
 deadline = time.time() + 60  # every job's ranks up at once: the jobs overlap
 while len(os.listdir(control)) < world and time.time() < deadline:
     time.sleep(0.1)
-if job != "named":  # a real DDP job, rendezvous and all-reduce through its MASTER_PORT
+if job != "named":  # a real data-parallel job: rendezvous, and gradients all-reduced through its MASTER_PORT
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(5):
         model(torch.randn(8, 4)).pow(2).mean().backward()
+        for param in model.parameters():
+            dist.all_reduce(param.grad)
         opt.step(); opt.zero_grad()
     dist.destroy_process_group()
 '''
@@ -80,7 +82,7 @@ if job != "named":  # a real DDP job, rendezvous and all-reduce through its MAST
 @pytest.fixture(scope="module")
 def three_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Three ``stepwatch run --nproc-per-node 2`` jobs on one machine at once: two with no port
-    named (the DDP ones), one with ``MASTER_PORT`` exported."""
+    named (the data-parallel ones), one with ``MASTER_PORT`` exported."""
     return once(tmp_path_factory, "launcher-three-jobs", _three_jobs)
 
 

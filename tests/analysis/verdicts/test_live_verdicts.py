@@ -141,8 +141,8 @@ verdicts = st.fixed_dictionaries({
     "next_step": st.one_of(st.none(), st.text(max_size=40)),
     "evidence": st.dictionaries(st.text(max_size=10), st.recursive(
         st.one_of(st.none(), st.floats(), st.integers(), st.text(max_size=10)),
-        lambda inner: st.one_of(st.lists(inner, max_size=12), st.dictionaries(st.text(max_size=5), inner, max_size=4)),
-        max_leaves=12), max_size=12)})
+        lambda inner: st.one_of(st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=5), inner, max_size=4)),
+        max_leaves=8), max_size=6)})
 
 
 @settings(max_examples=100, deadline=None)
