@@ -58,6 +58,24 @@ def test_run_of_a_missing_script_starts_nothing(tmp_path: Path) -> None:
     assert nothing_started(tmp_path)
 
 
+def test_run_takes_its_own_python_named_before_the_script(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(TINY)
+    proc = run_stepwatch("run", "--quiet", "--out", "out", sys.executable, "train.py", "z", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ran ['z']" in proc.stdout
+
+
+def test_run_with_another_python_says_which_one_it_uses_and_starts_nothing(tmp_path: Path) -> None:
+    other = tmp_path / "elsewhere" / "python3"  # an interpreter of another environment
+    other.parent.mkdir()
+    other.symlink_to(sys.executable)
+    (tmp_path / "train.py").write_text(TINY)
+    proc = run_stepwatch("run", str(other), "train.py", cwd=tmp_path)
+    assert proc.returncode == 2, proc
+    assert str(Path(sys.executable).absolute()) in proc.stderr and "give the script alone" in proc.stderr
+    assert "Traceback" not in proc.stderr and nothing_started(tmp_path)
+
+
 @pytest.mark.parametrize("interpreter_options", [[], ["-X", "dev", "-u"]])
 def test_track_of_a_missing_python_script_starts_nothing(tmp_path: Path, interpreter_options: list[str]) -> None:
     proc = run_stepwatch("track", "--", sys.executable, *interpreter_options, "missing.py", cwd=tmp_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,7 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     check_binds(read_token(options.get("token_env")), metrics_host=(options.get("metrics_host"),
                                                                     options.get("metrics_port")),
                 ui_host=(options.get("ui_host"), options.get("ui_port")))
+    script = _without_interpreter(click.get_current_context(), script)
     _check_script(click.get_current_context(), script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
@@ -162,6 +165,28 @@ def _write_html_report(run_dir: Path, session_id: str | None, console: Any, stor
         console.print(f"[stepwatch] report not written: {exc}", markup=False, soft_wrap=_soft_wrap(stderr=True))
         return
     console.print(f"[stepwatch] report: {target.resolve()}", markup=False, soft_wrap=_soft_wrap(stderr=True))
+
+
+_INTERPRETER = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def _without_interpreter(ctx: click.Context, script: tuple[str, ...]) -> tuple[str, ...]:
+    """``stepwatch run python train.py``, as one types after ``nohup`` or ``time``: ``run``
+    starts the script (and torchrun) under the Python stepwatch is installed in, so naming that
+    Python is allowed and dropped. Another interpreter is a usage error saying which one ``run``
+    uses: its packages are not the ones the script would get."""
+    first = script[0]
+    if not _INTERPRETER.fullmatch(Path(first).name):
+        return script
+    found = shutil.which(first)
+    ours = Path(sys.executable).absolute()
+    if found is not None and Path(found).absolute().parent == ours.parent:
+        if len(script) < 2:
+            raise click.UsageError(f"{first} needs a script: stepwatch run train.py [ARGS]...", ctx=ctx)
+        return script[1:]
+    raise click.UsageError(f"stepwatch run starts the script under the Python stepwatch is installed in ({ours}), "
+                           f"not {first}: give the script alone (stepwatch run train.py [ARGS]...), or run the "
+                           f"stepwatch installed beside {first}", ctx=ctx)
 
 
 # What may come before the script: python's ``-m MODULE`` (torchrun takes it too).
