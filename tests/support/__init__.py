@@ -47,7 +47,7 @@ def free_port() -> int:
 # The commands that read a run and print, starting nothing and changing nothing that outlives them:
 # ``run_stepwatch`` runs these in this process (click's CliRunner, with the environment and working
 # directory the subprocess would have), which saves the 0.2 s of CPU a new interpreter costs, some
-# 150 times a suite. tests/ui/test_cli.py runs every one of them as the real console script.
+# 70 times a suite. tests/ui/test_cli.py runs each of them as the real console script too.
 IN_PROCESS = frozenset({"summary", "query", "explain", "compare", "inspect", "sessions", "validate", "report"})
 
 

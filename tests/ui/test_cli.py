@@ -456,3 +456,17 @@ def test_events_key_that_is_not_a_list_is_an_error_in_validate_and_loaders(tmp_p
     [problem] = check.json()["problems"]
     assert problem["field"] == "$.events" and "must be an array" in problem["reason"]
     assert_clean_error(stepwatch("sessions", "export.json", cwd=tmp_path), "export.json", "$.events must be an array")
+
+
+def test_the_commands_other_tests_run_in_process_run_as_the_console_script(tmp_path: Path) -> None:
+    # tests.support.run_stepwatch runs these through click's CliRunner; here each is the installed command
+    write_sink(tmp_path / "sink", plain)
+    assert stepwatch("import", "sink", "--into", "h/history.sqlite", cwd=tmp_path).code == 0
+    session = stepwatch("summary", "h", "--json", cwd=tmp_path).json()["session_id"]
+    assert stepwatch("query", "h", "SELECT session_id FROM sessions", "--format", "json", cwd=tmp_path).json() \
+        == [{"session_id": session}]
+    assert stepwatch("explain", "h", "--json", cwd=tmp_path).json()["session_id"] == session
+    report = stepwatch("report", "h", "-o", "r.html", cwd=tmp_path)
+    assert report.code == 0 and (tmp_path / "r.html").stat().st_size > 0, report
+    same = stepwatch("compare", "h", "h", cwd=tmp_path)
+    assert same.code == 2 and "the same store" in same.err, same
