@@ -150,11 +150,8 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, server: Any) -> d
             poll_cpu_per_s = (process_cpu_seconds(server_pid) - idle0) / (time.perf_counter() - idle_t)
         load_before = load_average()
         server_cpu0 = process_cpu_seconds(server_pid)
-        t_go = time.time()
-        for worker in workers:
-            worker.go()
-        mon = ingest.monitor(aggregator.pid, counter, lambda c: sum(c[t] for t in WIRE_TABLES), expected, t_go,
-                             args.timeout, health=aggregator.health, senders=workers)
+        t_go, mon = ingest.release(aggregator.pid, workers, counter, lambda c: sum(c[t] for t in WIRE_TABLES),
+                                   expected, args.timeout, health=aggregator.health)
         server_cpu = process_cpu_seconds(server_pid) - server_cpu0
         load_after = load_average()
         results = [w.result(120) for w in workers]
@@ -327,6 +324,7 @@ def main() -> None:
     parser.add_argument("--profile-ranks", type=int, default=64)
     parser.add_argument("--profile-frames", type=int, default=8)
     args = parser.parse_args()
+    args.tmp_dir.mkdir(parents=True, exist_ok=True)
     header = machine_header(args.tmp_dir)
     print_header(f"aggregator ingest into ClickHouse vs SQLite: {args.ranks} ranks over TCP", header)
     work = Path(tempfile.mkdtemp(prefix="bench-chagg-", dir=args.tmp_dir))

@@ -904,6 +904,16 @@ class StoreCounter:
             self.db.close()
 
 
+def release(pid: int, workers: list[Worker], counter: StoreCounter, count_of: Any, expected: int, timeout: float,
+            health: Any = None) -> tuple[float, dict[str, Any]]:
+    """Lets every ready sender go at once and watches the store until ``expected`` rows are in:
+    (the moment they went, ``monitor``'s figures)."""
+    t_go = time.time()
+    for worker in workers:
+        worker.go()
+    return t_go, monitor(pid, counter, count_of, expected, t_go, timeout, health=health, senders=workers)
+
+
 def monitor(pid: int, counter: StoreCounter, count_of: Any, expected: int, t_go: float, timeout: float,
             health: Any = None, period: float = 0.25, senders: list[Worker] | None = None) -> dict[str, Any]:
     """Polls the store, the process and (optionally) its counters until ``expected`` rows are stored."""
@@ -1007,13 +1017,10 @@ def run_tcp(args: argparse.Namespace, work: Path, fmt: str = "stepwatch") -> dic
         else:
             expected = steps_expected * TRACEML_ROWS_PER_STEP
             count_of = lambda c: sum(c.values())  # noqa: E731
-        t_go = time.time()
         if poller is not None:
             poller.start()
-        for worker in workers:
-            worker.go()
-        mon = monitor(server.pid, counter, count_of, expected, t_go, args.timeout,
-                      health=server.health if fmt == "stepwatch" else None, senders=workers)
+        t_go, mon = release(server.pid, workers, counter, count_of, expected, args.timeout,
+                            health=server.health if fmt == "stepwatch" else None)
         if poller is not None:
             poller.stop()
             poller.process_cpu_s = _cpu_s(server.ready.get("ui_pid"))
@@ -1148,11 +1155,8 @@ def run_http(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         gen_s = time.perf_counter() - gen_started
         time.sleep(1.0)
         expected = ranks * batches * rows_per_batch
-        t_go = time.time()
-        for worker in workers:
-            worker.go()
-        mon = monitor(server.pid, counter, lambda c: c["spans"] + c["marks"], expected, t_go, args.timeout,
-                      health=server.health, senders=workers)
+        t_go, mon = release(server.pid, workers, counter, lambda c: c["spans"] + c["marks"], expected, args.timeout,
+                            health=server.health)
         results = [w.result(120) for w in workers]
         counter.close()
         stats, stop_s = server.stop()
