@@ -99,8 +99,9 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     check_binds(read_token(options.get("token_env")), metrics_host=(options.get("metrics_host"),
                                                                     options.get("metrics_port")),
                 ui_host=(options.get("ui_host"), options.get("ui_port")))
-    script = _without_interpreter(click.get_current_context(), script)
-    _check_script(click.get_current_context(), script)
+    ctx = click.get_current_context()
+    script = _without_interpreter(ctx, script)
+    _check_script(ctx, script)
     if retention:
         os.environ[RETENTION_ENV] = retention  # the aggregator the launcher starts inherits it
 
