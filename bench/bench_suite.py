@@ -13,7 +13,8 @@ nothing: every Python process reports its own ``getrusage`` at exit (a ``sitecus
 0.2 s, for the processes that end by a signal (killed ranks, stopped servers) or are no Python.
 A process counts once, at the larger of its two figures. Printed: the wall time, the CPU time
 in all, and the CPU by kind of process, with how many there were and what each cost; the test
-files whose processes cost the most (a started process inherits pytest's PYTEST_CURRENT_TEST),
+files and the tests whose processes cost the most (a started process inherits pytest's
+PYTEST_CURRENT_TEST),
 and those that cost pytest's workers the most (a plugin times each test in its worker); each
 worker's last test, which shows whether the suite's end waited on one worker.
 """
@@ -166,11 +167,13 @@ def main() -> None:
             cpu[e["pid"]] = (e["cmd"], max(e["cpu"], known[1] if known else 0.0), e["test"] or (known[2] if known else ""))
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_file: dict[str, list[float]] = defaultdict(list)
+    by_test: dict[str, list[float]] = defaultdict(list)
     for command_line, seconds, current_test in cpu.values():
         kind = kind_of(command_line)
         by_kind[kind].append(seconds)
         if kind != "pytest worker":
             by_file[test_file(current_test)].append(seconds)
+            by_test[current_test.rsplit(" (", 1)[0] or test_file("")].append(seconds)
     own = next((e["cpu"] for e in exits if e["pid"] == proc.pid), 0.0)
     by_kind["pytest"].append(own)
     total = sum(sum(v) for v in by_kind.values())
@@ -183,6 +186,10 @@ def main() -> None:
         print(f"{kind:28} {len(values):9d} {spent:8.1f} {spent / total:6.1%} {spent / len(values):7.2f}")
     print(f"\nthe {args.top} test files whose processes cost the most (pytest's workers left out):")
     for name, values in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
+        print(f"{sum(values):7.1f} s in {len(values):3d} processes  {name}")
+    print(f"\nthe {args.top} tests whose processes cost the most (a module or session fixture's run counts "
+          "for the test that asked first):")
+    for name, values in sorted(by_test.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
         print(f"{sum(values):7.1f} s in {len(values):3d} processes  {name}")
     print(f"\nthe {args.top} test files that cost pytest's workers the most ({sum(in_workers.values()):.0f} s in all):")
     for name, seconds in sorted(in_workers.items(), key=lambda kv: -kv[1])[:args.top]:
