@@ -7,10 +7,7 @@ and the functional optimizers are wrapped in ``torch._disable_dynamo``, and ever
 optimizer's ``step`` in ``_use_grad_for_differentiable``, which calls ``torch._dynamo.
 graph_break()``. Until ``torch._dynamo`` has been imported no frame can be compiling, so both
 are no-ops: this gives them wrappers that go straight to the function until then, and to torch's
-own wrapper after. ``DistributedDataParallel``'s constructor reads one setting of the compiler
-(``torch._dynamo.utils.get_optimize_ddp_mode()``, the mode compiled DDP models use); until the
-compiler is imported that setting can only be its default, which the constructor gets here without
-the import. Numerically nothing changes (tests/structure/test_eager_torch.py trains the
+own wrapper after. Numerically nothing changes (tests/structure/test_eager_torch.py trains the
 same model with and without it), and each program still runs real torch.
 
 Nothing here may break a process: a torch whose internals moved is left alone (the suite is
@@ -71,47 +68,10 @@ def _lazy_use_grad(original: Any) -> Any:
     return use_grad_for_differentiable
 
 
-class _CompilerDefaults:
-    """``torch._dynamo`` as DDP's constructor reads it while the compiler is not imported: the
-    default DDP mode (``optimize_ddp = True``), and the real module for anything else."""
-
-    class utils:  # noqa: N801 - stands in for the module torch._dynamo.utils
-        @staticmethod
-        def get_optimize_ddp_mode() -> str:
-            return "ddp_optimizer"
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(importlib.import_module("torch._dynamo"), name)
-
-
-_COMPILER_DEFAULTS = _CompilerDefaults()
-
-
-def _lazy_ddp(ddp: Any) -> Any:
-    original = ddp.__init__
-
-    @functools.wraps(original)
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        if _compiler_loaded():
-            return original(self, *args, **kwargs)
-        import torch
-
-        torch._dynamo = _COMPILER_DEFAULTS  # type: ignore[attr-defined]
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if torch.__dict__.get("_dynamo") is _COMPILER_DEFAULTS:
-                del torch._dynamo  # type: ignore[attr-defined]
-
-    ddp.__init__ = init
-    return ddp
-
-
 # module -> (attribute, what wraps it), each replaced the moment the module has run
 _PATCHES = {
     "torch._compile": ("_disable_dynamo", _lazy_disable_dynamo),
     "torch.optim.optimizer": ("_use_grad_for_differentiable", _lazy_use_grad),
-    "torch.nn.parallel.distributed": ("DistributedDataParallel", _lazy_ddp),
 }
 
 
