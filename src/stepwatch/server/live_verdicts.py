@@ -58,17 +58,6 @@ def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
     return value if value > 0 else 0.0
 
 
-def _warm_up() -> None:
-    """Imports what the engine loads on first use (numpy, for its reductions) before the first
-    round, on this thread, so the first evaluation costs what the others do."""
-    try:
-        import numpy  # noqa: F401
-
-        from ..analysis.verdicts import diagnosis, inputs  # noqa: F401
-    except ImportError:
-        pass
-
-
 class LiveVerdicts:
     """Example::
 
@@ -121,16 +110,16 @@ class LiveVerdicts:
                 "max_ms": round(1000 * self.max_seconds, 3)}
 
     def _run(self) -> None:
-        _warm_up()
-        rounds = 0
         while not self._stop.wait(min(max(self.interval_s, self._last_round_s / MAX_DUTY), 10 * self.interval_s)):
             if self.busy():
                 self.skipped += 1
                 continue
+            first = self.evaluations == 0
             started = time.perf_counter()
             self.tick()
-            rounds += 1
-            if rounds > 1:  # the first round opens the store and loads what the engine imports lazily
+            if not first:
+                # The first evaluation opens the store and imports what the engine loads (numpy):
+                # not the cost of a round. Only then: a job that ends before it imports none of it.
                 self._last_round_s = time.perf_counter() - started
         if self._store is not None:
             self._store.close()
