@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from stepwatch.ui.cli import cli
+from tests.support import needs
 from tests.support.shared import once
 from tests.support.trace_run import STEPS_PER_RANK, trace_run
 
@@ -22,10 +23,10 @@ pytestmark = [
     pytest.mark.real,  # the run is a real stepwatch run (torchrun, two ranks)
     # MLflow 3.17's SQLite store still asks SQLAlchemy 2.1 for a loader strategy it deprecates
     pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated"),
+    needs("mlflow"),
 ]
 
 pytest.importorskip("torch")
-pytest.importorskip("mlflow")
 
 
 def _export(*args: str) -> list[str]:

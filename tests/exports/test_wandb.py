@@ -14,15 +14,14 @@ from typing import Any
 import pytest
 
 from stepwatch.exports.wandb_export import wandb_run_id
-from tests.support import run_stepwatch
+from tests.support import needs, run_stepwatch
 from tests.support.shared import once
 from tests.support.trace_run import STEPS_PER_RANK
 from tests.support.wandb_records import history_rows, read_records
 
-pytestmark = pytest.mark.real  # the run is a real stepwatch run (torchrun, two ranks)
+pytestmark = [pytest.mark.real, needs("wandb")]  # the run is a real stepwatch run (torchrun, two ranks)
 
 pytest.importorskip("torch")
-pytest.importorskip("wandb")
 
 
 def _offline(out: Path, run: Path) -> tuple[Path, list[str]]:
