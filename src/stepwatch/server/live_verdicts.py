@@ -8,8 +8,8 @@ that received steps since it last looked, and the memory samples over the same s
 ``analysis.verdicts.diagnose`` on them.
 
 Intake comes first: a round is skipped while the aggregator is under load (``busy``:
-``flush_rows`` rows wait, or its last tick wrote as many), and the next round waits 20 times the last one's cost (at most 10 intervals),
-so the evaluations take at most 5 % of wall time (of the GIL the intake and the writer share).
+``flush_rows`` rows wait, or its last tick wrote as many), and the next round waits 20 times the last one's CPU time (at most 10 intervals),
+so the evaluations take at most 5 % of the GIL the intake and the writer share.
 
 A change of a session's primary verdict (name, severity or ranks), once it holds for ``confirm``
 evaluations in a row (so a verdict on a threshold does not flap), is
@@ -115,12 +115,14 @@ class LiveVerdicts:
                 self.skipped += 1
                 continue
             first = self.evaluations == 0
-            started = time.perf_counter()
+            started = time.thread_time()
             self.tick()
             if not first:
                 # The first evaluation opens the store and imports what the engine loads (numpy):
                 # not the cost of a round. Only then: a job that ends before it imports none of it.
-                self._last_round_s = time.perf_counter() - started
+                # A round's cost is its thread's CPU time, its share of the GIL: on a machine busy
+                # with other processes its wall time is longer, but it takes no more from intake.
+                self._last_round_s = time.thread_time() - started
         if self._store is not None:
             self._store.close()
 
