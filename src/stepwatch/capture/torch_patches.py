@@ -119,25 +119,31 @@ class TorchPatches:
         loss_type = self.torch.nn.modules.loss._Loss
         # Whether this thread has a forward open, asked first by every call: a context variable
         # reads in ~0.1k instructions (callgrind) where the thread-local ``threads.me`` takes
-        # ~0.5k (``_getter``).
-        forward_open = contextvars.ContextVar("stepwatch_forward_open", default=False)
-        is_open = _getter(forward_open)
-        set_open = forward_open.set
+        # ~0.5k. It holds the thread's ``_ForwardFlag``, set once (``_getter``); the forward
+        # flips the flag in place, as a ``ContextVar.set`` costs ~2.2k (a new context mapping).
+        forward_flag: contextvars.ContextVar[_ForwardFlag] = contextvars.ContextVar("stepwatch_forward_open",
+                                                                                   default=_CLOSED)
+        flag = _getter(forward_flag)
         direct = _is_torch_dispatch(self.torch, original)
 
         def outer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             """A call with no forward open on this thread (by this wrapper)."""
             if isinstance(module, loss_type):  # no forward (asked first: a loss call reads no thread-local)
                 return original(module, *args, **kwargs)
+            held = flag()
+            if held is _CLOSED:  # this thread's first forward: its own flag, in its context
+                held = _ForwardFlag()
+                if flag is not _closed:
+                    forward_flag.set(held)
             local = threads.me
             if local.in_forward:
                 # A forward an integration opened (Lightning's training_step): nothing it calls
                 # is a forward either, so the module calls below take the short path.
-                set_open(True)
+                held.open = True
                 try:
                     return original(module, *args, **kwargs)
                 finally:
-                    set_open(False)
+                    held.open = False
             model = local.model
             if model is not None and module is not model:
                 # Not the traced model. Its submodules stay on this path: it may call the traced
@@ -150,11 +156,11 @@ class TorchPatches:
             except Exception as exc:  # noqa: BLE001
                 report_internal(exc, Site.PATCH_FORWARD)
             local.in_forward = True
-            set_open(True)
+            held.open = True
             try:
                 return original(module, *args, **kwargs)  # torch's own frame stays in a traceback
             finally:
-                set_open(False)
+                held.open = False
                 local.in_forward = False
                 if span is not None:
                     try:
@@ -171,14 +177,14 @@ class TorchPatches:
         # frame stands where torch's ``_wrapped_call_impl`` stood.
         if direct:
             def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
-                if is_open() or isinstance(module, loss_type):  # a loss module is no forward either
+                if flag().open or isinstance(module, loss_type):  # a loss module is no forward either
                     if module._compiled_call_impl is None:
                         return module._call_impl(*args, **kwargs)
                     return module._compiled_call_impl(*args, **kwargs)
                 return outer(module, args, kwargs)
         else:  # not torch's own __call__ (another tool's wrapper, a torch that does more): call it
             def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:
-                if is_open():
+                if flag().open:
                     return original(module, *args, **kwargs)
                 return outer(module, args, kwargs)
 
@@ -330,16 +336,29 @@ class TorchPatches:
 _HOST = ("cpu", "meta")
 
 
-def _never() -> bool:
-    return False
+class _ForwardFlag:
+    """Whether a forward is open on the thread whose context holds this flag (``open``)."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = False
 
 
-def _getter(var: contextvars.ContextVar[bool]) -> Any:
+_CLOSED = _ForwardFlag()  # a context's flag until its thread's first forward: never opened
+
+
+def _closed() -> _ForwardFlag:
+    return _CLOSED
+
+
+def _getter(var: contextvars.ContextVar[_ForwardFlag]) -> Any:
     """``var.get``, where a context variable is per thread: each thread starts with its own
     context. On a Python that copies the caller's context into new threads
-    (``sys.flags.thread_inherit_context``, 3.14), a thread started inside a forward would inherit
-    "open": there it never answers, and the thread-local alone decides, as before."""
-    return _never if getattr(sys.flags, "thread_inherit_context", 0) else var.get
+    (``sys.flags.thread_inherit_context``, 3.14), a thread would share the flag of the thread
+    that started it: there every call reads "closed", a forward flips a flag of its own, and the
+    thread-local alone decides, as before."""
+    return _closed if getattr(sys.flags, "thread_inherit_context", 0) else var.get
 
 
 def _is_torch_dispatch(torch: Any, original: Any) -> bool:
