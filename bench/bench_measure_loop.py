@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=4, help="callgrind runs at once")
     parser.add_argument("--tmp-dir", type=Path, default=None)
     args = parser.parse_args()
+    if args.tmp_dir is not None:
+        args.tmp_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-measure-loop-", dir=args.tmp_dir))
     runs = [(arm, depth) for depth in args.depths for arm in ARMS]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
