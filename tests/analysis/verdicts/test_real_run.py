@@ -103,7 +103,10 @@ def test_a_slow_loader_is_input_bound(recorded: Any) -> None:
     assert primary.severity == "crit" and primary.ranks == (0,)
     assert primary.evidence["window"]["steps"] >= 50
     assert primary.evidence["mean_ms"] >= 3.0  # four samples of 1 ms each
-    assert "RESIDUAL_HEAVY" not in [v.name for v in diagnosis.step_time]  # the fetch counted once
+    # the fetch counted once: not also as time outside every phase (on a loaded machine the
+    # residual may still be heavy on its own, so its share is compared with the fetch's)
+    shares = primary.evidence["shares"]
+    assert shares["residual"] < shares["input"] / 2, shares
 
 
 def test_a_sleep_after_each_step_is_time_between_steps(recorded: Any) -> None:
