@@ -14,9 +14,8 @@ nothing: every Python process reports its own ``getrusage`` at exit (a ``sitecus
 A process counts once, at the larger of its two figures. Printed: the wall time, the CPU time
 in all, and the CPU by kind of process, with how many there were and what each cost; the test
 files and the tests whose processes cost the most (a started process inherits pytest's
-PYTEST_CURRENT_TEST),
-and those that cost pytest's workers the most (a plugin times each test in its worker); each
-worker's last test, which shows whether the suite's end waited on one worker.
+PYTEST_CURRENT_TEST), and the files that cost pytest's workers the most (a plugin times each test
+in its worker); each worker's last test, which shows whether the suite's end waited on one worker.
 """
 
 from __future__ import annotations
