@@ -134,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default=os.environ.get("TEST_WORKERS", "4"))
     parser.add_argument("--top", type=int, default=15, help="the costliest processes to list")
+    parser.add_argument("--keep-log", type=Path, help="write each process (kind, CPU, test, command) to this file, a JSON line each")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the whole suite)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="stepwatch-bench-suite-") as tmp:
@@ -164,6 +165,9 @@ def main() -> None:
         if e["pid"] != proc.pid:
             known = cpu.get(e["pid"])
             cpu[e["pid"]] = (e["cmd"], max(e["cpu"], known[1] if known else 0.0), e["test"] or (known[2] if known else ""))
+    if args.keep_log:
+        args.keep_log.write_text("".join(json.dumps({"kind": kind_of(cmd), "cpu": round(seconds, 3), "test": test,
+                                                     "cmd": cmd}) + "\n" for cmd, seconds, test in cpu.values()))
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_file: dict[str, list[float]] = defaultdict(list)
     by_test: dict[str, list[float]] = defaultdict(list)

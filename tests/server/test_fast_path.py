@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.errors import TransportError
@@ -114,6 +114,9 @@ _SETTINGS = settings(max_examples=300, deadline=None,
 
 @_SETTINGS
 @given(meta=_meta, tables=_tables)
+# an attrs or metadata that is no map is refused on both paths (the typed one hands it back)
+@example(meta={"session_id": "0"}, tables={"marks": [{"id": "0", "name": "", "span_id": None, "attrs": True}]})
+@example(meta={"session_id": "0"}, tables={"telemetry": [{"metadata": "text"}]})
 def test_tcp_fast_path_queues_and_refuses_like_the_general_path(stores: tuple[SqliteStore, SqliteStore],
                                                                 meta: dict[str, Any], tables: dict[str, Any]) -> None:
     try:
@@ -241,6 +244,9 @@ def _columnar(tables: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] |
 
 @_SETTINGS
 @given(meta=_meta, tables=_tables)
+# bytes attrs: base64 text in the columnar JSON, a string where a map belongs on both paths
+@example(meta={"session_id": "0"}, tables={"spans": [{"id": "0", "name": "step", "start_ns": 0, "end_ns": 0,
+                                                      "parent_id": None, "index": None, "attrs": b"\x00"}]})
 def test_columnar_frames_queue_and_refuse_like_their_row_maps(stores: tuple[SqliteStore, SqliteStore],
                                                               meta: dict[str, Any], tables: dict[str, Any]) -> None:
     pair = _columnar(tables)

@@ -48,7 +48,7 @@ class WireTelemetry(msgspec.Struct, gc=False):
     pid: I64 | None = None
     host: Host | None = None
     context: str | None = None
-    metadata: Any = None
+    metadata: dict[str, Any] | None = None
 
 
 class WireSpan(msgspec.Struct, gc=False):
@@ -74,7 +74,7 @@ class WireMark(msgspec.Struct, gc=False):
     value_nonfinite: str | None = None
     ts_ns: I64 | None = None
     kind: str | None = "point"
-    attrs: Any = None
+    attrs: dict[str, Any] | None = None
 
 
 _S = str | None

@@ -225,16 +225,23 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _json = msgspec.json.Encoder()
 _NUMBER = {type(None), int, float, bool}
 _ALLOWED = {"text": _NUMBER | {str}, "int": _NUMBER, "real": _NUMBER}
+# JSON columns that hold one object (a map of names), never a bare string, number or list:
+# the readers look names up in them
+_OBJECT_COLUMNS = frozenset({"attrs", "metadata", "stats", "fields", "evidence"})
+_OBJECT = {type(None), dict}
 
 
 def check_rows(table: str, rows: list[dict[str, Any]]) -> None:
     """Raises ValueError, naming the column, for a row the store cannot take: an integer over 64
     bits, text in a numeric column, a map or list outside a JSON column, a JSON column that does
-    not encode. Checked where rows come in, so one sender's bad row never fails a shared write.
+    not encode, an object column (attrs, ...) that is no map. Checked where rows come in, so one sender's bad row never fails a shared write.
     Column at a time, so the common case costs a few C-level passes."""
     for name, kind in COLUMNS[table]:
         values = [row.get(name) for row in rows]
         if kind == "json":
+            if name in _OBJECT_COLUMNS and not set(map(type, values)) <= _OBJECT:
+                bad = next(type(v).__name__ for v in values if type(v) not in _OBJECT)
+                raise ValueError(f"{table}.{name}: a {bad} where a map belongs")
             try:
                 _json.encode(values)
             except (TypeError, ValueError, OverflowError) as exc:
