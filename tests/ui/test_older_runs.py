@@ -19,11 +19,14 @@ import pytest
 from tests.support import run_stepwatch
 from tests.support.history import as_first_layout
 from tests.support.trace_format import format_problems
-from tests.support.web_runs import web_runs
+from tests.support.web_runs import RUNS, web_runs
 
 pytestmark = pytest.mark.real  # the run is a real stepwatch run
 
 pytest.importorskip("torch")
+
+RANKS, ARGS = RUNS["straggler"]
+STEPS = int(ARGS[ARGS.index("--steps") + 1])  # per rank
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def test_explain_and_query_read_an_older_history_as_todays(runs: tuple[Path, Pat
     assert _json(older, "query", str(older), "--alerts", "--format", "json") == []  # no alerts table then
     steps = _json(older, "query", str(older), "SELECT COUNT(*) AS n, COUNT(recompute_ns) AS r FROM steps",
                   "--format", "json")
-    assert steps == [{"n": 160, "r": 0}]  # 2 ranks x 80 steps; recompute unknown, never 0
+    assert steps == [{"n": RANKS * STEPS, "r": 0}]  # every rank's steps; recompute unknown, never 0
     assert _digest(older) == before
 
 
@@ -72,7 +75,7 @@ def test_the_trace_and_the_report_of_an_older_run(runs: tuple[Path, Path], tmp_p
     assert run_stepwatch("export", "perfetto", str(older), "-o", str(trace), cwd=tmp_path).returncode == 0
     events = json.loads(trace.read_text())
     assert format_problems(events) == []
-    assert sum(1 for e in events["traceEvents"] if e.get("cat") == "step") == 160
+    assert sum(1 for e in events["traceEvents"] if e.get("cat") == "step") == RANKS * STEPS
     report = run_stepwatch("report", str(older), "-o", str(tmp_path / "report.html"), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     packed = re.findall(r'<script type="application/octet-stream" id="[^"]+">([^<]+)</script>',
@@ -92,5 +95,5 @@ def test_an_older_run_goes_to_tensorboard_with_every_step(runs: tuple[Path, Path
     for rank in (0, 1):
         acc = EventAccumulator(str(tmp_path / "tb" / f"rank_{rank}"), size_guidance={"scalars": 0})
         acc.Reload()
-        assert [e.step for e in acc.Scalars("step_time_ms")] == list(range(80))
+        assert [e.step for e in acc.Scalars("step_time_ms")] == list(range(STEPS))
     assert _digest(older) == before

@@ -130,7 +130,7 @@ def test_compare_page_overlays_two_runs_with_the_compare_verdict(browser: Any, d
     page, log = open_page(browser, f"{dashboard.url}compare?a={a['session_id']}&b={b['session_id']}")
     from stepwatch.analysis.compare import compare_verdict
 
-    expected = compare_verdict(a, b, workload_a="train_web.py", workload_b="train_web.py")["verdict"]
+    expected = compare_verdict(a, b, workload_a="small_train.py", workload_b="small_train.py")["verdict"]
     assert page.inner_text("#verdict-name") == expected
     names = [t["name"] for t in charts(page)["chart-compare"]]
     assert names == ["A rank 0", "A rank 1", "B rank 0", "B rank 1"]

@@ -34,7 +34,7 @@ def test_a_live_run_page_grows_without_a_reload(browser: Any, tmp_path: Path, sh
     log_path = tmp_path / "run.log"
     with log_path.open("w") as log_file:
         proc = subprocess.Popen([*STEPWATCH, "run", "--ui-port", "0", "--interval", "200", "--out", str(tmp_path / "run"),
-                                 str(PROGRAM), "--steps", "240", "--sleep-ms", "40", "--nan-at", "150"],
+                                 str(PROGRAM), "--steps", "240", "--sleep-after-step-ms", "40", "--nan-at", "150"],
                                 cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=log_file)
         try:
             deadline = time.monotonic() + 90

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
+from tests.support import STEPWATCH, clean_env, run_stepwatch
 from tests.support.shared import once
+from tests.support.web_runs import PROGRAM, web_run_outputs
 
 pytest.importorskip("torch")
-
-PROGRAM = Path(__file__).resolve().parent / "programs" / "verdict_train.py"
 
 
 class Run:
@@ -40,11 +39,9 @@ class Run:
         return json.loads(proc.stdout)
 
 
-def train(base: Path, name: str, *args: str, nproc: int = 1, interval_ms: int = 200, timeout: float = 90,
-          **env: str) -> Run:
+def train(base: Path, name: str, *args: str, interval_ms: int = 200, timeout: float = 90, **env: str) -> Run:
     out = base / name
-    command = [*STEPWATCH, "run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-               "--interval", str(interval_ms), "--out", str(out), str(PROGRAM), *args]
+    command = [*STEPWATCH, "run", "--interval", str(interval_ms), "--out", str(out), str(PROGRAM), *args]
     proc = subprocess.run(command, cwd=base, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return Run(out, proc)
@@ -59,3 +56,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
         return once(tmp_path_factory, f"verdict-{name}", lambda base: train(base, name, *args, **kwargs))
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """The two 2-rank runs every surface reads (tests/support/web_runs.py), ``clean`` and
+    ``straggler``, as verdict runs."""
+    done = web_run_outputs(tmp_path_factory)
+    return {name: Run(Path(done[name]["dir"]), subprocess.CompletedProcess([], done[name]["code"], done[name]["stdout"],
+                                                                          done[name]["stderr"]))
+            for name in ("clean", "straggler")}

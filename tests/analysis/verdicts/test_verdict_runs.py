@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,8 +15,9 @@ import pytest
 
 from stepwatch.analysis.markers import derive_verdict_markers
 from tests.support import run_stepwatch as stepwatch
+from tests.support.web_runs import track_run
 
-from .conftest import PROGRAM, Run
+from .conftest import Run
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -60,9 +60,8 @@ def test_a_slow_loader_is_input_bound_in_the_summary_the_text_and_explain(runs: 
     assert text_summary.stdout.splitlines()[2].startswith("diagnosis INPUT_BOUND (")
 
 
-def test_a_slow_rank_is_named_and_only_that_rank(runs: Callable[..., Run]) -> None:
-    run = runs("straggler", "--steps", "300", "--forward-ms", "1", "--slow-rank", "1", "--slow-forward-ms", "5",
-               nproc=2, STEPWATCH_VERDICT_INTERVAL_S="0.5")
+def test_a_slow_rank_is_named_and_only_that_rank(ddp_runs: dict[str, Run]) -> None:
+    run = ddp_runs["straggler"]
     diagnosis = run.diagnosis
     primary = diagnosis["primary"]
     assert primary["name"] in STRAGGLERS and primary["severity"] in ("warn", "crit"), primary
@@ -103,8 +102,8 @@ def test_a_clean_balanced_run_has_no_warn_or_crit_verdict(runs: Callable[..., Ru
     assert all(severity == "info" for (severity,) in rows)
 
 
-def test_a_clean_two_rank_ddp_run_names_no_straggler(runs: Callable[..., Run]) -> None:
-    run = runs("clean-ddp", "--steps", "120", "--forward-ms", "5", nproc=2, STEPWATCH_VERDICT_INTERVAL_S="0.5")
+def test_a_clean_two_rank_ddp_run_names_no_straggler(ddp_runs: dict[str, Run]) -> None:
+    run = ddp_runs["clean"]
     assert serious(run.diagnosis) == [], run.diagnosis
     assert not any(v["name"] in STRAGGLERS for v in findings(run.diagnosis))
     assert not any(line.startswith("[stepwatch] verdict ") and "(info" not in line
@@ -130,11 +129,8 @@ def test_a_loader_turning_slow_mid_run_prints_a_live_verdict_and_stores_it(runs:
     assert stats["evaluations"] >= 2 and stats["errors"] == 0
 
 
-def test_explain_a_track_run_without_history(tmp_path: Path) -> None:
-    out = tmp_path / "tracked"
-    proc = stepwatch("track", "--interval", "200", "--out", str(out), "--", sys.executable, str(PROGRAM),
-                     *SLOW_LOADER[1:], cwd=tmp_path, timeout=90)
-    assert proc.returncode == 0, proc.stderr
+def test_explain_a_track_run_without_history(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    out = track_run(tmp_path_factory)
     assert not (out / "history.sqlite").exists()
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     explained = stepwatch("explain", str(out), "--json", cwd=tmp_path)

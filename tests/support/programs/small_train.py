@@ -1,11 +1,14 @@
-"""A tiny CPU training loop whose slowness is chosen on the command line, for the verdict runs
-under ``stepwatch run``: a slow loader (from the start or from a step on), one slow rank (DDP over
-gloo), a growing list of tensors, or a sleep after each step. Plain PyTorch: no stepwatch call."""
+"""A tiny CPU training loop whose slowness and end are chosen on the command line, for the real
+runs the verdicts and the surfaces read: a slow loader (from the start or from a step on), one slow
+rank (DDP over gloo when launched with several ranks), a growing list of tensors, a sleep after
+each step (a run slow enough to watch grow), a NaN loss, a raise or a SIGKILL at a step. Plain
+PyTorch: no stepwatch call."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -56,6 +59,9 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=0.0, help="every rank sleeps this long in forward")
     parser.add_argument("--leak-mb", type=float, default=0.0, help="MiB kept alive after each step")
     parser.add_argument("--sleep-after-step-ms", type=float, default=0.0)
+    parser.add_argument("--nan-at", type=int, default=-1, help="the loss is NaN at this step (a NONFINITE alert)")
+    parser.add_argument("--crash-at", type=int, default=-1, help="raise at this step")
+    parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself at this step")
     args = parser.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -80,7 +86,13 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept: list[torch.Tensor] = []
     for xb, yb in loader:
+        if step == args.crash_at:
+            raise RuntimeError(f"bad batch at step {step} on rank {rank}")
+        if step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = nn.functional.mse_loss(model(xb), yb)
+        if step == args.nan_at:
+            loss = loss * float("nan")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
