@@ -24,6 +24,7 @@ from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
 from tests.support.aggregator import query
 from tests.support.marks import own_marks
 from tests.support.shared import once
+from tests.support.trace_run import STEPS_PER_RANK, trace_run_with_output
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
 
@@ -31,8 +32,6 @@ pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "train_demo.py"
-STEPS = 40  # --steps 40 over 3 epochs: 13 steps per epoch, 39 per rank
-STEPS_PER_RANK = 39
 
 
 def run_command(out: Path, *script: str, nproc: int = 2) -> list[str]:
@@ -42,13 +41,8 @@ def run_command(out: Path, *script: str, nproc: int = 2) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    def build(base: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
-        out = base / "run-a"
-        proc = subprocess.run(run_command(out, str(DEMO), "--steps", str(STEPS)), cwd=base, env=clean_env(),
-                              capture_output=True, text=True, timeout=120)
-        return out, proc
-
-    return once(tmp_path_factory, "launcher-two-ranks", build)
+    """A 2-rank run that logs a loss mark each step (the exports' run, tests/support/trace_run.py)."""
+    return trace_run_with_output(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +231,7 @@ def test_compare_two_runs(two_ranks: tuple[Path, subprocess.CompletedProcess[str
     rows = {r["metric"]: r for r in result["metrics"]}
     assert rows["steps"]["a"] == 2 * STEPS_PER_RANK and rows["steps"]["b"] == b["overall"]["steps"] == 30
     assert rows["steps"]["delta"] == 30 - 2 * STEPS_PER_RANK
-    assert rows["steps"]["relative"] == pytest.approx((30 - 78) / 78)
+    assert rows["steps"]["relative"] == pytest.approx((30 - 2 * STEPS_PER_RANK) / (2 * STEPS_PER_RANK))
     median = rows["step_ms.median"]
     assert median["a"] == a["overall"]["step_ms"]["median"] and median["b"] == b["overall"]["step_ms"]["median"]
     assert median["delta"] == pytest.approx(median["b"] - median["a"])

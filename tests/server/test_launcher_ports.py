@@ -108,7 +108,7 @@ def _three_jobs(base: Path) -> dict[str, Any]:
 
 def test_two_single_node_jobs_at_once_both_succeed(three_jobs: dict[str, Any]) -> None:
     for job, (_, err) in three_jobs["results"].items():
-        assert three_jobs["codes"][job] == 0, (job, err[-3000:])
+        assert three_jobs["codes"][job] == 0, f"job {job}:\n{err[-3000:]}"  # a string: shown whole
         assert "EADDRINUSE" not in err and "address already in use" not in err.lower()
     ports = {job: {(three_jobs["control"] / f"{job}-rank{r}").read_text() for r in (0, 1)}
              for job in ("first", "second", "named")}
