@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepwatch.store.spill import SpillBatch, SpillQueue, UnreadableBatch
+from stepwatch.store.spill import SpillBatch, SpillFull, SpillQueue, UnreadableBatch
 
 _VALUE = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text(max_size=20))
 _ROW = st.lists(_VALUE, min_size=1, max_size=5)
@@ -93,4 +93,47 @@ def test_the_head_is_the_first_batches_that_fit_and_stops_before_a_damaged_one(t
     queue.remove(2)
     with pytest.raises(UnreadableBatch, match="batch 3"):
         queue.head(100)
+    queue.close()
+
+
+# -- the cap: the queue never holds more than max_bytes of batches --------------------------------
+
+_STEP = st.one_of(st.tuples(st.just("push"), st.integers(1, 12), st.integers(0, 40)),  # seq, rows
+                  st.tuples(st.just("remove"), st.integers(1, 12), st.just(0)))
+
+
+@given(steps=st.lists(_STEP, max_size=30), cap=st.integers(0, 2_000))
+def test_a_capped_queue_refuses_what_would_pass_its_cap_and_nothing_else_changes(steps: list[Any], cap: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = SpillQueue(Path(tmp) / "spill.sqlite", max_bytes=cap)
+        held: dict[int, SpillBatch] = {}
+        for op, seq, rows in steps:
+            if op == "remove":
+                queue.remove(seq)
+                held.pop(seq, None)
+                continue
+            b = batch(seq, {"steps": [[seq, i, "x" * 10] for i in range(rows)]})
+            before = (queue.batches, queue.rows, queue.bytes)
+            try:
+                queue.push(b)
+            except SpillFull as exc:
+                assert str(exc).startswith(f"{queue.path}: the spill queue holds ") and f"cap is {cap}" in str(exc)
+                assert (queue.batches, queue.rows, queue.bytes) == before  # refused whole
+                continue
+            held[seq] = b
+            assert queue.bytes <= cap
+        assert (queue.batches, queue.rows) == (len(held), sum(b.rows for b in held.values()))
+        size = queue.bytes
+        queue.close()
+        queue = SpillQueue(Path(tmp) / "spill.sqlite", max_bytes=cap)  # counted again from the file
+        assert (queue.batches, queue.bytes) == (len(held), size)
+        assert queue.head(10**9) == [held[seq] for seq in sorted(held)]
+        queue.close()
+
+
+def test_without_a_cap_every_batch_is_queued(tmp_path: Path) -> None:
+    queue = SpillQueue(tmp_path / "spill.sqlite")
+    for seq in range(1, 6):
+        queue.push(batch(seq, {"steps": [[seq, "y" * 1000]]}))
+    assert queue.batches == 5 and queue.bytes > 5000
     queue.close()

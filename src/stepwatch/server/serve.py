@@ -66,11 +66,18 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         store = open_store(run_dir / "history.sqlite")
     else:  # a remote store: written off the ticks, spilled to run_dir while it is down or slow
         from ..store.spill import SPILL_FILE
-        from .store_feed import StoreFeed, backoff_from_env, open_remote_store, slow_s_from_env
+        from .store_feed import (
+            StoreFeed,
+            backoff_from_env,
+            open_remote_store,
+            slow_s_from_env,
+            spill_max_bytes_from_env,
+        )
 
         store = open_remote_store(store_url)  # a server that does not answer yet: opened later
         try:
-            feed = StoreFeed(store, run_dir / SPILL_FILE, slow_s=slow_s_from_env(), backoff_s=backoff_from_env())
+            feed = StoreFeed(store, run_dir / SPILL_FILE, slow_s=slow_s_from_env(), backoff_s=backoff_from_env(),
+                             spill_max_bytes=spill_max_bytes_from_env())
         except BaseException:
             store.close()
             raise

@@ -27,7 +27,8 @@ unique (store/clickhouse.py), and its view reads FINAL, so a row written twice i
 A batch the server refuses while it answers (``SELECT 1`` works right after the failure) three
 times in a row cannot be written by waiting: its rows are counted lost and it is removed, so one
 bad batch does not hold the queue back for ever. A batch the spill file cannot take (the local
-disk is full) is counted lost too.
+disk is full, or it holds ``spill_max_bytes``: 2 GiB, ``STEPWATCH_STORE_SPILL_MAX_MB``) is counted
+lost too; the ranks' own artifacts still hold its rows.
 
 Events for the aggregator (``take_events``, polled every tick on its loop): ``degraded`` (when an
 episode starts: it raises the ``STORE_DEGRADED`` alert) and ``recovered``.
@@ -45,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from ..store.spill import SpillBatch, SpillQueue, UnreadableBatch
+from ..store.spill import SpillBatch, SpillFull, SpillQueue, UnreadableBatch
 
-__all__ = ["RETRY_MAX_ENV", "SLOW_ENV", "StoreFeed", "UnopenedStore", "backoff_from_env", "open_remote_store",
-           "seconds_from_env", "slow_s_from_env"]
+__all__ = ["RETRY_MAX_ENV", "SLOW_ENV", "SPILL_MAX_ENV", "StoreFeed", "UnopenedStore", "backoff_from_env",
+           "open_remote_store", "positive_from_env", "slow_s_from_env", "spill_max_bytes_from_env"]
 
 log = logging.getLogger("stepwatch.aggregator")
 _REFUSALS_BEFORE_DROP = 3
@@ -59,10 +60,12 @@ _REFUSALS_BEFORE_DROP = 3
 MERGE_ROWS = 200_000
 SLOW_ENV = "STEPWATCH_STORE_SLOW_S"
 RETRY_MAX_ENV = "STEPWATCH_STORE_RETRY_MAX_S"
+SPILL_MAX_ENV = "STEPWATCH_STORE_SPILL_MAX_MB"
+SPILL_MAX_MB = 2048
 
 
-def seconds_from_env(name: str, default: float) -> float:
-    """A positive number of seconds from the environment (a bad value: the default, said once)."""
+def positive_from_env(name: str, default: float, unit: str = "seconds") -> float:
+    """A positive number of ``unit`` from the environment (a bad value: the default, said once)."""
     import os
 
     text = os.environ.get(name)
@@ -72,8 +75,8 @@ def seconds_from_env(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        log.warning("%s=%r is not a positive number of seconds: %.1f s is used", name, text, default)
+    if not 0 < value < float("inf"):
+        log.warning("%s=%r is not a positive number of %s: %g is used", name, text, unit, default)
         return default
     return value
 
@@ -81,14 +84,19 @@ def seconds_from_env(name: str, default: float) -> float:
 def slow_s_from_env(default: float = 5.0) -> float:
     """``STEPWATCH_STORE_SLOW_S``: how long a write may wait on the server before the next batch
     is spilled instead of waiting behind it."""
-    return seconds_from_env(SLOW_ENV, default)
+    return positive_from_env(SLOW_ENV, default)
 
 
 def backoff_from_env(first: float = 0.5, longest: float = 30.0) -> tuple[float, float]:
     """(first wait, longest wait) between tries of a store that failed; the longest from
     ``STEPWATCH_STORE_RETRY_MAX_S`` (how late a server that is back may be noticed)."""
-    longest = seconds_from_env(RETRY_MAX_ENV, longest)
+    longest = positive_from_env(RETRY_MAX_ENV, longest)
     return min(first, longest), longest
+
+
+def spill_max_bytes_from_env() -> int:
+    """``STEPWATCH_STORE_SPILL_MAX_MB``: how large the spill queue may grow (MiB of batches)."""
+    return int(positive_from_env(SPILL_MAX_ENV, SPILL_MAX_MB, unit="MiB") * 2**20)
 
 
 def _problem(exc: BaseException) -> str:
@@ -180,9 +188,10 @@ class StoreFeed:
 
     def __init__(self, store: Any, spill_path: str | Path, *, memory_batches: int = 64, memory_rows: int = 500_000,
                  backoff_s: tuple[float, float] = (0.5, 30.0), drain_s: float = 30.0, slow_s: float = 5.0,
+                 spill_max_bytes: int | None = SPILL_MAX_MB * 2**20,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
-        self.queue = SpillQueue(spill_path)
+        self.queue = SpillQueue(spill_path, spill_max_bytes)
         self.memory_batches, self.memory_rows = memory_batches, memory_rows
         self.backoff_s, self.drain_s, self.slow_s, self.clock = backoff_s, drain_s, slow_s, clock
         self._in_flight_since: float | None = None  # clock() when the call to the server under way began
@@ -303,6 +312,7 @@ class StoreFeed:
             "store_spilled_batches": self.spilled_batches, "store_spilled_rows": self.spilled_rows,
             "store_replayed_batches": self.replayed_batches, "store_replayed_rows": self.replayed_rows,
             "store_spill_pending_batches": self.queue.batches, "store_spill_pending_rows": self.queue.rows,
+            "store_spill_pending_bytes": self.queue.bytes,
             "store_memory_batches": len(self._memory), "store_last_error": self.last_error,
             "store_spill_path": str(self.queue.path),
         }
@@ -333,6 +343,10 @@ class StoreFeed:
     def _spill(self, batch: SpillBatch) -> None:
         try:
             self.queue.push(batch)
+        except SpillFull as exc:
+            self._lose(batch.rows, f"{exc} ({SPILL_MAX_ENV} raises the cap; the ranks' artifacts still hold "
+                                   f"the rows: stepwatch import RUN_DIR --into URL)")
+            return
         except StoreError as exc:
             self._lose(batch.rows, f"the spill queue cannot take it: {exc}")
             return

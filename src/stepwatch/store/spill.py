@@ -13,6 +13,11 @@ Why SQLite: a batch is durable once ``push`` returns (WAL, ``synchronous=FULL``:
 killed, or a machine that loses power, after the push still has it), the file is readable with
 any SQLite tool, and a batch is removed in the same file only once the store has taken it. The
 file outlives the aggregator: a later ``serve`` with the same ``--out`` replays what is left.
+
+Capped (``max_bytes`` of payload): the file sits beside the run, usually on the disk the training
+writes its checkpoints to, and a long outage must not fill it. A batch past the cap is refused
+(``SpillFull``) and the feed counts its rows lost to the remote history; the ranks' own artifacts
+still hold them (``stepwatch import RUN_DIR --into URL``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import msgspec
 
 from ..errors import StoreError
 
-__all__ = ["SPILL_FILE", "SpillBatch", "SpillQueue", "UnreadableBatch"]
+__all__ = ["SPILL_FILE", "SpillBatch", "SpillFull", "SpillQueue", "UnreadableBatch"]
 
 SPILL_FILE = "store_spill.sqlite"
 _encoder = msgspec.msgpack.Encoder()
@@ -41,6 +46,10 @@ class UnreadableBatch(StoreError):
     def __init__(self, message: str, seq: int, rows: int) -> None:
         super().__init__(message)
         self.seq, self.rows = seq, rows
+
+
+class SpillFull(StoreError):
+    """The queue holds ``max_bytes`` already: the batch was not queued."""
 
 
 class SpillBatch(NamedTuple):
@@ -71,8 +80,9 @@ class SpillQueue:
     feeder's thread reads and removes. Errors are StoreError naming the file.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_bytes: int | None = None) -> None:
         self.path = Path(path)
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,19 +91,26 @@ class SpillQueue:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY, queued_ns INTEGER NOT NULL, "
                              "rows INTEGER NOT NULL, payload BLOB NOT NULL)")
-            batches, rows, last = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(rows), 0), COALESCE(MAX(seq), 0) FROM batches").fetchone()
+            batches, rows, size, last = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(rows), 0), COALESCE(SUM(LENGTH(payload)), 0), COALESCE(MAX(seq), 0) "
+                "FROM batches").fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open the spill queue: {exc}") from None
-        self.batches, self.rows, self.last_seq = int(batches), int(rows), int(last)
+        self.batches, self.rows, self.bytes, self.last_seq = int(batches), int(rows), int(size), int(last)
 
     def push(self, batch: SpillBatch) -> None:
-        """Stores ``batch`` (a seq already queued is replaced: the same batch spilled again)."""
+        """Stores ``batch`` (a seq already queued is replaced: the same batch spilled again).
+        SpillFull when it would take the queue past ``max_bytes``."""
         payload = _encoder.encode({"tables": batch.tables, "batch_ids": batch.batch_ids,
                                    "opens": batch.opens, "closes": batch.closes})
         with self._lock:
             try:
-                old = self._db.execute("SELECT rows FROM batches WHERE seq = ?", (batch.seq,)).fetchone()
+                old = self._db.execute("SELECT rows, LENGTH(payload) FROM batches WHERE seq = ?",
+                                       (batch.seq,)).fetchone()
+                grown = self.bytes + len(payload) - (int(old[1]) if old is not None else 0)
+                if self.max_bytes is not None and grown > self.max_bytes:
+                    raise SpillFull(f"{self.path}: the spill queue holds {self.bytes} bytes, its cap is "
+                                    f"{self.max_bytes}: a batch of {batch.rows} rows is not queued")
                 self._db.execute("INSERT OR REPLACE INTO batches (seq, queued_ns, rows, payload) VALUES (?, ?, ?, ?)",
                                  (batch.seq, time.time_ns(), batch.rows, payload))
             except sqlite3.Error as exc:
@@ -103,6 +120,7 @@ class SpillQueue:
                 self.rows += batch.rows
             else:
                 self.rows += batch.rows - int(old[0])
+            self.bytes = grown
             self.last_seq = max(self.last_seq, batch.seq)
 
     def first(self) -> SpillBatch | None:
@@ -143,13 +161,14 @@ class SpillQueue:
     def remove(self, seq: int) -> None:
         with self._lock:
             try:
-                found = self._db.execute("SELECT rows FROM batches WHERE seq = ?", (seq,)).fetchone()
+                found = self._db.execute("SELECT rows, LENGTH(payload) FROM batches WHERE seq = ?", (seq,)).fetchone()
                 self._db.execute("DELETE FROM batches WHERE seq = ?", (seq,))
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: cannot remove batch {seq} from the spill queue: {exc}") from None
             if found is not None:
                 self.batches -= 1
                 self.rows -= int(found[0])
+                self.bytes -= int(found[1])
 
     def close(self) -> None:
         with self._lock:
