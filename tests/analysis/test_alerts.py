@@ -20,6 +20,7 @@ from stepwatch.analysis.alerts import (
     iso_time,
 )
 from stepwatch.analysis.markers import derive_alert_markers
+from tests.support import examples
 
 T0 = 1_700_000_000.0
 
@@ -366,7 +367,7 @@ def _play(observations: list[tuple[Any, ...]], policy: AlertPolicy) -> list[dict
     return out
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(_observation, max_size=60))
 def test_any_observations_give_well_formed_deterministic_alerts(observations: list[tuple[Any, ...]]) -> None:
     policy = AlertPolicy(stall_after_s=2, throughput_window_s=1, lost_grace_s=1)
@@ -388,7 +389,7 @@ def test_any_observations_give_well_formed_deterministic_alerts(observations: li
         assert "NONFINITE" not in [a["kind"] for a in first]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(1, 4), st.integers(20, 120), st.floats(0.02, 0.5), st.integers(0, 1000))
 def test_a_healthy_run_raises_nothing(ranks: int, steps: int, dt: float, seed: int) -> None:
     import random
@@ -411,7 +412,7 @@ def test_a_healthy_run_raises_nothing(ranks: int, steps: int, dt: float, seed: i
     assert rules.check(t + 1000, final=True) == []
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(1, 4), st.lists(st.floats(0.1, 30), min_size=1, max_size=30))
 def test_a_stall_alerts_once_per_episode(ranks: int, gaps: list[float]) -> None:
     rules = AlertRules(AlertPolicy(stall_after_s=3))

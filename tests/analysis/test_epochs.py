@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.analysis.epochs import epoch_report, eval_owner, render_epoch_line
+from tests.support import examples
 
 US = 1000  # times on a microsecond grid: the report's milliseconds (3 decimals) are exact
 
@@ -35,7 +36,7 @@ def _rank_run(draw: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     return epochs, evals
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(_rank_run(), min_size=1, max_size=3))
 @example([([(0, 10), (30, 40)], [(12, 20), (22, 35), (45, 50), (5, 8)])])  # after, into the next, after the last
 @example([([(0, 0)], []), ([(0, 2), (20, 20)], [(0, 20)])])  # inside and after: 2 + 18 ms, rounded apart
@@ -73,7 +74,7 @@ def test_evaluation_belongs_to_the_epoch_that_holds_or_precedes_it(ranks: list[A
 _epoch = st.tuples(st.integers(0, 100), st.integers(0, 100), st.one_of(st.none(), st.integers(0, 5)))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(_epoch, min_size=1, max_size=6), st.integers(-10, 220))
 def test_an_evaluation_has_one_owner_started_before_it(raw: list[tuple[int, int, Any]], at: int) -> None:
     """Overlapping and nested epochs too: the owner started at or before the evaluation, holds it

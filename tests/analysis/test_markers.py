@@ -23,6 +23,7 @@ from stepwatch.analysis.phase_replay import PhaseReplayIndex
 from stepwatch.guard import reset_swallowed, swallowed
 from stepwatch.schema import TelemetryEventV3
 from stepwatch.telemetry import load_telemetry_sessions
+from tests.support import examples
 from tests.support.records import make_event
 
 SID = "00000000-0000-4000-8000-00000000abcd"
@@ -340,7 +341,7 @@ def nested_runs(draw: st.DrawFn) -> tuple[list[TelemetryEventV3], Truth]:
     return events, truth
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nested_runs())
 def test_replay_of_random_nestings(run: tuple[list[TelemetryEventV3], Truth]) -> None:
     events, truth = run

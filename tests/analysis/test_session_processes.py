@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from stepwatch.analysis.summary import session_processes
 from stepwatch.store.sqlite import SqliteStore
+from tests.support import examples
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -31,7 +32,7 @@ def _row(rank: int, metadata: Any, i: int) -> dict[str, Any]:
             "metadata": metadata}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 6), _process), max_size=8))
 def test_workers_and_world_size_come_from_the_start_records(starts: list[tuple[int, Any]]) -> None:
     with tempfile.TemporaryDirectory() as tmp, SqliteStore(Path(tmp) / "h.sqlite") as store:

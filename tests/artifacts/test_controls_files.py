@@ -36,6 +36,7 @@ from stepwatch.artifacts.memory_snapshots import (
 )
 from stepwatch.artifacts.stacks import NoStackDump, dump_stacks
 from stepwatch.errors import ArtifactError
+from tests.support import examples
 
 STEPWATCH = [sys.executable, "-m", "stepwatch"]
 
@@ -213,7 +214,7 @@ _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.float
                                                                                         max_size=4), max_leaves=10)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.binary(max_size=300) | _json_values.map(lambda v: json.dumps(v).encode()) | st.fixed_dictionaries(
     {"target_step": st.integers(-5, 10**6), "reason": st.text(max_size=20), "requested_at": st.floats(0, 2e9),
      "iso": st.just("x"), "by": st.just("me")}).map(lambda v: json.dumps(v).encode()))
@@ -227,7 +228,7 @@ def test_a_halt_file_is_a_request_or_an_error_naming_it(data: bytes) -> None:
         assert isinstance(request, HaltRequest) and request.target_step >= 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.binary(max_size=300) | _json_values.map(lambda v: json.dumps(v).encode()))
 def test_a_memory_snapshot_request_is_a_request_or_an_error_naming_it(data: bytes) -> None:
     path = Path("/run/.MEMORY_SNAPSHOT")
@@ -237,7 +238,7 @@ def test_a_memory_snapshot_request_is_a_request_or_an_error_naming_it(data: byte
         assert str(path) in str(exc)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.binary(max_size=80) | _json_values.map(lambda v: json.dumps(v).encode()), max_size=12))
 def test_any_heartbeat_file_reads_as_rank_processes_without_raising(tmp_path_factory: pytest.TempPathFactory,
                                                                    lines: list[bytes]) -> None:

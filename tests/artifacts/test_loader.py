@@ -20,11 +20,12 @@ from stepwatch.artifacts.sink import SinkConfig, TelemetrySink
 from stepwatch.errors import ArtifactError
 from stepwatch.schema import SessionSummary, TelemetryEventV3, telemetry_event_to_dict
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
+from tests.support import examples
 from tests.support.records import make_event, make_record
 
 REPO = Path(__file__).resolve().parents[2]
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FUZZ = settings(PROPERTY, max_examples=200)
+PROPERTY = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(PROPERTY, max_examples=examples(200))
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from stepwatch.artifacts.run_outcome import (
     write_rank_end,
 )
 from stepwatch.errors import ArtifactError
+from tests.support import examples
 
 SID = "00000000-0000-4000-8000-000000000001"
 json_values = st.recursive(
@@ -62,7 +63,7 @@ def _build(specs: list[tuple[int, int, str]]) -> dict[int, dict[str, Any]]:
     return ends
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(errors_st, st.integers(-15, 3), st.lists(st.sampled_from([signal.SIGINT, signal.SIGTERM]), max_size=2),
        st.booleans())
 def test_the_outcome_is_always_one_of_the_documented_set(specs: list[tuple[int, int, str]], returncode: int,
@@ -110,14 +111,14 @@ def test_a_child_killed_by_a_signal_is_rank_zero_killed() -> None:
     assert outcome == "interrupted" and error is not None and error["type"] == "KeyboardInterrupt"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(json_values)
 def test_torchrun_failures_from_any_json_never_raise(data: Any) -> None:
     for row in parse_torchrun_failures(data, SID) + parse_torchrun_failures({"session_id": SID, "failures": [data]}, SID):
         assert type(row["rank"]) is int and row["rank"] >= 0 and type(row["exitcode"]) is int
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(json_values)
 def test_a_rank_end_file_of_any_json_reads_or_names_the_file(tmp_path_factory: pytest.TempPathFactory,
                                                              data: Any) -> None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.artifacts.run_manifest import RunManifest, run_session_id, write_run_manifest
+from tests.support import examples
 
 
 def test_a_written_manifest_names_its_session(tmp_path: Path) -> None:
@@ -28,7 +29,7 @@ def test_a_manifest_damaged_elsewhere_still_names_its_session(tmp_path: Path) ->
     assert run_session_id(tmp_path) == "s-2"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.one_of(
     st.binary(max_size=200),
     st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),

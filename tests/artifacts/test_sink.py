@@ -26,6 +26,7 @@ from stepwatch.artifacts.sink import RecordNotEncodable, SinkConfig, TelemetrySi
 from stepwatch.errors import ArtifactError, ConfigError, StepwatchError, ValidationError
 from stepwatch.schema import SessionSummary, json_schema, telemetry_event_to_dict
 from stepwatch.telemetry import load_telemetry_events, load_telemetry_sessions
+from tests.support import examples
 from tests.support.records import make_event, make_record
 
 REPO = Path(__file__).resolve().parents[2]
@@ -430,7 +431,7 @@ def test_rollover_at_the_exact_byte_bound(tmp_path: Path) -> None:
     assert sizes == [(2, 2 * size), (2, 2 * size), (1, size)]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     pads=st.lists(st.integers(min_value=0, max_value=400), min_size=1, max_size=40),
     slack=st.integers(min_value=0, max_value=1500),

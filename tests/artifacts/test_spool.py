@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import stepwatch
 from stepwatch.artifacts.spool import SpoolWriter, read_spool
 from stepwatch.errors import ArtifactError
+from tests.support import examples
 from tests.support.marks import own_marks
 
 pytestmark = pytest.mark.usefixtures("training_test")
@@ -381,7 +382,7 @@ def forests(draw: Any) -> tuple[list[dict[str, Any]], list[list[int]]]:
     return spans, batches
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.randoms(use_true_random=False))
 def test_random_forests_across_batches_read_back_children_first(forest: Any, rng: random.Random) -> None:
     spans, batches = forest

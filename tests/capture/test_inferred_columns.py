@@ -24,6 +24,7 @@ from stepwatch.capture.spans import OpenSpan, SpanRecorder
 from stepwatch.capture.spool_seal import SpoolSealer
 from stepwatch.capture.tables import BoundedTable
 from stepwatch.transport.frames import COLUMNAR, decode_body, encode_frame
+from tests.support import examples
 
 PHASE_TIMES = {"data_load": 10, "h2d": 0, "forward": 300, "backward": 500, "optimizer_step": 40, "recompute": 0}
 NORM_ATTRS = {"source": "clip_grad_norm_", "inferred": True}
@@ -96,7 +97,7 @@ def seal(tmp: Path, drawn: tuple[list[Any], bool, str], *, columns: bool) -> tup
     return loaded, frames
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(steps())
 def test_the_column_path_writes_what_the_loop_writes(tmp_path_factory: Any, drawn: tuple[list[Any], bool, str]) -> None:
     tmp = tmp_path_factory.mktemp("inferred")

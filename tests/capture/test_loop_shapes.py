@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import stepwatch
 from stepwatch import guard
 from stepwatch.artifacts.spool import LoadedSpool
+from tests.support import examples
 
 from .test_inferred import SESSION, finish, kids, named, start
 
@@ -482,7 +483,7 @@ def assert_sound(spool: LoadedSpool) -> None:
 
 
 # derandomize: the same examples on every run (the suite stays deterministic); no database
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@settings(max_examples=examples(40), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(OPS), min_size=1, max_size=30))
 # the training loader known, then two passes begun back to back: the first has no fetch

@@ -20,6 +20,7 @@ from torch import nn
 
 import stepwatch
 from stepwatch.capture.snapshots import tensor_stats
+from tests.support import examples
 from tests.support.capture import finish, start
 
 pytestmark = pytest.mark.usefixtures("training_test")
@@ -56,7 +57,7 @@ floats32 = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(hnp.arrays(np.float32, st.integers(1, 300), elements=floats32))
 def test_stats_match_numpy(values: np.ndarray) -> None:
     stats = tensor_stats(torch.from_numpy(values.copy()))

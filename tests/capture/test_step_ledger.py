@@ -14,6 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support import examples
+
 KILLED = """
 import os, signal, sys, time, torch
 model = torch.nn.Linear(8, 2)
@@ -102,7 +104,7 @@ def _valid_ledger(tmp_path: Path, steps: int, capacity: int) -> bytes:
     return data
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.integers(0, 40), cut=st.integers(0, 4000), flips=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=12))
 def test_cut_or_damaged_ledgers_give_a_clear_error_or_skipped_records(tmp_path: Path, steps: int, cut: int,
                                                                       flips: list[tuple[int, int]]) -> None:
@@ -130,7 +132,7 @@ def test_cut_or_damaged_ledgers_give_a_clear_error_or_skipped_records(tmp_path: 
         assert [r.index for r in read.records] == list(range(max(0, steps - 32), steps)) and read.skipped == 0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.binary(max_size=600))
 def test_random_bytes_never_crash_the_reader(tmp_path_factory: pytest.TempPathFactory, blob: bytes) -> None:
     from stepwatch.artifacts.step_ledger import MAGIC, read_ledger

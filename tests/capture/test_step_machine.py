@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from stepwatch.capture.spans import OpenSpan, SpanRecorder
 from stepwatch.capture.step_inference import Mode, StepState
 from stepwatch.capture.training import TrainingState
+from tests.support import examples
 
 OPS = ("fetch", "pass", "forward", "forward_nograd", "backward", "optimizer", "optimizer2")
 KILLS = ("kill", "kill_in_forward", "kill_in_forward_nograd", "kill_in_backward", "kill_in_optimizer")
@@ -133,7 +134,7 @@ def _check(loop: _Loop, spans: list[OpenSpan]) -> None:
     assert len({s.id for s in spans}) == len(spans)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.sampled_from(OPS), max_size=24), st.sampled_from(KILLS))
 @example(["fetch", "forward"], "kill_in_backward")  # issue 20: rank 0 killed in backward's all-reduce
 @example(["fetch", "forward", "backward", "optimizer", "fetch", "forward"], "kill_in_backward")

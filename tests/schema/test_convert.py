@@ -44,6 +44,7 @@ from tests.schema.test_records import (
     v3_single_field_breaks,
     v4_records,
 )
+from tests.support import examples
 from tests.support.records import make_event, make_record
 
 V3_VALIDATOR = jsonschema.Draft202012Validator(json_schema(3))
@@ -479,7 +480,7 @@ def record_shaped(draw: st.DrawFn) -> dict[str, Any]:
     return record
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(fuzz_values | record_shaped())
 def test_arbitrary_json_either_converts_or_raises_validation_error(value: Any) -> None:
     for kwargs in ({}, {"permissive_legacy": False}):

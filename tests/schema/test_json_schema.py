@@ -51,6 +51,7 @@ from tests.schema.test_records import (
     v4_records,
     with_field,
 )
+from tests.support import examples
 from tests.support.records import make_event, make_record
 
 VALIDATORS = {v: jsonschema.Draft202012Validator(json_schema(v)) for v in (2, 3, 4)}
@@ -192,7 +193,7 @@ def v4_capability_breaks(draw: st.DrawFn, record: dict[str, Any]) -> tuple[dict[
     return {**record, "metadata": metadata}, where
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(single_field_breaks())
 def test_records_breaking_one_single_field_rule_are_rejected_by_both(
     broken: tuple[int, dict[str, Any], str],

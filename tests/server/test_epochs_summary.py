@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.support import STEPWATCH, clean_env
+from tests.support import STEPWATCH, clean_env, examples
 from tests.support.shared import once
 
 pytestmark = pytest.mark.real  # every test here starts a process or trains a model
@@ -144,7 +144,7 @@ _span = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(_span, max_size=60))
 @example([{"rank": 0, "name": "epoch", "idx": None, "start_ns": 0, "end_ns": 0},
           {"rank": 0, "name": "epoch", "idx": 0, "start_ns": 0, "end_ns": 0}])

@@ -20,6 +20,7 @@ from stepwatch.server.aggregator import Aggregator
 from stepwatch.server.http_ingest import IngestApp, _Reject
 from stepwatch.store.sqlite import SqliteStore
 from stepwatch.transport.frames import COLUMNAR, WireTables, columnar_table, decode_body, decode_typed, encode_frame
+from tests.support import examples
 
 _I64 = 1 << 63
 _scalars = st.one_of(
@@ -108,7 +109,7 @@ def _outcome(aggregator: Aggregator, fn: Any) -> Any:
     return _normal(aggregator._pending)
 
 
-_SETTINGS = settings(max_examples=300, deadline=None,
+_SETTINGS = settings(max_examples=examples(300), deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

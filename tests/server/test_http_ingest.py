@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from stepwatch.server.http_ingest import OPENAPI
 from stepwatch.store.sqlite import SqliteStore
+from tests.support import examples
 from tests.support.aggregator import Aggregator, query, wait_for
 from tests.support.http import AUTH, TOKEN, ThreadServer, batch, hexid, mark, post, request, snapshot, span
 
@@ -371,7 +372,7 @@ _headers = st.fixed_dictionaries({}, optional={
 })
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+@settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                  HealthCheck.function_scoped_fixture])
 @given(body=_bodies, headers=_headers, encoding=st.sampled_from(["none", "gzip", "gzip-label-only", "deflate"]),
        path=st.sampled_from(["/v1/traces", "/api/traces"]))

@@ -31,6 +31,7 @@ from stepwatch.schema.limits import (
     sender_problem,
 )
 from stepwatch.transport.frames import encode_frame
+from tests.support import examples
 from tests.support.http import AUTH, ThreadServer, post
 from tests.support.records import make_event
 
@@ -212,7 +213,7 @@ def _frame(session_id: str, rank: int, world_size: int | None, host: str | None,
     return meta, tables
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(session_id=ids, rank=ranks, world_size=world_sizes, host=hosts, span_id=ids, parent_id=ids, span_name=names,
        mark_id=ids, mark_name=names, row_session=ids, row_rank=ranks, columnar=st.booleans())

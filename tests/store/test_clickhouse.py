@@ -18,7 +18,7 @@ from stepwatch.store import open_store
 from stepwatch.store.base import COLUMNS
 from stepwatch.store.importers import import_path
 from stepwatch.store.sqlite import SqliteStore
-from tests.support import run_stepwatch
+from tests.support import examples, run_stepwatch
 from tests.support.clickhouse import mutations_done
 from tests.support.store_compare import SELECTS, T0, both_stores, check_retention, named_answers
 from tests.support.store_rows import mark, span, step
@@ -128,7 +128,7 @@ def test_bad_urls_and_unreachable_servers_are_clear_errors(tmp_path: Path) -> No
         open_store(f"clickhouse://default@127.0.0.1:{free_port()}/db")
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(values=st.lists(st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=30),
                                  st.floats(allow_nan=False, allow_infinity=False)), min_size=1, max_size=4))
 def test_bound_parameters_reach_the_server_as_the_values_given(clickhouse_server: Any, values: list[Any]) -> None:

@@ -17,6 +17,7 @@ from stepwatch.errors import StoreError
 from stepwatch.store import TABLES, open_store
 from stepwatch.store.base import COLUMNS
 from stepwatch.store.sqlite import SqliteStore
+from tests.support import examples
 from tests.support.store_rows import S1, S2, heartbeat, mark, retention_batch, session, span, step, telemetry
 
 
@@ -297,7 +298,7 @@ def _dump(store: SqliteStore) -> dict[str, Any]:
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_rows, max_size=40), st.lists(st.integers(0, 40), max_size=6))
 def test_random_batch_splits_store_the_same_rows(rows: list[tuple[str, dict[str, Any]]], cuts: list[int]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -344,7 +345,7 @@ _maybe_int = st.none() | st.integers(-(2**63), 2**63 - 1)
 _maybe_text = st.none() | st.text(max_size=8)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(_maybe_int, _maybe_int, _maybe_int, _maybe_text, _maybe_text,
                           st.none() | st.floats(allow_nan=False)), min_size=1, max_size=12))
 def test_often_null_columns_read_back_null_or_their_value(store: SqliteStore, values: list[tuple[Any, ...]]) -> None:

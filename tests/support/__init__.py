@@ -19,6 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # the folder tests/conftest.py puts first on PYTHONPATH (its sitecustomize says why)
 EAGER_TORCH = str(Path(__file__).resolve().parent / "eager_torch")
 
+
+
+def examples(n: int) -> int:
+    """``n`` property-test examples; under the inner loop's profile (``HYPOTHESIS_PROFILE=fast``,
+    ``make test-fast``) a fifth of them, at least 10, as that profile gives a test that names no
+    count (an explicit ``max_examples`` overrides any profile)."""
+    return max(10, n // 5) if os.environ.get("HYPOTHESIS_PROFILE") == "fast" else n
+
+
 _script = shutil.which("stepwatch", path=str(Path(sys.executable).parent))
 STEPWATCH = [_script] if _script else [sys.executable, "-m", "stepwatch.ui.cli"]
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from stepwatch.errors import TransportError
 from stepwatch.transport.frames import TABLE_NAMES, FrameDecoder, Message, decode_body, encode_frame
+from tests.support import examples
 
 META = {"session_id": "s-1", "rank": 3, "host": "node-a", "pid": 42, "seq": 7}
 TABLES = {
@@ -199,7 +200,7 @@ def test_deeply_nested_body_is_rejected_not_crashing() -> None:
     assert reason_of(head + b"\x91" * 100_000 + b"\xc0") == "not_msgpack"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=512), st.lists(st.integers(1, 64), max_size=8))
 def test_fuzz_decoder_and_decode_body_only_give_messages_or_transport_errors(data: bytes, cuts: list[int]) -> None:
     decoder = FrameDecoder(max_frame=256)
@@ -234,7 +235,7 @@ _values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_siz
 _keys = st.sampled_from(["meta", "body", "tables", "session_id", "rank", *sorted(TABLE_NAMES), "x"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.dictionaries(_keys, _values, max_size=6))
 def test_fuzz_structured_bodies_only_give_messages_or_transport_errors(payload: dict) -> None:
     body = msgspec.msgpack.encode(payload)

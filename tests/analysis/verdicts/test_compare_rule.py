@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.analysis.compare import EXIT_FINE, EXIT_INCONCLUSIVE, EXIT_REGRESSION, compare_verdict
+from tests.support import examples
 
 VERDICTS = {"REGRESSION", "IMPROVEMENT", "MIXED", "EQUIVALENT", "INCONCLUSIVE"}
 SWAPPED = {"REGRESSION": "IMPROVEMENT", "IMPROVEMENT": "REGRESSION", "MIXED": "MIXED", "EQUIVALENT": "EQUIVALENT",
@@ -33,7 +34,7 @@ real = st.builds(summary, st.floats(0.01, 1e4), st.integers(0, 5000), st.one_of(
                  st.one_of(st.none(), st.integers(1, 2**40)), st.sampled_from([1, 2]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(junk, junk, st.one_of(st.none(), st.floats(0, 1000)))
 def test_any_input_gives_a_verdict_and_an_exit_code(a: Any, b: Any, threshold: float | None) -> None:
     result = compare_verdict(a if isinstance(a, dict) else {"overall": a}, b if isinstance(b, dict) else {},
@@ -44,14 +45,14 @@ def test_any_input_gives_a_verdict_and_an_exit_code(a: Any, b: Any, threshold: f
     assert result["reasons"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(real, real)
 def test_swapping_the_runs_swaps_the_verdict(a: dict[str, Any], b: dict[str, Any]) -> None:
     forward, backward = compare_verdict(a, b), compare_verdict(b, a)
     assert backward["verdict"] == SWAPPED[forward["verdict"]]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(real)
 def test_a_run_against_itself_is_equivalent_or_inconclusive(a: dict[str, Any]) -> None:
     result = compare_verdict(a, a, max_step_time_regression_pct=0.0)
@@ -60,7 +61,7 @@ def test_a_run_against_itself_is_equivalent_or_inconclusive(a: dict[str, Any]) -
     assert result["exit_code"] == (EXIT_INCONCLUSIVE if expected == "INCONCLUSIVE" else EXIT_FINE)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.floats(0.1, 100), st.floats(-0.5, 2.0), st.floats(0, 50))
 def test_exit_4_exactly_when_the_step_time_rises_past_the_threshold(median: float, change: float,
                                                                       threshold: float) -> None:

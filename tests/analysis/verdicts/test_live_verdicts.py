@@ -15,6 +15,7 @@ from stepwatch.analysis.markers import derive_verdict_markers
 from stepwatch.analysis.verdicts.diagnosis import diagnosis_lines, evidence_text, verdict_line
 from stepwatch.server.live_verdicts import INTERVAL_ENV, LiveVerdicts, interval_from_env
 from stepwatch.store.sqlite import SqliteStore
+from tests.support import examples
 from tests.support.verdict_rows import steps
 
 SESSION = "00000000-0000-4000-8000-00000000000a"
@@ -145,7 +146,7 @@ verdicts = st.fixed_dictionaries({
         max_leaves=8), max_size=6)})
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.one_of(st.none(), verdicts), st.lists(verdicts, max_size=4), st.lists(verdicts, max_size=3))
 def test_any_diagnosis_renders_as_lines_primary_first(primary: Any, step_time: list[Any], memory: list[Any]) -> None:
     lines = diagnosis_lines({"primary": primary, "step_time": step_time, "memory": memory, "system": []})

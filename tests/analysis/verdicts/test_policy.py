@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from stepwatch.analysis.verdicts import DEFAULT_POLICY, VerdictPolicy, diagnose, load_policy
 from stepwatch.analysis.verdicts.policy import PolicyError, canonical_verdict_name
+from tests.support import examples
 from tests.support.verdict_rows import steps
 
 
@@ -84,7 +85,7 @@ def test_the_policy_round_trips_through_its_dict(tmp_path: Path) -> None:
     assert VerdictPolicy.from_file(path) == DEFAULT_POLICY
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.text(max_size=30), max_size=4))
 def test_any_override_text_gives_a_policy_or_a_policy_error(overrides: list[str]) -> None:
     try:

@@ -21,6 +21,7 @@ from stepwatch.analysis.verdicts.memory_facts import memory_facts
 from stepwatch.analysis.verdicts.step_columns import StepColumns
 from stepwatch.analysis.verdicts.step_windows import build_window
 from stepwatch.phases import STEP_COLUMNS
+from tests.support import examples
 from tests.support import verdict_oracle as oracle
 from tests.support.verdict_rows import T0, steps
 
@@ -54,7 +55,7 @@ def _finite(value: Any) -> bool:
     return True
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_rows, st.lists(sample, max_size=30), st.lists(system, max_size=10), st.one_of(st.none(), st.integers(1, 50)))
 @example(rows=[{"rank": 0, "step": 0}, {"rank": 0, "step": None},  # a clock past int64: unknown
                {"rank": 0, "step": 0, "start_ns": 9.223372036854776e18, "step_ns": 0}], memory=[], sys=[], window=None)
@@ -84,7 +85,7 @@ def test_any_rows_give_a_diagnosis_with_shares_in_range_and_the_same_twice(rows:
 phase = st.sampled_from(list(STEP_COLUMNS))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(phase, st.integers(1, 3), st.integers(20, 80), st.floats(0.5, 6.0))
 def test_a_missing_phase_is_never_read_as_zero(column: str, ranks: int, count: int, fetch: float) -> None:
     """A phase that no step of a rank measured is unknown there: the shares it feeds are not
@@ -123,7 +124,7 @@ def test_a_missing_phase_is_never_read_as_zero(column: str, ranks: int, count: i
     assert not any("STRAGGLER" in v.name for v in diagnosis.step_time)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.permutations(list(range(40))))
 def test_row_order_does_not_matter(order: list[int]) -> None:
     rows = steps(0, 20, fetch=2.0) + steps(1, 20, forward=5.0)
@@ -197,7 +198,7 @@ plausible_row = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(plausible_row, max_size=80), st.one_of(st.none(), st.integers(1, 20)),
        st.lists(st.integers(0, 5), max_size=3))
 @example(rows=[], window=None, expected=[0, 2])  # empty: every expected rank without steps
@@ -211,7 +212,7 @@ def test_the_window_is_the_reference_window(rows: list, window: int | None, expe
     check_window(rows, window, tuple(expected))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(any_rows, st.one_of(st.none(), st.integers(1, 50)))
 def test_the_window_of_any_rows_is_the_reference_window(rows: list, window: int | None) -> None:
     want = oracle.window(rows, window)
@@ -228,7 +229,7 @@ mem_sample = st.fixed_dictionaries({
 }, optional={"event_type": st.sampled_from(["sample", "stop"])})
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 3), st.integers(1, 120), st.lists(st.one_of(mem_sample, st.none()), max_size=120),
        st.one_of(st.none(), st.integers(1, 40)))
 def test_the_memory_facts_are_the_reference_facts(ranks: int, count: int, samples: list, window: int | None) -> None:
