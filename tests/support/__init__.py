@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EAGER_TORCH = str(Path(__file__).resolve().parent / "eager_torch")
 
 
-
 def examples(n: int) -> int:
     """``n`` property-test examples; under the inner loop's profile (``HYPOTHESIS_PROFILE=fast``,
     ``make test-fast``) a fifth of them, at least 10, as that profile gives a test that names no
