@@ -36,6 +36,23 @@ def test_a_down_store_spills_up_to_the_cap_then_counts_the_rest_lost(tmp_path: P
     queue.close()
 
 
+def test_past_the_cap_a_batchs_session_upserts_are_still_queued(tmp_path: Path) -> None:
+    """Its rows are lost, its session's close is not: else the session would read running for ever."""
+    url = f"clickhouse://default@127.0.0.1:{free_port()}/db"
+    feed = StoreFeed(UnopenedStore(url, StoreError("connection refused")), tmp_path / SPILL_FILE,
+                     backoff_s=(60.0, 60.0), drain_s=0.1, spill_max_bytes=600)
+    rows = [[step, "rank0", "x" * 40] for step in range(10)]
+    feed.submit({"steps": rows}, [], [], [])  # fits
+    close = {"session_id": "s", "status": "completed", "ended_at_ns": 5}
+    feed.submit({"steps": rows}, [], [], [close])  # past the cap
+    assert feed.rows_lost == len(rows)
+    feed.close()
+    queue = SpillQueue(tmp_path / SPILL_FILE)
+    kept = queue.head(10**9)
+    assert [(b.seq, b.rows, b.closes) for b in kept] == [(1, len(rows), []), (2, 0, [close])]
+    queue.close()
+
+
 @pytest.mark.parametrize(("text", "mib"), [(None, SPILL_MAX_MB), ("512", 512), ("0.5", 0.5), ("", SPILL_MAX_MB),
                                            ("lots", SPILL_MAX_MB), ("-1", SPILL_MAX_MB), ("inf", SPILL_MAX_MB)])
 def test_the_cap_comes_from_the_environment_and_a_bad_value_keeps_the_default(

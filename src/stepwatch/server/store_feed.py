@@ -340,12 +340,16 @@ class StoreFeed:
             log.warning("aggregator: the history store took every spilled batch again after %.1f s "
                         "(%d rows replayed)", seconds, self.replayed_rows)
 
-    def _spill(self, batch: SpillBatch) -> None:
+    def _spill(self, batch: SpillBatch, capped: bool = True) -> None:
         try:
-            self.queue.push(batch)
+            self.queue.push(batch, capped)
         except SpillFull as exc:
             self._lose(batch.rows, f"{exc} ({SPILL_MAX_ENV} raises the cap; the ranks' artifacts still hold "
                                    f"the rows: stepwatch import RUN_DIR --into URL)")
+            if batch.opens or batch.closes:
+                # its sessions' upserts are kept, past the cap (a few hundred bytes): without its
+                # close a session would read running for ever
+                self._spill(SpillBatch(batch.seq, {}, [], batch.opens, batch.closes), capped=False)
             return
         except StoreError as exc:
             self._lose(batch.rows, f"the spill queue cannot take it: {exc}")

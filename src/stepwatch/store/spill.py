@@ -98,9 +98,9 @@ class SpillQueue:
             raise StoreError(f"{self.path}: cannot open the spill queue: {exc}") from None
         self.batches, self.rows, self.bytes, self.last_seq = int(batches), int(rows), int(size), int(last)
 
-    def push(self, batch: SpillBatch) -> None:
+    def push(self, batch: SpillBatch, capped: bool = True) -> None:
         """Stores ``batch`` (a seq already queued is replaced: the same batch spilled again).
-        SpillFull when it would take the queue past ``max_bytes``."""
+        SpillFull when it would take the queue past ``max_bytes`` (unless not ``capped``)."""
         payload = _encoder.encode({"tables": batch.tables, "batch_ids": batch.batch_ids,
                                    "opens": batch.opens, "closes": batch.closes})
         with self._lock:
@@ -108,7 +108,7 @@ class SpillQueue:
                 old = self._db.execute("SELECT rows, LENGTH(payload) FROM batches WHERE seq = ?",
                                        (batch.seq,)).fetchone()
                 grown = self.bytes + len(payload) - (int(old[1]) if old is not None else 0)
-                if self.max_bytes is not None and grown > self.max_bytes:
+                if capped and self.max_bytes is not None and grown > self.max_bytes:
                     raise SpillFull(f"{self.path}: the spill queue holds {self.bytes} bytes, its cap is "
                                     f"{self.max_bytes}: a batch of {batch.rows} rows is not queued")
                 self._db.execute("INSERT OR REPLACE INTO batches (seq, queued_ns, rows, payload) VALUES (?, ?, ?, ?)",
