@@ -47,18 +47,30 @@ def _report():
 if "BENCH_SUITE_LOG" in os.environ:
     atexit.register(_report)
 """
-# in pytest's workers: the CPU each test spent in the worker itself (setup, call and teardown)
-PLUGIN = """
-import json, os, time
+# in pytest's workers: the CPU each test spent in the worker itself (setup, call and teardown),
+# and at the end which heavy libraries the worker had imported (each worker that imports one pays
+# for it: a library the tests of one file import is best imported by one worker)
+HEAVY = ("torch", "torch._dynamo", "lightning", "transformers", "accelerate", "mlflow", "tensorboard", "wandb",
+         "playwright", "clickhouse_driver", "opentelemetry.sdk", "prometheus_client", "plotly", "numpy")
+PLUGIN = f"""
+import json, os, sys, time
 import pytest
+
+HEAVY = {HEAVY!r}
+
+def pytest_sessionfinish(session):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        with open(os.environ["BENCH_SUITE_LOG"], "a") as out:
+            out.write(json.dumps({{"worker_imported": [m for m in HEAVY if m in sys.modules],
+                                  "worker": os.environ["PYTEST_XDIST_WORKER"]}}) + "\\n")
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     started, began = time.process_time(), time.time()
     yield
     with open(os.environ["BENCH_SUITE_LOG"], "a") as out:
-        out.write(json.dumps({"in_worker": item.nodeid, "cpu": time.process_time() - started, "began": began,
-                              "ended": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\\n")
+        out.write(json.dumps({{"in_worker": item.nodeid, "cpu": time.process_time() - started, "began": began,
+                              "ended": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}}) + "\\n")
 """
 # (kind, pattern on the command line): the first that matches names the process
 KINDS = (
@@ -208,6 +220,12 @@ def main() -> None:
         for e in sorted(last.values(), key=lambda e: e["ended"]):
             print(f"  {e['worker'] or 'main':5} done {end - e['ended']:5.1f} s before the end, "
                   f"{e['ended'] - e['began']:5.1f} s long: {e['in_worker'][:110]}")
+    imported = [e for e in lines if "worker_imported" in e]
+    if imported:
+        print(f"\nheavy libraries, by how many of the {len(imported)} workers imported them:")
+        for library in HEAVY:
+            workers = sorted(e["worker"] for e in imported if library in e["worker_imported"])
+            print(f"  {library:20} {len(workers)}  {' '.join(workers)}")
     print(f"\nthe {args.top} costliest processes:")
     for command_line, seconds, _ in sorted(cpu.values(), key=lambda c: -c[1])[:args.top]:
         print(f"{seconds:7.1f} s  {command_line[:150]}")
