@@ -17,7 +17,6 @@ A callback's error is reported (``report_internal``) and the import goes on.
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -92,9 +91,10 @@ def _run(name: str, module: ModuleType) -> None:
             report_internal(exc, Site.AFTER_IMPORT_CALLBACK)
 
 
-class AfterImportFinder(importlib.abc.MetaPathFinder):
+class AfterImportFinder:
     """Finds a waited-for module with the finders after it; its loader is the usual one, with
-    ``exec_module`` shadowed on that loader object for that one call."""
+    ``exec_module`` shadowed on that loader object for that one call. (A meta path finder needs
+    only ``find_spec``: ``importlib.abc`` would import ``importlib.resources`` into every rank.)"""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
         if fullname not in _waiting:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 from ._convert import (
@@ -76,5 +75,7 @@ __all__ = [
 @lru_cache(maxsize=8)
 def json_schema(version: int) -> dict[str, Any]:
     """The shipped JSON Schema of TelemetryEvent ``version`` (2, 3 or 4)."""
+    from importlib import resources  # ~20 ms of imports (tempfile, zipfile): not in every process
+
     text = resources.files(__name__).joinpath(f"schemas/telemetry_event_v{version}.schema.json").read_text()
     return json.loads(text)
