@@ -447,7 +447,9 @@ def test_reads_the_real_cirron_spool(tmp_path: Path) -> None:
     assert_children_first(spool.spans)
     (session,) = [s for s in spool.spans if s["name"] == "cirron.session"]
     assert spool.spans[-1] is session and session["parent_id"] is None
-    assert session in raw[-1]["spans"]  # written in the last batch, after its children
+    # written in the last batch with spans, after its children (cirron's flusher may seal one
+    # more batch, of marks or snapshots only, after it: seen on a loaded machine)
+    assert session in [batch for batch in raw if batch["spans"]][-1]["spans"]
 
     marks = {m["name"]: m for m in spool.marks}
     assert marks["before_profile"]["span_id"] == "root"

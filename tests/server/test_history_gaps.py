@@ -226,9 +226,11 @@ def test_marks_only_batches_land_in_their_processs_session(tmp_path: Path) -> No
 
 
 def test_sessions_close_when_every_rank_has_stopped(tmp_path: Path) -> None:
-    agg = Aggregator(tmp_path / "agg")
+    """Every rank: those heard, and as many as the world size says; a world size that never
+    fills (one rank of two ever heard) is closed with what is known after STEPWATCH_WORLD_WAIT_S."""
+    agg = Aggregator(tmp_path / "agg", env={"STEPWATCH_WORLD_WAIT_S": "3"})
     store = agg.out / "history.sqlite"
-    sid, other = "close-" + hexid(), "hurt-" + hexid()
+    sid, other, late = "close-" + hexid(), "hurt-" + hexid(), "late-" + hexid()
 
     def frame(session: str, rank: int, rows: list[dict[str, Any]]) -> bytes:
         return encode_frame({"session_id": session, "rank": rank, "world_size": 2}, {"telemetry": rows})
@@ -247,9 +249,20 @@ def test_sessions_close_when_every_rank_has_stopped(tmp_path: Path) -> None:
             sock.sendall(frame(sid, 1, [telemetry(sid, 1, 70, "stop", "stepwatch capture stopped (completed)")]))
             assert wait_for(lambda: status(sid)[0] == "completed")
             assert status(sid) == ("completed", BASE_NS + 70)
-            # the worst rank's status wins
+            # a rank not heard from yet (another node's, slow to connect) keeps its session running
+            stopped = "stepwatch capture stopped (completed)"
+            sock.sendall(frame(late, 0, [telemetry(late, 0, 1), telemetry(late, 0, 9, "stop", stopped)]))
+            assert wait_for(lambda: count(store, "telemetry", late) == 2)
+            time.sleep(1.5)  # the store is asked for the other ranks' stops every second
+            assert status(late) == ("running", None)
+            sock.sendall(frame(late, 1, [telemetry(late, 1, 2), telemetry(late, 1, 11, "stop", stopped)]))
+            assert wait_for(lambda: status(late)[0] == "completed")
+            assert status(late) == ("completed", BASE_NS + 11)
+            # the worst rank's status wins; rank 1 of this world of two never comes: closed after the wait
             sock.sendall(frame(other, 0, [telemetry(other, 0, 5, "stop", "stepwatch capture stopped (interrupted)")]))
-            assert wait_for(lambda: store.exists() and status(other)[0] == "interrupted")
+            assert wait_for(lambda: count(store, "telemetry", other) == 1)
+            assert status(other) == ("running", None)
+            assert wait_for(lambda: status(other)[0] == "interrupted")
     finally:
         agg.stop()
     # the launcher's final word (written after the aggregator stopped) still wins

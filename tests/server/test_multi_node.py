@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 import uuid
 from typing import Any
@@ -72,21 +73,36 @@ def two_nodes(clickhouse_server: Any, tmp_path_factory: pytest.TempPathFactory) 
                                                        "host": node, "pid": 200 + rank, "started_ns": BASE_NS})
                    for node, (_, ranks) in NODES.items() for rank in ranks]
         frames = {s.meta["rank"]: rank_frames(sid, s.meta["rank"]) for s in senders}
-        for i in range(3):
+        for i in range(2):
             for sender in senders:
                 sender.ship(frames[sender.meta["rank"]][i])
+        # node-a's ranks stop first: the session runs on while node-b's do
+        for sender in senders[:2]:
+            sender.ship(frames[sender.meta["rank"]][2])
+        assert wait_for(lambda: _health(aggregators["node-a"])["frames_accepted"] == 6, 20)
+        time.sleep(2.5)  # node-a's aggregator looks for the other ranks' stops in the store every second
+        status_while_b_runs = _status(url, sid)
+        for sender in senders[2:]:
+            sender.ship(frames[sender.meta["rank"]][2])
         for sender in senders:
             sender.close(5.0)
             assert sender.frames_sent == 3 and sender.frames_dropped == 0, sender.stats()
         for node, (_, ranks) in NODES.items():  # taken in before the stop, which hangs up on what is unread
             assert wait_for(lambda node=node, ranks=ranks: _health(aggregators[node])["frames_accepted"] == 3 * len(ranks),
                             20), _health(aggregators[node])
+        # both nodes' aggregators close it, each once the store holds all four stops
+        assert wait_for(lambda: _status(url, sid) == "completed", 20), _status(url, sid)
         stats = {node: agg.stop() for node, agg in aggregators.items()}
     finally:
         for agg in aggregators.values():
             agg.kill()
     return {"url": url, "sid": sid, "ready": {n: a.ready for n, a in aggregators.items()}, "stats": stats,
-            "base": base}
+            "base": base, "status_while_b_runs": status_while_b_runs}
+
+
+def _status(url: str, sid: str) -> str | None:
+    rows = json.loads(_cli("query", url, f"SELECT status FROM sessions WHERE session_id = '{sid}'", "--format", "json"))
+    return rows[0]["status"] if rows else None
 
 
 def _health(agg: Aggregator) -> dict[str, Any]:
@@ -118,6 +134,7 @@ def test_summary_over_the_url_sees_one_session_spanning_both_nodes(two_nodes: di
     assert all(r["steps"] == STEPS for r in summary["per_rank"].values()), summary["per_rank"]
     assert summary["overall"]["steps"] == WORLD * STEPS
     assert summary["status"] == "completed"
+    assert two_nodes["status_while_b_runs"] == "running"  # node-a's ranks had stopped, node-b's had not
 
 
 def test_query_over_the_url_sees_every_rank_of_both_nodes_once(two_nodes: dict[str, Any]) -> None:

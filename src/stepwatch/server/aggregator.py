@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import StoreError, TransportError
+from ..errors import StepwatchError, StoreError, TransportError
 from ..log import logger
 from ..schema.limits import bounded_columns, rows_problem, sender_problem, shape_problem
 from ..store.base import COLUMNS, HistoryStore
@@ -60,6 +60,12 @@ _STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "failed": 2, "incomplete": 3
 # the runtime's stop event says how it stopped: context "stepwatch capture stopped (<status>)"
 _STOP_STATUS = re.compile(r"\((completed|interrupted|failed|incomplete)\)\s*$")
 DEDUPE_WINDOW_NS = 24 * 3600 * 10**9
+# A session whose ranks heard here have all stopped, but fewer than its world size (the other
+# nodes' ranks send to aggregators of their own, into the same store, or have not been heard
+# from yet) stays running until every rank's stop is in the store, or for this long at most
+# (then it is closed with what is known: a world size only some ranks ever reported).
+WORLD_WAIT_S = 60.0
+WORLD_WAIT_ENV = "STEPWATCH_WORLD_WAIT_S"
 # The columns of each table that a sender fills with what it claims (ids, names, hosts, ranks),
 # bounded by schema.limits before anything of a frame is kept. Spans, marks and snapshots
 # take their session and rank from the frame's meta (checked once per sender); steps are derived.
@@ -74,6 +80,11 @@ _SHAPED = {table: tuple(c for c in columns if c[2] in ("id", "session", "host"))
 
 _SQLITE_FULL = 13  # sqlite3's result code for "database or disk is full"
 log = logging.getLogger("stepwatch.aggregator")
+
+
+def _stop_status(context: Any) -> str:
+    found = _STOP_STATUS.search(context) if type(context) is str else None
+    return found.group(1) if found else "completed"
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -103,7 +114,7 @@ class Aggregator:
                  max_pending_rows: int = 2_000_000, flush_rows: int = 10_000, pause_rows: int = 50_000,
                  session_id: str | None = None, retention_ns: int | None = None,
                  emit: Callable[[dict[str, Any]], None] | None = None, watchdog: Any = None,
-                 feed: Any = None) -> None:
+                 feed: Any = None, world_wait_s: float = WORLD_WAIT_S) -> None:
         self.store = store
         # the remote store's writer (server/store_feed.py): ticks go to it and never wait on the server
         self.feed = feed
@@ -123,6 +134,10 @@ class Aggregator:
         self.carry = PhaseCarry()  # phase times of steps still to come (store.rows.derive_steps)
         self._session_ranks: dict[str, set[int]] = {}
         self._stops: dict[str, dict[int, tuple[int, str]]] = {}  # session -> rank -> (stop ns, status)
+        self._world: dict[str, int] = {}  # session -> the largest world size its ranks reported
+        # session -> when it is closed anyway: every rank heard here stopped, the world is larger
+        self._awaiting_world: dict[str, float] = {}
+        self.world_wait_s = world_wait_s
         self._session_updates: dict[str, dict[str, Any]] = {}
         self._pending_batches: list[tuple[str, int]] = []
         self._logged_reasons: set[str] = set()
@@ -285,6 +300,9 @@ class Aggregator:
             else:
                 self.store.upsert_session(session)
             self._session_ranks.setdefault(session_id, set()).add(rank)
+            world = meta.get("world_size")
+            if type(world) is int and world > self._world.get(session_id, 0):
+                self._world[session_id] = world
             if len(self.rank_hosts) < 1_000_000:
                 self.rank_hosts[(session_id, rank)] = str(meta.get("host") or "")
         self.ranks.add((session_id, rank))
@@ -319,19 +337,70 @@ class Aggregator:
         return count
 
     def _note_stops(self, session_id: str, rank: int, stops: list[tuple[Any, ...]]) -> None:
-        """A rank's stop event(s); once every rank seen in the session has stopped, the session
-        is closed by the next write."""
+        """A rank's stop event(s); once every rank of the session has stopped, the session is
+        closed by the next write. Every rank: those heard here, and as many as its world size
+        says (``close_awaited_sessions`` looks for the others' stops in the store)."""
         ended = max((row[2] for row in stops if type(row[2]) is int), default=time.time_ns())
-        found = _STOP_STATUS.search(stops[-1][16] or "") if type(stops[-1][16]) is str else None
-        self._stops.setdefault(session_id, {})[rank] = (ended, found.group(1) if found else "completed")
+        self._stops.setdefault(session_id, {})[rank] = (ended, _stop_status(stops[-1][16]))
         stopped = self._stops[session_id]
         if self._session_ranks.get(session_id, set()) <= stopped.keys():
-            status = max((status for _, status in stopped.values()), key=lambda s: _STATUS_WEIGHT.get(s, 9))
-            self._session_updates[session_id] = {
-                "session_id": session_id, "status": status, "started_at_ns": None,
-                "ended_at_ns": max(ns for ns, _ in stopped.values()), "host": None, "world_size": None,
-                "source": None, "command_line": None,
-            }
+            if len(stopped) < self._world.get(session_id, 0):
+                self._awaiting_world[session_id] = time.monotonic() + self.world_wait_s
+            else:
+                self._close_session(session_id, stopped)
+
+    def _close_session(self, session_id: str, stopped: Mapping[int, tuple[int, str]]) -> None:
+        """The session's row as its ranks' stops leave it (the worst status, the last stop), to
+        be written by the next tick."""
+        self._awaiting_world.pop(session_id, None)
+        status = max((status for _, status in stopped.values()), key=lambda s: _STATUS_WEIGHT.get(s, 9))
+        self._session_updates[session_id] = {
+            "session_id": session_id, "status": status, "started_at_ns": None,
+            "ended_at_ns": max(ns for ns, _ in stopped.values()), "host": None, "world_size": None,
+            "source": None, "command_line": None,
+        }
+
+    def _stops_in_store(self, session_ids: list[str]) -> dict[str, dict[int, tuple[int, str]]]:
+        """Worker thread: the stop records the store holds for these sessions (the other nodes'
+        ranks', written by their own aggregators)."""
+        found: dict[str, dict[int, tuple[int, str]]] = {}
+        marks = ", ".join("?" for _ in session_ids)
+        for session_id, rank, ended, context in self.store.query_tuples(
+                f"SELECT session_id, rank, timestamp_ns, context FROM telemetry WHERE event_type = 'stop' "
+                f"AND session_id IN ({marks})", session_ids):
+            if type(rank) is int and type(ended) is int:
+                found.setdefault(session_id, {})[rank] = (ended, _stop_status(context))
+        return found
+
+    async def close_awaited_sessions(self, *, final: bool = False) -> None:
+        """The sessions waiting for ranks heard elsewhere: closed once the store holds every
+        rank's stop, at their deadline, or (``final``) as this aggregator stops, with what is
+        known then. The store is read on a worker thread: never on the intake path."""
+        if not self._awaiting_world:
+            return
+        waiting = list(self._awaiting_world)
+        try:  # a store that hangs holds this loop for 5 s at most (then the stop's final pass is not kept waiting)
+            elsewhere = {} if final else await asyncio.wait_for(asyncio.to_thread(self._stops_in_store, waiting), 5.0)
+        except (StepwatchError, sqlite3.Error, TimeoutError) as exc:  # the store down, busy or slow: asked again
+            log.debug("cannot read the stops of sessions awaiting other ranks: %s", exc)
+            elsewhere = {}
+        now = time.monotonic()
+        for session_id in waiting:
+            deadline = self._awaiting_world.get(session_id)
+            if deadline is None:  # closed meanwhile by a stop heard here
+                continue
+            stopped = {**elsewhere.get(session_id, {}), **self._stops[session_id]}
+            if final or now >= deadline or len(stopped) >= self._world.get(session_id, 0):
+                self._close_session(session_id, stopped)
+
+    async def world_loop(self, period_s: float = 1.0) -> None:
+        """``close_awaited_sessions`` every ``period_s`` until stopped, then once more (final)."""
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), period_s)
+            except TimeoutError:
+                await self.close_awaited_sessions()
+        await self.close_awaited_sessions(final=True)
 
     def queue_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
         """Rows the aggregator makes itself (a live verdict): written by the next tick, like a

@@ -58,7 +58,8 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
                  ui_host: str | None = None) -> dict[str, Any]:
     from ..artifacts.run_manifest import run_session_id
     from ..store import open_store
-    from .aggregator import Aggregator
+    from .aggregator import WORLD_WAIT_ENV, WORLD_WAIT_S, Aggregator
+    from .store_feed import positive_from_env
 
     # the history: run_dir's history.sqlite, or the store a URL names (docs/clickhouse.md)
     feed = None
@@ -83,7 +84,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
             raise
     aggregator = Aggregator(store, max_frame=max_frame, session_id=session_id or run_session_id(run_dir),
                             retention_ns=retention_ns, emit=ready.write, watchdog=_watchdog(run_dir, watch),
-                            feed=feed)
+                            feed=feed, world_wait_s=positive_from_env(WORLD_WAIT_ENV, WORLD_WAIT_S))
     tcp = runner = dashboard = fed = None
     http_bound = ui_url = None
     try:
@@ -128,6 +129,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         loop.add_signal_handler(sig, aggregator.stop)
     writer = asyncio.create_task(aggregator.write_loop())
     watcher = asyncio.create_task(aggregator.watch_loop())
+    world = asyncio.create_task(aggregator.world_loop())
     live = _start_live_verdicts(aggregator, run_dir, loop, store_url)
     ready.write({"event": "ready", "tcp": f"{host}:{tcp_port}", "http": f"{host}:{http_bound}" if http_bound else None,
                  "ui": ui_url, "ui_pid": dashboard.pid if dashboard is not None else None,
@@ -144,6 +146,7 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
         await runner.cleanup()
     await writer
     await watcher
+    await world  # sessions still waiting for other nodes' ranks: closed with what is known
     await aggregator.check_alerts(final=True)  # a rank gone without a stop record, values that came last
     await aggregator.flush()  # rows accepted while the listeners were closing, and the last alerts
     # a remote store: what waits is written now if the server takes it (for up to 30 s), else it
