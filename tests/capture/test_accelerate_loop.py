@@ -17,15 +17,14 @@ from typing import Any
 import pytest
 
 from stepwatch.artifacts.spool import read_spool
-from tests.support import clean_env
+from tests.support import clean_env, needs
 from tests.support.shared import once
 
-pytestmark = pytest.mark.real  # every test here starts a process or trains a model
+# every test here starts a process or trains a model; accelerate is looked up, not imported, by
+# each worker's collection (the program imports it)
+pytestmark = [pytest.mark.real, needs("accelerate")]
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "accelerate_accumulation.py"
-pytest.importorskip("accelerate")
-
-
 
 
 @pytest.fixture(scope="module")
