@@ -228,7 +228,7 @@ def test_marks_only_batches_land_in_their_processs_session(tmp_path: Path) -> No
 def test_sessions_close_when_every_rank_has_stopped(tmp_path: Path) -> None:
     """Every rank: those heard, and as many as the world size says; a world size that never
     fills (one rank of two ever heard) is closed with what is known after STEPWATCH_WORLD_WAIT_S."""
-    agg = Aggregator(tmp_path / "agg", env={"STEPWATCH_WORLD_WAIT_S": "3"})
+    agg = Aggregator(tmp_path / "agg", env={"STEPWATCH_WORLD_WAIT_S": "5"})
     store = agg.out / "history.sqlite"
     sid, other, late = "close-" + hexid(), "hurt-" + hexid(), "late-" + hexid()
 
@@ -262,7 +262,7 @@ def test_sessions_close_when_every_rank_has_stopped(tmp_path: Path) -> None:
             sock.sendall(frame(other, 0, [telemetry(other, 0, 5, "stop", "stepwatch capture stopped (interrupted)")]))
             assert wait_for(lambda: count(store, "telemetry", other) == 1)
             assert status(other) == ("running", None)
-            assert wait_for(lambda: status(other)[0] == "interrupted")
+            assert wait_for(lambda: status(other)[0] == "interrupted", 20)
     finally:
         agg.stop()
     # the launcher's final word (written after the aggregator stopped) still wins
