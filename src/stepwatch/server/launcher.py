@@ -512,7 +512,7 @@ def launch(options: LaunchOptions, *, echo: Any = print,
     if local_history:
         summary = write_final_summary(run_dir, options.session_id, status, manifest.ended_at_ns,
                                       options.nproc_per_node * options.nnodes, options.script, lenient=True,
-                                      store=options.store)
+                                      store=options.store, across_nodes=options.nnodes > 1)
         _note_processes(run_dir, manifest, summary)
     _report_disk_losses(run_dir, aggregator_stats, summary, echo)
     return code, run_dir, summary
@@ -655,8 +655,13 @@ def _rebuild_history(run_dir: Path, echo: Any, store_url: str | None = None) -> 
 
 def write_final_summary(run_dir: Path, session_id: str | None, status: str | None, ended_at_ns: int | None,
                         world_size: int | None, command_line: list[str] | None, *,
-                        lenient: bool = False, policy: Any = None, store: str | None = None) -> dict[str, Any]:
+                        lenient: bool = False, policy: Any = None, store: str | None = None,
+                        across_nodes: bool = False) -> dict[str, Any]:
     """Writes final_summary.json and final_summary.txt from the run's history store.
+
+    ``across_nodes``: one node of a multi-node job, whose session the other nodes' ranks share
+    (in the hub's history, or a store every node writes): the session's status is the worst of
+    this node's and the one stored, which the aggregators and the other nodes' launchers left.
 
     A full disk does not lose the summary: it is built all the same (the status given here
     overrides the stored one, which the full disk may have kept from being updated) and
@@ -667,7 +672,10 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
     from ..store import open_store
 
     def summarise(history: Any) -> dict[str, Any]:
+        nonlocal status
         if session_id is not None and status is not None:
+            if across_nodes:
+                status = _worst_with_stored(history, session_id, status)
             session = {"session_id": session_id, "status": status, "started_at_ns": None,
                        "ended_at_ns": ended_at_ns, "host": None, "world_size": world_size,
                        "source": None, "command_line": command_line}
@@ -707,6 +715,21 @@ def write_final_summary(run_dir: Path, session_id: str | None, status: str | Non
             raise
         summary["unwritten"] = f"final_summary.json/.txt: {exc.strerror or exc}"  # launch() says it
     return summary
+
+
+def _worst_with_stored(history: Any, session_id: str, status: str) -> str:
+    """The worse of ``status`` and the session's stored one (a stored ``running`` or none: this
+    node's)."""
+    from ..errors import StoreError
+
+    try:
+        rows = history.query("SELECT status FROM sessions WHERE session_id = ?", (session_id,))
+    except StoreError:
+        return status
+    stored = rows[0]["status"] if rows else None
+    if stored is None or stored == "running":
+        return status
+    return max((status, str(stored)), key=lambda s: _STATUS_WEIGHT.get(s, 9))
 
 
 def _write_summary_files(run_dir: Path, summary: dict[str, Any], text: str) -> None:
