@@ -253,7 +253,7 @@ def test_sessions_close_when_every_rank_has_stopped(tmp_path: Path) -> None:
             stopped = "stepwatch capture stopped (completed)"
             sock.sendall(frame(late, 0, [telemetry(late, 0, 1), telemetry(late, 0, 9, "stop", stopped)]))
             assert wait_for(lambda: count(store, "telemetry", late) == 2)
-            time.sleep(1.5)  # the store is asked for the other ranks' stops every second
+            time.sleep(1.5)  # awaited sessions are looked at every second
             assert status(late) == ("running", None)
             sock.sendall(frame(late, 1, [telemetry(late, 1, 2), telemetry(late, 1, 11, "stop", stopped)]))
             assert wait_for(lambda: status(late)[0] == "completed")

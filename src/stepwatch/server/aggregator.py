@@ -375,12 +375,15 @@ class Aggregator:
     async def close_awaited_sessions(self, *, final: bool = False) -> None:
         """The sessions waiting for ranks heard elsewhere: closed once the store holds every
         rank's stop, at their deadline, or (``final``) as this aggregator stops, with what is
-        known then. The store is read on a worker thread: never on the intake path."""
+        known then. Only a remote store is read (other nodes' aggregators write to it; a run's
+        history.sqlite holds only what this one heard), on a worker thread: never on the intake
+        path."""
         if not self._awaiting_world:
             return
         waiting = list(self._awaiting_world)
+        shared = self.feed is not None and not final
         try:  # a store that hangs holds this loop for 5 s at most (then the stop's final pass is not kept waiting)
-            elsewhere = {} if final else await asyncio.wait_for(asyncio.to_thread(self._stops_in_store, waiting), 5.0)
+            elsewhere = await asyncio.wait_for(asyncio.to_thread(self._stops_in_store, waiting), 5.0) if shared else {}
         except (StepwatchError, sqlite3.Error, TimeoutError) as exc:  # the store down, busy or slow: asked again
             log.debug("cannot read the stops of sessions awaiting other ranks: %s", exc)
             elsewhere = {}

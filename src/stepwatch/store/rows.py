@@ -234,8 +234,9 @@ _OBJECT = {type(None), dict}
 def check_rows(table: str, rows: list[dict[str, Any]]) -> None:
     """Raises ValueError, naming the column, for a row the store cannot take: an integer over 64
     bits, text in a numeric column, a map or list outside a JSON column, a JSON column that does
-    not encode, an object column (attrs, ...) that is no map. Checked where rows come in, so one sender's bad row never fails a shared write.
-    Column at a time, so the common case costs a few C-level passes."""
+    not encode, an object column (attrs, ...) that is no map. Checked where rows come in, so one
+    sender's bad row never fails a shared write. Column at a time, so the common case costs a few
+    C-level passes."""
     for name, kind in COLUMNS[table]:
         values = [row.get(name) for row in rows]
         if kind == "json":
