@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from stepwatch.errors import StepwatchError
 from stepwatch.server.binds import http_bind
-from stepwatch.web.app import is_loopback
+from stepwatch.web.addresses import is_loopback
 
 hosts = st.sampled_from(["127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "192.0.2.7", "node0", "127.8.9.10"])
 

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from stepwatch.server.serve import parse_duration
+from stepwatch.server.settings import parse_duration
 from stepwatch.transport.frames import decode_body, decode_typed, encode_frame
 from tests.support import STEPWATCH, clean_env, run_stepwatch
 from tests.support.aggregator import Aggregator, query, raw_client, wait_for

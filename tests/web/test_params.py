@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepwatch.web.app import _cursor_param, _HttpError, _session_param, is_loopback
+from stepwatch.web.addresses import is_loopback
+from stepwatch.web.app import _cursor_param, _HttpError, _session_param
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),

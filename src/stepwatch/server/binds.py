@@ -14,7 +14,7 @@ def http_bind(host: str, token: str | None, asked: str | None, option: str) -> s
     ``--ui-host``, ``--metrics-host``) when given, else ``host`` when that is loopback or a token
     is set, else 127.0.0.1. StepwatchError for an ``asked`` beyond loopback with no token (the
     CLI refuses it first; this guards every other caller)."""
-    from ..web.app import is_loopback
+    from ..web.addresses import is_loopback
 
     if asked is not None:
         if token is None and not is_loopback(asked):

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import queue
-import re
 import signal
 import sqlite3
 import sys
@@ -25,29 +24,17 @@ from typing import Any
 
 from ..errors import StepwatchError
 from ..log import log_to_stderr
+from .settings import RETENTION_ENV, parse_duration, positive_from_env
 
-__all__ = ["ListenError", "parse_duration", "serve"]
+__all__ = ["ListenError", "serve"]
 
 # how long the dashboard (--ui-port) outlives the last flush: two of an open page's polls (one a
 # second), so a page open on the run takes its end instead of finding the server gone
 UI_LAST_POLL_S = 2.0
-RETENTION_ENV = "STEPWATCH_RETENTION"  # how ``stepwatch run --retention`` reaches the aggregator it starts
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 class ListenError(StepwatchError):
     """The aggregator cannot listen on its address (port in use, not allowed)."""
-
-
-def parse_duration(text: str) -> int:
-    """``"7d"``, ``"12h"``, ``"30m"``, ``"90s"``, ``"1.5h"`` (or plain seconds) in nanoseconds."""
-    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*", text.lower())
-    if not found:
-        raise ValueError(f"{text!r} is not a duration (a number and s, m, h, d or w, e.g. 7d or 12h)")
-    value = float(found.group(1)) * _UNITS[found.group(2) or "s"]
-    if value <= 0:
-        raise ValueError(f"{text!r}: a retention window must be longer than 0")
-    return int(value * 1e9)
 
 
 async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, token: str | None,
@@ -59,7 +46,6 @@ async def _serve(run_dir: Path, host: str, port: int, http_port: int | None, tok
     from ..artifacts.run_manifest import run_session_id
     from ..store import open_store
     from .aggregator import WORLD_WAIT_ENV, WORLD_WAIT_S, Aggregator
-    from .store_feed import positive_from_env
 
     # the history: run_dir's history.sqlite, or the store a URL names (docs/clickhouse.md)
     feed = None

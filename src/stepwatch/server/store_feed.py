@@ -47,9 +47,10 @@ from typing import Any
 
 from ..errors import StoreError
 from ..store.spill import SpillBatch, SpillFull, SpillQueue, UnreadableBatch
+from .settings import positive_from_env
 
 __all__ = ["RETRY_MAX_ENV", "SLOW_ENV", "SPILL_MAX_ENV", "StoreFeed", "UnopenedStore", "backoff_from_env",
-           "open_remote_store", "positive_from_env", "slow_s_from_env", "spill_max_bytes_from_env"]
+           "open_remote_store", "slow_s_from_env", "spill_max_bytes_from_env"]
 
 log = logging.getLogger("stepwatch.aggregator")
 _REFUSALS_BEFORE_DROP = 3
@@ -62,23 +63,6 @@ SLOW_ENV = "STEPWATCH_STORE_SLOW_S"
 RETRY_MAX_ENV = "STEPWATCH_STORE_RETRY_MAX_S"
 SPILL_MAX_ENV = "STEPWATCH_STORE_SPILL_MAX_MB"
 SPILL_MAX_MB = 2048
-
-
-def positive_from_env(name: str, default: float, unit: str = "seconds") -> float:
-    """A positive number of ``unit`` from the environment (a bad value: the default, said once)."""
-    import os
-
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        log.warning("%s=%r is not a positive number of %s: %g is used", name, text, unit, default)
-        return default
-    return value
 
 
 def slow_s_from_env(default: float = 5.0) -> float:

@@ -78,7 +78,7 @@ def run(script: tuple[str, ...], quiet: bool, retention: str | None, view_mode: 
     --on-stall kill ended a stalled job.
     """
     from ..server.launcher import LaunchOptions, launch
-    from ..server.serve import RETENTION_ENV, parse_duration
+    from ..server.settings import RETENTION_ENV, parse_duration
 
     if retention:  # the options' values first, then the script: nothing is started on either error
         try:
@@ -244,8 +244,8 @@ def serve(out: Path, host: str, port: int, http_port: int | None, token_env: str
 
     Prints its addresses as one JSON line; Ctrl-C or SIGTERM drains and stops it.
     """
-    from ..server.serve import parse_duration
     from ..server.serve import serve as run_server
+    from ..server.settings import parse_duration
 
     if store is not None and not isinstance(store, str):
         raise click.BadParameter("a store URL (clickhouse://host:9000/db); the default is --out's history.sqlite",

@@ -16,7 +16,7 @@ __all__ = ["report", "ui", "ui_token"]
 def ui_token(token_env: str | None, host: str) -> str | None:
     """The dashboard's token from ``--token-env``; a usage error when the variable is empty, or
     when a bind other than loopback has none (a dashboard is never open to a network)."""
-    from ..web.app import is_loopback
+    from ..web.addresses import is_loopback
     from .feed_options import read_token
 
     token = read_token(token_env)

@@ -63,7 +63,7 @@ def check_binds(token: str | None, **binds: tuple[str | None, int | None]) -> No
     """``binds``: option name (``metrics_host``) -> (the address asked for, its port option's
     value). A usage error for an address without its port, and for one beyond loopback with no
     token (the dashboard and /metrics are never open to a network without one)."""
-    from ..web.app import is_loopback
+    from ..web.addresses import is_loopback
 
     for name, (host, port) in binds.items():
         if host is None:

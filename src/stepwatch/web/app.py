@@ -33,9 +33,10 @@ from typing import Any
 
 from ..errors import StepwatchError
 from ..views.sources import Catalog, NoSuchSession, check_session_id
+from .addresses import is_loopback
 from .assets import UPLOT_NOTICE, asset_bytes, shell_html
 
-__all__ = ["Dashboard", "is_loopback", "serve_ui"]
+__all__ = ["Dashboard", "serve_ui"]
 
 POLL_MS = 1000  # how often a live run's page asks for what is new
 _COOKIE = "stepwatch_token"
@@ -50,16 +51,6 @@ _STATIC = {"app.js": ("text/javascript", 0), "app.css": ("text/css", 0),
 # than this many times its build time (2 s at least), so a page open during a burst costs the
 # machine at most about a fifth of a core.
 _LIVE_REUSE_FACTOR, _LIVE_REUSE_MIN_S = 4.0, 2.0
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a bind address) reaches only this machine."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _HttpError(Exception):

@@ -18,7 +18,6 @@ and imports the environment's next one.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import importlib.machinery
 import os
 import sys
@@ -75,7 +74,10 @@ _PATCHES = {
 }
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
+    """A meta path finder needs only ``find_spec``: ``importlib.abc`` would import
+    ``importlib.resources`` (and ``tempfile``, ``zipfile``) into each of the suite's processes."""
+
     def __init__(self) -> None:
         self.pending = dict(_PATCHES)
 
