@@ -7,7 +7,6 @@ Layouts follow telemetry-current-practice.md "Exports and bundles".
 from __future__ import annotations
 
 import os
-import platform
 import socket
 import sys
 import time
@@ -20,6 +19,7 @@ from .._decode import read_json_file
 from ..errors import ArtifactError
 from ..schema import SessionSummary, TelemetryEventV3
 from ._files import atomic_write_bytes
+from .run_manifest import platform_text
 
 __all__ = ["environment_info", "new_oom_bundle_dir", "read_bundle", "read_bundle_manifest", "write_diagnose_bundle",
            "write_oom_bundle"]
@@ -70,7 +70,7 @@ def environment_info() -> dict[str, Any]:
     memory = psutil.virtual_memory()
     info: dict[str, Any] = {
         "host": socket.gethostname(),
-        "platform": platform.platform(),
+        "platform": platform_text(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "cpu_count": os.cpu_count(),

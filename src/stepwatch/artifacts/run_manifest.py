@@ -15,7 +15,7 @@ from .._decode import DECODE_FAILURES, undecodable
 from ..errors import ArtifactError
 from ._files import atomic_write_bytes
 
-__all__ = ["RUN_MANIFEST", "RunManifest", "read_run_manifest", "run_session_id", "write_run_manifest",
+__all__ = ["RUN_MANIFEST", "RunManifest", "platform_text", "read_run_manifest", "run_session_id", "write_run_manifest",
            "write_run_manifest_in_place"]
 
 RUN_MANIFEST = "run.json"
@@ -41,10 +41,20 @@ class RunManifest(msgspec.Struct, kw_only=True):
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+def platform_text() -> str:
+    """``platform.platform()``'s "Linux-6.1.0-x86_64-with-glibc2.36" without its processor field,
+    which Python finds by running ``uname -p``: a training process (and the launcher) start no
+    process for it (a fork beside CUDA's threads, a second lost where processes are slow to start)."""
+    system = platform.uname()  # the processor is read only when asked for
+    text = "-".join(part for part in (system.system, system.release, system.machine) if part)
+    lib, version = platform.libc_ver()
+    return f"{text}-with-{lib}{version}" if lib else text
+
+
 def current_versions() -> dict[str, str]:
     from .. import __version__
 
-    versions = {"stepwatch": __version__, "python": platform.python_version(), "platform": platform.platform()}
+    versions = {"stepwatch": __version__, "python": platform.python_version(), "platform": platform_text()}
     torch = sys.modules.get("torch")
     if torch is not None:
         versions["torch"] = str(getattr(torch, "__version__", "?"))

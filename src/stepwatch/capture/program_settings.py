@@ -32,6 +32,7 @@ import threading
 import weakref
 from typing import Any
 
+from ..artifacts.run_manifest import platform_text
 from ..guard import Site, report_internal
 from .spans import SpanRecorder
 
@@ -115,7 +116,7 @@ def training_versions(torch: Any) -> dict[str, str | None]:
 
     version = getattr(torch, "version", None)
     return {"torch": str(getattr(torch, "__version__", "?")), "cuda": _text(getattr(version, "cuda", None)),
-            "python": platform.python_version(), "stepwatch": __version__, "platform": platform.platform()}
+            "python": platform.python_version(), "stepwatch": __version__, "platform": platform_text()}
 
 
 def _text(value: Any) -> str | None:
