@@ -28,6 +28,11 @@ settings.register_profile("ci", parent=settings.get_profile("stepwatch"), derand
 settings.register_profile("fast", parent=settings.get_profile("stepwatch"), max_examples=20)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "stepwatch"))
 
+# One intra-op thread in every process of the suite (its workers too, which import torch after
+# this), as torchrun gives each rank: four workers share two cores, and torch's OpenMP threads
+# spin between operations (10 % of the CPU of the Trainer tests). A value the caller set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Every process the suite starts (its workers too) has this folder first on PYTHONPATH, where a
 # sitecustomize keeps torch from importing its compiler into programs that never compile: 1.3 s
 # of CPU in each of the suite's ~150 training processes (the module says how; test_eager_torch.py
