@@ -19,6 +19,7 @@ import msgspec
 import psutil
 import pytest
 
+import stepwatch.nvml
 from stepwatch.capture.collectors import (
     CollectorHealth,
     CpuCollector,
@@ -353,6 +354,14 @@ def test_nvml_collector_per_process_memory() -> None:
     check_records(records, collector)
 
 
+@pytest.fixture
+def driver_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library that loads stands for the driver's (this host has none), so that the fake
+    ``pynvml`` is asked."""
+    monkeypatch.setattr(stepwatch.nvml, "_LINUX_LIBRARY", "libc.so.6")
+
+
+@pytest.mark.usefixtures("driver_library")
 def test_load_and_discover_nvml_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml = fake_pynvml([(1 * GB, 8 * GB)], {0: [(5, 1 * GB)]})
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
@@ -362,6 +371,7 @@ def test_load_and_discover_nvml_with_a_fake_module(monkeypatch: pytest.MonkeyPat
     assert collector.read()[0].allocated == 1 * GB
 
 
+@pytest.mark.usefixtures("driver_library")
 def test_nvml_without_a_driver_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml = fake_pynvml([], {})
 
@@ -372,6 +382,20 @@ def test_nvml_without_a_driver_is_absent(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     assert load_nvml() is None
     assert discover_nvml() is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the driver's library is looked for on Linux")
+def test_a_host_without_the_driver_never_imports_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL(stepwatch.nvml._LINUX_LIBRARY)
+        pytest.skip("this host has NVIDIA's driver")
+    except OSError:
+        pass
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    assert load_nvml() is None and discover_nvml() is None
+    assert "pynvml" not in sys.modules  # ~0.13 s of each rank's start on a CPU host
 
 
 # -- discovery -----------------------------------------------------------------------------------
@@ -491,6 +515,7 @@ def test_reading_is_plain_data() -> None:
         None, None, None, None, ())
 
 
+@pytest.mark.usefixtures("driver_library")
 def test_environment_inventory_lists_nvml_gpus_without_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     from stepwatch.artifacts.bundles import environment_info
 

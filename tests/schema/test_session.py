@@ -21,6 +21,7 @@ from stepwatch.schema import (
     new_session_id,
     select_default_session,
     sort_sessions,
+    worst_status,
 )
 
 PRIORITY = ("completed", "interrupted", "incomplete", "running")
@@ -169,3 +170,20 @@ def test_ledger_entry_holds_the_manifest_fields() -> None:
         "session_id": "s", "status": "completed", "started_at_ns": 1, "ended_at_ns": 2, "host": "h",
         "pid": 3, "job_id": None, "rank": 0, "local_rank": 0, "world_size": 1, "source": "stepwatch",
     }
+
+
+_ENDS = ("completed", "interrupted", "failed", "incomplete", "running")
+
+
+@given(st.lists(st.sampled_from(_ENDS), min_size=1), st.sampled_from(_ENDS))
+def test_the_worst_status_is_one_given_and_no_better_one_changes_it(statuses: list[str], other: str) -> None:
+    worst = worst_status(statuses)
+    assert worst in statuses
+    assert all(_ENDS.index(status) <= _ENDS.index(worst) for status in statuses)
+    if _ENDS.index(other) <= _ENDS.index(worst):
+        assert worst_status([*statuses, other]) == worst
+    assert worst_status(["completed", *statuses]) == worst
+
+
+def test_a_status_no_one_knows_is_the_worst() -> None:
+    assert worst_status(["running", "from-a-newer-stepwatch", "failed"]) == "from-a-newer-stepwatch"

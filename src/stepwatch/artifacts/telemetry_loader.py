@@ -50,6 +50,7 @@ from ..schema import (
     sort_sessions,
     synthetic_session_id,
     translate_validation_error,
+    worst_status,
 )
 from ._files import process_alive
 from .manifest import MANIFEST_FILENAME, SEGMENT_PREFIX, SEGMENT_SUFFIX, SinkManifest, read_manifest
@@ -589,9 +590,6 @@ def _summarise(
     return msgspec.structs.replace(ledger, status=status, **counts)
 
 
-_STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
-
-
 def _merge(sessions: Iterable[LoadedTelemetrySession]) -> list[LoadedTelemetrySession]:
     """Joins the per-rank parts of each session id into one session."""
     merged: dict[str, list[LoadedTelemetrySession]] = {}
@@ -605,7 +603,7 @@ def _merge(sessions: Iterable[LoadedTelemetrySession]) -> list[LoadedTelemetrySe
         events = [e for p in parts for e in p.events]
         events.sort(key=_by_time)
         summaries = [p.summary for p in parts]
-        status = max((s.status for s in summaries), key=_STATUS_WEIGHT.__getitem__)
+        status = worst_status(s.status for s in summaries)
         ended = [s.ended_at_ns for s in summaries]
         base = min(summaries, key=lambda s: s.rank)
         out.append(

@@ -24,6 +24,7 @@ from ._session import (
     new_session_id,
     select_default_session,
     sort_sessions,
+    worst_status,
 )
 from ._telemetry import (
     SCHEMA_VERSION_V2,
@@ -69,6 +70,7 @@ __all__ = [
     "translate_validation_error",
     "v4_to_v3",
     "validate_telemetry_record",
+    "worst_status",
 ]
 
 

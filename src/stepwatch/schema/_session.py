@@ -20,6 +20,7 @@ __all__ = [
     "new_session_id",
     "select_default_session",
     "sort_sessions",
+    "worst_status",
 ]
 
 SessionStatus = Literal["running", "completed", "interrupted", "incomplete"]
@@ -27,6 +28,11 @@ SESSION_STATUSES: tuple[str, ...] = ("running", "completed", "interrupted", "inc
 # Default selection (telemetry-event-v3.md): newest completed, then interrupted, then incomplete;
 # a session still running is shown but chosen last.
 _SELECTION_RANK = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
+# How badly a session ended, best first: a session is as bad as its worst rank (the aggregator folds
+# its ranks' stop events, the launcher its ranks' ledgers and the status other nodes stored).
+# ``failed``: a rank's stop event when its training raised (docs/run-outcome.md); ``running``: a
+# rank whose end is not known. Any other text counts as the worst.
+_SEVERITY = {status: i for i, status in enumerate(("completed", "interrupted", "failed", "incomplete", "running"))}
 _LEDGER_FIELDS = (
     "session_id", "status", "started_at_ns", "ended_at_ns", "host", "pid",
     "job_id", "rank", "local_rank", "world_size", "source",
@@ -90,6 +96,11 @@ def sort_sessions(items: Iterable[_S]) -> list[_S]:
         return (_SELECTION_RANK.get(summary.status, 9), -newest)
 
     return sorted(items, key=key)
+
+
+def worst_status(statuses: Iterable[str]) -> str:
+    """The worst of ``statuses`` (at least one)."""
+    return max(statuses, key=lambda status: _SEVERITY.get(status, len(_SEVERITY)))
 
 
 def select_default_session(items: Iterable[_S]) -> _S | None:

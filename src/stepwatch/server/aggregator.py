@@ -48,6 +48,7 @@ from typing import Any
 
 from ..errors import StepwatchError, StoreError, TransportError
 from ..log import logger
+from ..schema import worst_status
 from ..schema.limits import bounded_columns, rows_problem, sender_problem, shape_problem
 from ..store.base import COLUMNS, HistoryStore
 from ..store.rows import CarryUpdate, PhaseCarry, check_rows, row_tuples, to_rows, wire_tuples
@@ -56,7 +57,6 @@ from ..transport.frames import DEFAULT_MAX_FRAME, FrameDecoder, Message, WireTab
 __all__ = ["Aggregator"]
 
 _ROW_ERRORS = (KeyError, TypeError, ValueError, AttributeError, OverflowError)
-_STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "failed": 2, "incomplete": 3}
 # the runtime's stop event says how it stopped: context "stepwatch capture stopped (<status>)"
 _STOP_STATUS = re.compile(r"\((completed|interrupted|failed|incomplete)\)\s*$")
 DEDUPE_WINDOW_NS = 24 * 3600 * 10**9
@@ -353,7 +353,7 @@ class Aggregator:
         """The session's row as its ranks' stops leave it (the worst status, the last stop), to
         be written by the next tick."""
         self._awaiting_world.pop(session_id, None)
-        status = max((status for _, status in stopped.values()), key=lambda s: _STATUS_WEIGHT.get(s, 9))
+        status = worst_status(status for _, status in stopped.values())
         self._session_updates[session_id] = {
             "session_id": session_id, "status": status, "started_at_ns": None,
             "ended_at_ns": max(ns for ns, _ in stopped.values()), "host": None, "world_size": None,

@@ -20,13 +20,12 @@ from typing import Any, Protocol
 from ..artifacts.run_manifest import RunManifest, current_versions, write_run_manifest, write_run_manifest_in_place
 from ..lifetime import LAUNCHER_PID_ENV, preexec_die_with_parent
 from ..log import logger
-from ..schema import SessionStatus, new_session_id
+from ..schema import SessionStatus, new_session_id, worst_status
 
 __all__ = ["KILL_GRACE_S", "STALL_KILL_EXIT", "TORCHRUN_PORT", "JobView", "LaunchOptions", "launch", "master_port"]
 
 AUTOSTART_DIR = Path(__file__).resolve().parent.parent / "capture" / "_autostart"
 REMOTE_DRAIN_S = 60.0  # how long node 0 waits for other nodes' ranks after its own are done
-_STATUS_WEIGHT = {"completed": 0, "interrupted": 1, "incomplete": 2, "running": 3}
 # ``--on-stall kill``: ``run``'s exit code when the watchdog ended a stalled job (as timeout(1)
 # says a command ran too long), and how long the job has between SIGTERM and SIGKILL
 STALL_KILL_EXIT = 124
@@ -406,7 +405,7 @@ def _close_rank_sessions(run_dir: Path, session_id: str) -> SessionStatus:
             statuses.append(mine[-1])
     if not statuses:
         return "incomplete"
-    return max(statuses, key=lambda s: _STATUS_WEIGHT.get(s, 9))  # type: ignore[return-value]
+    return worst_status(statuses)  # type: ignore[return-value]
 
 
 def launch(options: LaunchOptions, *, echo: Any = print,
@@ -729,7 +728,7 @@ def _worst_with_stored(history: Any, session_id: str, status: str) -> str:
     stored = rows[0]["status"] if rows else None
     if stored is None or stored == "running":
         return status
-    return max((status, str(stored)), key=lambda s: _STATUS_WEIGHT.get(s, 9))
+    return worst_status((status, str(stored)))
 
 
 def _write_summary_files(run_dir: Path, summary: dict[str, Any], text: str) -> None:
