@@ -42,9 +42,10 @@ class RunManifest(msgspec.Struct, kw_only=True):
 
 
 def platform_text() -> str:
-    """``platform.platform()``'s "Linux-6.1.0-x86_64-with-glibc2.36" without its processor field,
-    which Python finds by running ``uname -p``: a training process (and the launcher) start no
-    process for it (a fork beside CUDA's threads, a second lost where processes are slow to start)."""
+    """The system, its release and the machine ("Linux-6.1.0-x86_64-with-glibc2.36": on Linux,
+    ``platform.platform()``'s text) without reading the processor, which Python finds by running
+    ``uname -p``: a training process (and the launcher) start no process for it (a fork beside
+    CUDA's threads, a second lost where processes are slow to start)."""
     system = platform.uname()  # the processor is read only when asked for
     text = "-".join(part for part in (system.system, system.release, system.machine) if part)
     lib, version = platform.libc_ver()
