@@ -25,6 +25,7 @@ from stepwatch.capture import torch_patches
 from stepwatch.capture.torch_patches import _is_accelerator, _target
 from stepwatch.capture.training import TrainingState
 from tests.support.capture import finish, start
+from tests.support.spool_tree import named
 
 pytestmark = pytest.mark.usefixtures("training_test")
 
@@ -97,6 +98,35 @@ def test_patches_installed_at_init_and_restored_at_shutdown_twice(tmp_path: Path
         versions = [m for m in spool.marks if m["name"] == "stepwatch.versions"]
         assert [(m["value"], m["kind"], m["attrs"]["torch"]) for m in versions] == [
             (torch.__version__, "summary", torch.__version__)]
+
+
+def test_a_compiled_model_is_one_graph_and_its_steps_are_recorded(tmp_path: Path) -> None:
+    """torch.compile goes straight to each submodule's forward under stepwatch as it does
+    without it (no graph break at our ``__call__``), here with its compiler imported before
+    stepwatch starts; at shutdown the compiler holds torch's own ``__call__`` again."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torch._dynamo import utils as dynamo_utils
+    from torch._dynamo.variables import nn_module as dynamo_modules
+
+    dynamo.reset()
+    dynamo_utils.counters.clear()
+    start(tmp_path)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)], nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="eager")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = compiled(torch.randn(4, 8)).pow(2).mean()
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+    try:
+        assert dict(dynamo_utils.counters["graph_break"]) == {}
+        assert dynamo_utils.counters["frames"]["total"] == 1  # the whole model, one frame
+    finally:
+        spool = finish(tmp_path)
+        dynamo.reset()
+    assert len(named(spool, "step")) == 3 and len(named(spool, "forward")) == 3
+    assert dynamo_utils.unpatched_nn_module_call is OWN_CALL and dynamo_modules.unpatched_nn_module_call is OWN_CALL
 
 
 def test_a_process_that_never_trains_records_no_versions(tmp_path: Path) -> None:

@@ -56,7 +56,9 @@ class TorchPatches:
                 from torch.utils.data import DataLoader
 
                 self.state.grad_enabled = torch.is_grad_enabled
+                before = torch.nn.Module.__call__
                 self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
+                _follow_in_dynamo(replaced=before, installed=torch.nn.Module.__call__)
                 self._patch(torch.autograd, "backward", self._wrap_backward)
                 self._patch(DataLoader, "__iter__", self._wrap_loader_iter)
                 if _accelerator_present(torch):
@@ -88,6 +90,8 @@ class TorchPatches:
 
     def _restore(self) -> None:
         for owner, name, original, own in reversed(self._originals):
+            if name == "__call__":
+                _follow_in_dynamo(replaced=getattr(owner, name), installed=original)
             if own:
                 setattr(owner, name, original)
             else:  # inherited (Tensor.to lives on TensorBase): leave the class as it was
@@ -370,6 +374,22 @@ def _is_torch_dispatch(torch: Any, original: Any) -> bool:
     return (original is getattr(module, "_wrapped_call_impl", None) and code is not None
             and set(code.co_names) == {"_compiled_call_impl", "_call_impl"}
             and callable(getattr(module, "_call_impl", None)))
+
+
+# the modules of torch's compiler that keep the ``nn.Module.__call__`` they saw at their import
+_DYNAMO_HOLDERS = ("torch._dynamo.utils", "torch._dynamo.variables.nn_module")
+
+
+def _follow_in_dynamo(replaced: Any, installed: Any) -> None:
+    """``torch.compile`` goes straight to a submodule's ``forward`` (no hook on it) only while
+    ``nn.Module.__call__`` is the one its compiler saw at its import; any other it traces, and
+    the context variable ours reads stops the graph there: a graph break at every submodule of
+    a compiled model (2.8x its step time, an MLP of five layers). Where the compiler is
+    imported, its reference follows the ``__call__`` installed; imported later, it sees ours."""
+    for name in _DYNAMO_HOLDERS:
+        holder = sys.modules.get(name)
+        if holder is not None and getattr(holder, "unpatched_nn_module_call", None) is replaced:
+            holder.unpatched_nn_module_call = installed
 
 
 def _accelerator_present(torch: Any) -> bool:
