@@ -188,6 +188,26 @@ def test_manual_update_is_a_step_per_iteration_and_forwards_only_are_eval_steps(
         assert all(step["parent_id"] == epoch["id"] for step in steps)
 
 
+def test_a_short_manual_update_run_ending_in_evaluation_ends_with_eval_steps(tmp_path: Path) -> None:
+    """Fewer iterations than the machine holds while it learns the loop (no optimizer object),
+    then evaluation until the process ends: the last forward is evaluation too, not a training
+    step cut short."""
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = tensors(80)
+    start(tmp_path)
+    for xb, yb in sliced(x, y, 8):  # 10 iterations
+        nn.functional.mse_loss(model(xb), yb).backward()
+        manual_update(model)
+    with torch.no_grad():
+        for xb in torch.randn(3, 2, 4):
+            model(xb)
+    spool = finish(tmp_path)
+
+    assert [s["name"] for s in steps_and_evals(spool)] == ["step"] * 10 + ["eval_step"] * 3
+    assert not any("unclosed" in s["attrs"] for s in steps_and_evals(spool))
+
+
 # -- 2. a peek at the loader -----------------------------------------------------------------
 
 
@@ -415,15 +435,60 @@ def test_validation_after_each_optimizer_step_is_an_eval_step(tmp_path: Path, lo
         assert by_id[forward["parent_id"]]["name"] in STEPS, by_id[forward["parent_id"]]["name"]
 
 
+# -- 7b. a frozen network beside the one that trains --------------------------------------------
+
+
+@pytest.mark.parametrize("loader", [True, False], ids=["dataloader", "sliced"])
+@pytest.mark.parametrize("update", ["optimizer", "manual"])
+@pytest.mark.parametrize("teacher_first", [True, False], ids=["teacher-first", "student-first"])
+def test_a_teachers_forward_without_gradients_is_part_of_the_training_step(tmp_path: Path, loader: bool,
+                                                                          update: str, teacher_first: bool) -> None:
+    """Distillation: a frozen teacher's forward under ``no_grad`` beside the student's, each
+    iteration, is the step's forward work, never an evaluation step (a target network's in RL
+    is the same shape). The same model's forward under ``no_grad`` stays evaluation (the tests
+    of validation above)."""
+    torch.manual_seed(0)
+    teacher, student = mlp().eval(), mlp()
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.05)
+    x, y = tensors(160)
+    start(tmp_path)
+    for xb, _ in batches(x, y, 8, loader):  # 20 iterations
+        if teacher_first:
+            with torch.no_grad():
+                target = teacher(xb)
+            loss = nn.functional.mse_loss(student(xb), target)
+        else:
+            out = student(xb)
+            with torch.no_grad():
+                target = teacher(xb)
+            loss = nn.functional.mse_loss(out, target)
+        loss.backward()
+        if update == "optimizer":
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            manual_update(student)
+    spool = finish(tmp_path)
+
+    steps, evals = named(spool, "step"), named(spool, "eval_step")
+    assert (len(steps), len(evals)) == (20, 0), f"{len(steps)} steps, {len(evals)} eval steps"
+    tree = kids(spool)
+    for step in steps:
+        mine = names(tree[step["id"]])
+        assert mine["forward"] == 2 and mine["backward"] == 1, mine
+        assert mine["data_load"] == (1 if loader else 0), mine
+        assert_breakdown(step)
+
+
 # -- 8. random interleavings (hypothesis) ----------------------------------------------------
 
-OPS = ("iter", "fetch", "forward", "forward_no_grad", "backward", "step_a", "step_b", "abandon")
+OPS = ("iter", "fetch", "forward", "forward_no_grad", "teacher", "backward", "step_a", "step_b", "abandon")
 
 
 def _run_ops(run_dir: Path, ops: list[str]) -> LoadedSpool:
     """One random program on a tiny model: optimizer A owns the first layer, B the last."""
     torch.manual_seed(0)
-    model = mlp()
+    model, teacher = mlp(), mlp()
     opt_a = torch.optim.SGD(model[0].parameters(), lr=0.01)
     opt_b = torch.optim.Adam(model[2].parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(*tensors(12)), batch_size=4)  # 3 batches a pass
@@ -444,6 +509,9 @@ def _run_ops(run_dir: Path, ops: list[str]) -> LoadedSpool:
         elif op == "forward_no_grad":
             with torch.no_grad():
                 model(batch[0])
+        elif op == "teacher":  # a frozen network's forward (distillation's teacher)
+            with torch.no_grad():
+                teacher(batch[0])
         elif op == "backward" and loss is not None:
             loss.backward()
             loss = None

@@ -96,6 +96,7 @@ class ThreadBook(Protocol):
     live: OpenSpan | None
     implicit: bool
     in_backward: bool
+    module_id: int
     optimizer_token: Any
     step_opts: dict[str, int]
 
@@ -156,7 +157,7 @@ class StepMachine:
     phases to ``held`` instead of spooling them."""
 
     __slots__ = ("host", "local", "state", "mode", "watch", "holding", "held", "cuts", "first_times", "eval_ids",
-                 "it_fwd", "it_bwd", "done_ns")
+                 "forward_modules", "it_fwd", "it_module", "it_bwd", "done_ns")
 
     def __init__(self, host: StepHost, local: ThreadBook) -> None:
         self.host = host
@@ -169,7 +170,9 @@ class StepMachine:
         self.cuts: list[int] = []  # starts of the held iterations of the open step (UNKNOWN mode)
         self.first_times: dict[str, int] | None = None  # the open step's times before its held iterations
         self.eval_ids: set[int] = set()  # held forwards that ran with gradients off
+        self.forward_modules: dict[int, int] = {}  # held top-level forward -> id() of its module
         self.it_fwd = _FWD_NONE
+        self.it_module = 0  # id() of the module of the iteration's first forward, gradients off
         self.it_bwd = False
         self.done_ns = 0  # DONE: the end of the step's optimizer step
 
@@ -225,18 +228,28 @@ class StepMachine:
             else:
                 self.holding = True
             return
-        # RUNNING in UNKNOWN or BACKWARD mode: a top-level forward may begin the next iteration.
+        # RUNNING in UNKNOWN or BACKWARD mode: a top-level forward may begin the next iteration:
+        # after a backward, or after a forward of the same module with gradients off (evaluation,
+        # one forward an iteration). A forward with gradients off after one with them waits for
+        # what follows (a backward makes it all one training iteration); and a frozen network's
+        # forward with gradients off (a teacher's, a target network's) is the iteration's own.
         stack = local.stack
         if stack and stack[-1] is step:
-            if name == "forward" and (self.it_bwd or self.it_fwd is _FWD_EVAL
-                                      or (self.it_fwd is _FWD_GRAD and not host.grad_enabled())):
+            if name == "forward" and (self.it_bwd or (self.it_fwd is _FWD_EVAL and local.module_id == self.it_module)):
                 self._next_iteration(now, reopen=True)
             self._iteration_phase(name)
 
     def forward_opened(self, span: OpenSpan) -> None:
-        """A forward opened on the slow path with gradients off, a step open: evaluation work
-        (if it comes between training steps)."""
-        self.eval_ids.add(span.id)
+        """A top-level forward opened on the slow path, a step open: with gradients off,
+        evaluation work if it comes between training steps (``_eval_runs`` says)."""
+        self.forward_modules[span.id] = self.local.module_id
+        if not self.host.grad_enabled():
+            self.eval_ids.add(span.id)
+
+    def _forget_forwards(self) -> None:
+        """The held forwards are decided: what was kept of them goes."""
+        self.eval_ids.clear()
+        self.forward_modules.clear()
 
     def optimizer(self, label: str) -> None:
         """An optimizer's step begins (before its phase opens); ``label`` names the optimizer.
@@ -259,7 +272,7 @@ class StepMachine:
                 self.holding = False
                 self.cuts = []
                 self.first_times = None
-                self.eval_ids.clear()
+                self._forget_forwards()
                 self._push_all(held)
             self.watch = False
         self.mode = _OPTIMIZER
@@ -339,7 +352,9 @@ class StepMachine:
         open_phases = {s.name for s in above}
         grad = self.host.grad_enabled()
         running = self.state is _RUNNING
-        times = step.phase_ns if running else None
+        # the step's times hold every held iteration's: with iterations held, the last one's own
+        # flags say what it was (an evaluation after a manual update's training is no training)
+        times = step.phase_ns if running and not self.cuts else None
         trained = (local.in_backward or local.optimizer_token is not None
                    or bool(_TRAINING_PHASES.intersection(open_phases)) or ("forward" in open_phases and grad)
                    or (running and (self.it_bwd or self.it_fwd is _FWD_GRAD))
@@ -377,7 +392,7 @@ class StepMachine:
         held, self.held = self.held, []
         self.holding = False
         self.cuts = []
-        self.eval_ids.clear()
+        self._forget_forwards()
         self._push_all(held)
 
     # -- transitions ---------------------------------------------------------------------------------
@@ -410,7 +425,7 @@ class StepMachine:
         self.host.close_step(step, None)
         parent_id = step.parent_id  # the step's epoch, when closing it opened one
         if not held:
-            self.eval_ids.clear()
+            self._forget_forwards()
             if reopen:
                 self._open(start_ns=done_ns)
             return
@@ -434,12 +449,12 @@ class StepMachine:
                     if times["backward"]:
                         self.it_bwd = True
                 self._push_all(group)
-                self.eval_ids.clear()
+                self._forget_forwards()
                 return
             end = cuts[i + 1] if i < last else max(s.end_ns for s in group)
             self._new_step(parent_id, cuts[i], end, group, owner, interrupted if i == last else None)
             self._push_all(group)
-        self.eval_ids.clear()
+        self._forget_forwards()
         if reopen:
             self._open(start_ns=end_ns)
 
@@ -455,7 +470,7 @@ class StepMachine:
             for name, value in own_times(held).items():
                 times[name] += value
         self._push_all(held)
-        self.eval_ids.clear()
+        self._forget_forwards()
         self.local.live = step
         self.done_ns = 0
         self.state = _RUNNING
@@ -482,7 +497,7 @@ class StepMachine:
             end = cuts[i + 1] if i < last else (end_ns or max((s.end_ns for s in group), default=cuts[i]))
             self._new_step(parent_id, cuts[i], end, group, owner, interrupted if i == last else None)
             self._push_all(group)
-        self.eval_ids.clear()
+        self._forget_forwards()
 
     def _next_iteration(self, start_ns: int, *, reopen: bool) -> None:
         """RUNNING, not OPTIMIZER mode: the iteration in progress ended at ``start_ns``; with
@@ -510,7 +525,24 @@ class StepMachine:
         if name == "backward":
             self.it_bwd = True
         elif name == "forward" and self.it_fwd is not _FWD_GRAD:
-            self.it_fwd = _FWD_GRAD if self.host.grad_enabled() else _FWD_EVAL
+            if self.host.grad_enabled():
+                self.it_fwd = _FWD_GRAD
+            elif self.it_fwd is _FWD_NONE:
+                self.it_fwd, self.it_module = _FWD_EVAL, self.local.module_id
+
+    def _frozen(self, top: list[OpenSpan], i: int) -> bool:
+        """Whether ``top[i]``, a forward with gradients off, is a frozen network's inside a
+        training iteration: next to it, with only forwards between, a forward with gradients
+        of another module (a distillation's teacher before or after its student)."""
+        module = self.forward_modules.get(top[i].id)
+        for way in (-1, 1):
+            j = i + way
+            while 0 <= j < len(top) and top[j].name == "forward":
+                other = top[j].id
+                if other not in self.eval_ids and self.forward_modules.get(other, module) != module:
+                    return True
+                j += way
+        return False
 
     # -- spans made after the fact -------------------------------------------------------------
 
@@ -549,7 +581,7 @@ class StepMachine:
         for i, span in enumerate(top):
             if span.name == "data_load":
                 continue
-            kind = "eval" if span.name == "forward" and span.id in self.eval_ids else "train"
+            kind = "eval" if span.name == "forward" and span.id in self.eval_ids and not self._frozen(top, i) else "train"
             if kind == "eval" or previous != "train":
                 start = top[i - 1].start_ns if i and top[i - 1].name == "data_load" else span.start_ns
                 if not cuts or start > cuts[-1]:

@@ -155,6 +155,7 @@ class TorchPatches:
                 return original(module, *args, **kwargs)
             span = None
             try:
+                local.module_id = id(module)
                 # A forward run during backward is activation checkpointing recomputing it.
                 span = state.phase_begin(local, "recompute" if local.in_backward else "forward")
             except Exception as exc:  # noqa: BLE001

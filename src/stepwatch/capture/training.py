@@ -71,7 +71,7 @@ class _ThreadState:
     one object (the stack is the very list the recorder uses for the thread). Step inference's
     own state is the thread's ``machine`` (step_inference.py)."""
 
-    __slots__ = ("stack", "ident", "step", "model", "pending_fetch", "in_forward", "in_backward",
+    __slots__ = ("stack", "ident", "step", "model", "module_id", "pending_fetch", "in_forward", "in_backward",
                  "optimizer_token", "optimizer_depth", "implicit", "live", "source", "step_opts", "opt_label",
                  "opt_nested", "ended_pass", "machine")
 
@@ -80,6 +80,10 @@ class _ThreadState:
         self.ident = threading.get_ident()
         self.step: OpenSpan | None = None
         self.model: Any = None
+        # id() of the module whose top-level forward began last (an id: a reference would keep a
+        # model the program dropped alive): step inference tells a frozen network's forward with
+        # gradients off (a teacher, a target network) from evaluation of the model that trains
+        self.module_id = 0
         self.pending_fetch: tuple[int, int, Any] | None = None  # (start, end, its pass)
         self.in_forward = False
         self.in_backward = False
@@ -208,7 +212,7 @@ class TrainingState:
         span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, now, None,
                         local.ident)
         stack.append(span)
-        if slow and name == "forward" and local.step is not None and not self.grad_enabled():
+        if slow and name == "forward" and local.step is not None:
             machine.forward_opened(span)  # evaluation work, if it comes between training steps
         if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
@@ -358,6 +362,8 @@ class TrainingState:
         if fetch is not None and fetch[2] is not source:
             local.pending_fetch = None
             self._data_load_span(fetch[0], fetch[1])
+            if local.source is fetch[2]:  # nor is its pass the one a later step trains in
+                local.source = None
         train = self.train_loader
         if train is None or not self.auto_epochs or self.owners or train() is not source[0]:
             return
