@@ -240,8 +240,9 @@ class StepMachine:
             self._iteration_phase(name)
 
     def forward_opened(self, span: OpenSpan) -> None:
-        """A top-level forward opened on the slow path, a step open: with gradients off,
-        evaluation work if it comes between training steps (``_eval_runs`` says)."""
+        """A top-level forward opened on the slow path, a step open, with gradients off or held
+        after a step's optimizer step: with gradients off, evaluation work if it comes between
+        training steps (``_eval_runs`` says, from the modules of the forwards held beside it)."""
         self.forward_modules[span.id] = self.local.module_id
         if not self.host.grad_enabled():
             self.eval_ids.add(span.id)

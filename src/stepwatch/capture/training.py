@@ -212,7 +212,8 @@ class TrainingState:
         span = OpenSpan(self._new_id(), name, stack[-1].id if stack else self._session_id, None, now, None,
                         local.ident)
         stack.append(span)
-        if slow and name == "forward" and local.step is not None:
+        if slow and name == "forward" and local.step is not None and (machine.state is _DONE
+                                                                       or not self.grad_enabled()):
             machine.forward_opened(span)  # evaluation work, if it comes between training steps
         if self.gpu_timer is not None and timed:
             span.gpu = self.gpu_timer.begin(span)
