@@ -480,6 +480,36 @@ def test_a_teachers_forward_without_gradients_is_part_of_the_training_step(tmp_p
         assert_breakdown(step)
 
 
+def test_a_gradient_penalty_is_backward_time_of_its_step(tmp_path: Path) -> None:
+    """WGAN-GP's critic: ``torch.autograd.grad`` of the critic's output for its input, inside
+    each step, is the step's backward time (with the step's own backward), one step per update;
+    outside a step it makes none."""
+    torch.manual_seed(0)
+    critic = mlp()
+    optimizer = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    x, _ = tensors(80)
+    probe = torch.randn(4, 4, requires_grad=True)
+    start(tmp_path)
+    torch.autograd.grad(critic(probe).sum(), probe)  # before any step: no step of its own
+    for xb, _yb in sliced(x, x, 8):  # 10 updates
+        mix = xb.clone().requires_grad_(True)
+        (slope,) = torch.autograd.grad(critic(mix).sum(), mix, create_graph=True)
+        loss = critic(xb).mean() + 10 * ((slope.norm(dim=1) - 1) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    spool = finish(tmp_path)
+
+    steps = named(spool, "step")
+    assert [s["name"] for s in steps_and_evals(spool)] == ["step"] * 10
+    tree = kids(spool)
+    for step in steps[1:]:  # the first: the loop's mode still unknown, the penalty not timed
+        backwards = [k for k in tree[step["id"]] if k["name"] == "backward"]
+        assert len(backwards) == 2, names(tree[step["id"]])
+        attrs = assert_breakdown(step)
+        assert attrs["backward_ns"] == sum(duration(b) for b in backwards)
+
+
 # -- 8. random interleavings (hypothesis) ----------------------------------------------------
 
 OPS = ("iter", "fetch", "forward", "forward_no_grad", "teacher", "backward", "step_a", "step_b", "abandon")

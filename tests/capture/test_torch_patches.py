@@ -30,7 +30,7 @@ from tests.support.spool_tree import named
 pytestmark = pytest.mark.usefixtures("training_test")
 
 STEPWATCH_DIR = str(Path(stepwatch.__file__).resolve().parent)
-TARGETS = [(nn.Module, "__call__"), (torch.autograd, "backward"),
+TARGETS = [(nn.Module, "__call__"), (torch.autograd, "backward"), (torch.autograd, "grad"),
            (DataLoader, "__iter__"), (torch.Tensor, "to"), (torch.Tensor, "cuda")]
 # Taken at collection, before any test starts a runtime: whether each name is the owner's own
 # attribute (Tensor.to is inherited from TensorBase) must be the same after every shutdown.

@@ -60,6 +60,7 @@ class TorchPatches:
                 self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
                 _follow_in_dynamo(replaced=before, installed=torch.nn.Module.__call__)
                 self._patch(torch.autograd, "backward", self._wrap_backward)
+                self._patch(torch.autograd, "grad", self._wrap_grad)
                 self._patch(DataLoader, "__iter__", self._wrap_loader_iter)
                 if _accelerator_present(torch):
                     self._patch(torch.Tensor, "to", self._wrap_to)
@@ -248,6 +249,36 @@ class TorchPatches:
             return result
 
         return backward
+
+    def _wrap_grad(self, original: Any) -> Any:
+        """``torch.autograd.grad`` (a gradient penalty, a physics-informed loss's derivatives, a
+        meta-learning inner step): backward work, timed as the step's backward while a step is
+        open and its iterations are not watched (then it changes no step's extent: a forward
+        after it belongs to the same iteration). Its outputs are no loss."""
+        state = self.state
+        threads = state.threads
+
+        def grad(*args: Any, **kwargs: Any) -> Any:
+            local = threads.me
+            if local.in_backward or local.step is None or local.machine.watch:
+                return original(*args, **kwargs)
+            span = None
+            try:
+                span = state.phase_begin(local, "backward")
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, Site.PATCH_BACKWARD)
+            local.in_backward = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.in_backward = False
+                if span is not None:
+                    try:
+                        state.phase_end(local, span)
+                    except Exception as exc:  # noqa: BLE001
+                        report_internal(exc, Site.PATCH_BACKWARD_END)
+
+        return grad
 
     # -- the gradient norm, and GradScaler's scaled loss ----------------------------------------
 
