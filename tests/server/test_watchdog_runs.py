@@ -153,6 +153,20 @@ def test_a_rank_that_exits_without_a_word_is_lost(tmp_path: Path) -> None:
     assert [row[0] for row in history_alerts(out)] == ["RANK_LOST"]
 
 
+def test_a_rank_killed_before_its_first_interval_is_known_and_lost(tmp_path: Path) -> None:
+    """The sampler's first tick runs at once, not an interval (1 s by default) after the start:
+    a rank killed in its first moments is known to the aggregator, which names it lost."""
+    (tmp_path / "train.py").write_text("import os, signal, time\ntime.sleep(0.4)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), "train.py"], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    assert [(a["kind"], a["ranks"]) for a in alerts_of(out)] == [("RANK_LOST", [0])]
+    with sqlite3.connect(out / "history.sqlite") as db:
+        host, started = db.execute("SELECT host, started_at_ns FROM sessions").fetchone()
+    assert host and started
+
+
 def test_a_sharp_slowdown_fires_throughput_drop(tmp_path: Path) -> None:
     out, proc, _ = _run(tmp_path, MODES, "slow", "175", options=("--throughput-window", "0.5"))
     assert proc.returncode == 0, proc.stderr[-3000:]

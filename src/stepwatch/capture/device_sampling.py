@@ -55,9 +55,11 @@ class DeviceSampling:
             nvml = discover_nvml()
             if nvml is not None:
                 self.collectors.append(CollectorHealth(nvml))
-        # The first tick looks right away: a device the program set up before init() (or early
-        # in a short run) must not wait DISCOVER_EVERY_S for its first sample.
+        # The first tick (at init) looks right away, and the next ones again after as long as it
+        # has been since then, up to DISCOVER_EVERY_S: a device the program sets up before init()
+        # or just after it (the usual ``model.cuda()``) must not wait that long for its first sample.
         self.next_discovery = 0.0
+        self.first_discovery: float | None = None
         self.program_device: int | None = program_cuda_device()
         self.gpu_mb: tuple[int, int] | None = None  # (allocated, reserved) MiB of the program's device
 
@@ -74,7 +76,9 @@ class DeviceSampling:
         """Looks for new accelerators every ``DISCOVER_EVERY_S`` (True when it looked)."""
         if mono < self.next_discovery:
             return False
-        self.next_discovery = mono + DISCOVER_EVERY_S
+        if self.first_discovery is None:
+            self.first_discovery = mono
+        self.next_discovery = mono + min(DISCOVER_EVERY_S, mono - self.first_discovery)
         known = {h.collector.name for h in self.collectors}
         for collector in discover_accelerators(known, lambda: self.program_device):
             self.collectors.append(CollectorHealth(collector))

@@ -41,7 +41,9 @@ class Sampler:
         self.thread.start()
 
     def _loop(self) -> None:
-        while not self.stopping.wait(self.backlog_wait if self.backlog else self.period):
+        wait = 0.0  # the first tick at once: the rank is known (to the aggregator, to its files) from its start
+        while not self.stopping.wait(wait):
+            wait = self.backlog_wait if self.backlog else self.period
             with self.lock:
                 if self.stopping.is_set():
                     break
