@@ -156,7 +156,7 @@ def test_a_rank_that_exits_without_a_word_is_lost(tmp_path: Path) -> None:
 def test_a_rank_killed_before_its_first_interval_is_known_and_lost(tmp_path: Path) -> None:
     """The sampler's first tick runs at once, not an interval (1 s by default) after the start:
     a rank killed in its first moments is known to the aggregator, which names it lost."""
-    (tmp_path / "train.py").write_text("import os, signal, time\ntime.sleep(0.4)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "train.py").write_text("import os, signal, time\ntime.sleep(0.6)\nos.kill(os.getpid(), signal.SIGKILL)\n")
     out = tmp_path / "run"
     proc = subprocess.run([*STEPWATCH, "run", "--out", str(out), "train.py"], cwd=tmp_path, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
