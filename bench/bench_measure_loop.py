@@ -41,7 +41,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SCRIPT = Path(__file__).resolve()
-ARMS = ("plain", "stepwatch")
+# "thread": plain torch with one idle thread beside it, what any in-process recorder's thread
+# (stepwatch's sampler, TraceML's) costs the training thread before it does anything
+ARMS = ("plain", "thread", "stepwatch")
 WARMUP = 20
 _TRIGGER = "desc: Trigger: Client Request: "
 _COST = re.compile(r"\s*([\d,]+)\s+\(.*?\)\s+(.*)")
@@ -64,6 +66,10 @@ def _worker(arm: str, depth: int, steps: int) -> None:
     model = nn.Sequential(*layers, nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     criterion = nn.CrossEntropyLoss()
+    if arm == "thread":
+        import threading
+
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
     if arm == "stepwatch":
         import stepwatch
 
@@ -135,17 +141,21 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--jobs", type=int, default=4, help="callgrind runs at once")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=["plain", "stepwatch"],
+                        help="plain and stepwatch always; add thread for an idle thread's share")
     parser.add_argument("--tmp-dir", type=Path, default=None)
     args = parser.parse_args()
     if args.tmp_dir is not None:
         args.tmp_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-measure-loop-", dir=args.tmp_dir))
-    runs = [(arm, depth) for depth in args.depths for arm in ARMS]
+    arms = [arm for arm in ARMS if arm in {"plain", "stepwatch", *args.arms}]
+    runs = [(arm, depth) for depth in args.depths for arm in arms]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         got = dict(zip(runs, pool.map(lambda run: _run(*run, args.steps, work), runs)))
     added: dict[int, float] = {}
     outside: dict[int, float] = {}
     loop: dict[int, float] = {}
+    alone: dict[int, float] = {}
     for depth in args.depths:
         (plain, plain_malloc, plain_loop), (sw, sw_malloc, sw_loop) = got[("plain", depth)], got[("stepwatch", depth)]
         n = args.steps
@@ -156,12 +166,21 @@ def main() -> None:
               f"stepwatch +{added[depth] / 1e3:.1f}k (+{outside[depth] / 1e3:.1f}k outside glibc malloc; "
               f"malloc {(sw_malloc - plain_malloc) / n / 1e3:+.1f}k; interpreter loop {loop[depth] / 1e3:+.1f}k)",
               flush=True)
+        if ("thread", depth) in got:
+            thread, thread_malloc, _ = got[("thread", depth)]
+            alone[depth] = (thread - plain) / n
+            print(f"  an idle thread alone: +{alone[depth] / 1e3:.1f}k instr/step "
+                  f"(glibc malloc {(thread_malloc - plain_malloc) / n / 1e3:+.1f}k); "
+                  f"stepwatch over it +{(sw - thread) / n / 1e3:.1f}k", flush=True)
     if len(added) > 1:
         lo, hi = min(added), max(added)
         calls = 2 * (hi - lo)
         print(f"per extra module call: {(added[hi] - added[lo]) / calls / 1e3:.2f}k "
               f"(outside glibc malloc {(outside[hi] - outside[lo]) / calls / 1e3:.2f}k; "
               f"interpreter loop {(loop[hi] - loop[lo]) / calls / 1e3:.2f}k)")
+        if len(alone) > 1:
+            print(f"  an idle thread alone: {(alone[hi] - alone[lo]) / calls / 1e3:.2f}k per extra module call; "
+                  f"stepwatch over it {((added[hi] - alone[hi]) - (added[lo] - alone[lo])) / calls / 1e3:.2f}k")
     print(f"dumps in {work}")
 
 
