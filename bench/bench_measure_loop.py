@@ -4,7 +4,7 @@ torch against an out-of-the-box ``stepwatch.init()``, at two depths.
 
 Usage::
 
-    .venv/bin/python bench/bench_measure_loop.py [--depths 1 16] [--steps 500] [--jobs 4]
+    .venv/bin/python bench/bench_measure_loop.py [--depths 1 16] [--steps 500] [--jobs 4] [--arms thread]
 
 The acceptance measure runs each arm twice under full instrumentation (N1 and N2 steps) and
 subtracts: importing torch under callgrind is most of its ~20 CPU-minutes, and on a loaded
@@ -24,7 +24,9 @@ compared on that column. The interpreter loop's own instructions (``_PyEval_Eval
 the bytecodes the Python code executed) are printed too: they move only when the Python a step
 runs changes, whereas glibc's heap and CPython's type-attribute cache (slots hashed from the
 addresses of attribute names and types' version tags) move the rest by a few k a step between
-builds whose per-step code is the same.
+builds whose per-step code is the same. ``--arms thread`` adds plain torch with one idle thread:
+once a process has a second thread, glibc's allocator takes its arena's lock on every tensor's
+allocation and free, a cost any in-process recorder with a thread adds, before its own code.
 """
 
 from __future__ import annotations
