@@ -92,6 +92,16 @@ def test_a_sleep_after_each_step_is_between_steps(runs: Callable[..., Run]) -> N
     assert primary["evidence"]["share_of_wall"] > 0.3
 
 
+def test_host_work_between_forward_and_backward_is_residual_heavy(runs: Callable[..., Run]) -> None:
+    run = runs("residual", "--steps", "150", "--forward-ms", "3", "--host-work-ms", "6")
+    primary = run.diagnosis["primary"]
+    assert primary["name"] == "RESIDUAL_HEAVY" and primary["severity"] in ("warn", "crit"), primary
+    assert primary["ranks"] == [0] and primary["evidence"]["share"] > 0.3
+    assert "loss computation" in primary["next_step"] and "stepwatch.scope()" in primary["next_step"]
+    # the sleep is host time inside the step: neither a phase nor time between steps
+    assert "BETWEEN_STEPS" not in {v["name"] for v in findings(run.diagnosis)}
+
+
 def test_a_clean_balanced_run_has_no_warn_or_crit_verdict(runs: Callable[..., Run]) -> None:
     run = runs(*CLEAN)
     assert serious(run.diagnosis) == [], run.diagnosis

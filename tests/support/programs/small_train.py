@@ -1,8 +1,8 @@
 """A tiny CPU training loop whose slowness and end are chosen on the command line, for the real
 runs the verdicts and the surfaces read: a slow loader (from the start or from a step on), one slow
 rank (DDP over gloo when launched with several ranks), a growing list of tensors, a sleep after
-each step (a run slow enough to watch grow), a NaN loss, a raise or a SIGKILL at a step. Plain
-PyTorch: no stepwatch call."""
+each step (a run slow enough to watch grow), host work inside each step, a NaN loss, a raise or a
+SIGKILL at a step. Plain PyTorch: no stepwatch call."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=0.0, help="every rank sleeps this long in forward")
     parser.add_argument("--leak-mb", type=float, default=0.0, help="MiB kept alive after each step")
     parser.add_argument("--sleep-after-step-ms", type=float, default=0.0)
+    parser.add_argument("--host-work-ms", type=float, default=0.0,
+                        help="host work inside each step, between its forward and its backward (logging, a metric)")
     parser.add_argument("--nan-at", type=int, default=-1, help="the loss is NaN at this step (a NONFINITE alert)")
     parser.add_argument("--crash-at", type=int, default=-1, help="raise at this step")
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL itself at this step")
@@ -93,6 +95,8 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(xb), yb)
         if step == args.nan_at:
             loss = loss * float("nan")
+        if args.host_work_ms:
+            time.sleep(args.host_work_ms / 1000)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
