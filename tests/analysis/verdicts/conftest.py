@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import STEPWATCH, clean_env, run_stepwatch
+from tests.support import STEPWATCH, clean_env, free_port, run_stepwatch
 from tests.support.shared import once
 from tests.support.web_runs import PROGRAM, web_run_outputs
 
@@ -39,9 +39,13 @@ class Run:
         return json.loads(proc.stdout)
 
 
-def train(base: Path, name: str, *args: str, interval_ms: int = 200, timeout: float = 90, **env: str) -> Run:
+def train(base: Path, name: str, *args: str, interval_ms: int = 200, timeout: float = 90, ranks: int = 1,
+          **env: str) -> Run:
     out = base / name
-    command = [*STEPWATCH, "run", "--interval", str(interval_ms), "--out", str(out), str(PROGRAM), *args]
+    command = [*STEPWATCH, "run", "--interval", str(interval_ms), "--out", str(out)]
+    if ranks > 1:
+        command += ["--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+    command += [str(PROGRAM), *args]
     proc = subprocess.run(command, cwd=base, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return Run(out, proc)

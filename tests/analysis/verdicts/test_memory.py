@@ -40,6 +40,18 @@ def test_a_cpu_run_that_leaks_is_caught_on_its_rss() -> None:
     assert "rises" in creep.message
 
 
+@pytest.mark.parametrize("every", [1, 10])
+def test_creep_is_told_per_step_however_often_memory_is_sampled(every: int) -> None:
+    # a sampler ticks by time: on a fast loop one sample stands for many steps
+    rows = steps(0, 600)
+    sampled = [row for row in rows if row["step"] % every == 0]
+    found = diagnose(rows, samples(0, sampled, [2 * GIB + row["step"] * 4 * MIB for row in sampled])).memory
+    assert names(found) == ["CREEP_CONFIRMED"]
+    told = float(found[0].message.split("about ")[1].split(" KiB a step")[0])
+    assert told == pytest.approx(4 * 1024, rel=0.05), found[0].message
+    assert found[0].evidence["growth_bytes_per_step"] == pytest.approx(4 * MIB, rel=0.05)
+
+
 def test_a_slow_rise_is_early_creep_only() -> None:
     rows, mem = cpu_run(300, 1 * MIB, ranks=2)  # ~225 MiB between the bands
     found = diagnose(rows, mem).memory

@@ -1,8 +1,8 @@
 """A tiny CPU training loop whose slowness and end are chosen on the command line, for the real
 runs the verdicts and the surfaces read: a slow loader (from the start or from a step on), one slow
-rank (DDP over gloo when launched with several ranks), a growing list of tensors, a sleep after
-each step (a run slow enough to watch grow), host work inside each step, a NaN loss, a raise or a
-SIGKILL at a step. Plain PyTorch: no stepwatch call."""
+rank (DDP over gloo when launched with several ranks), a growing list of tensors (on every rank or
+on one), a sleep after each step (a run slow enough to watch grow), host work inside each step, a
+NaN loss, a raise or a SIGKILL at a step. Plain PyTorch: no stepwatch call."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--slow-forward-ms", type=float, default=0.0)
     parser.add_argument("--forward-ms", type=float, default=0.0, help="every rank sleeps this long in forward")
     parser.add_argument("--leak-mb", type=float, default=0.0, help="MiB kept alive after each step")
+    parser.add_argument("--leak-rank", type=int, default=-1, help="only this rank keeps them (-1: every rank)")
     parser.add_argument("--sleep-after-step-ms", type=float, default=0.0)
     parser.add_argument("--host-work-ms", type=float, default=0.0,
                         help="host work inside each step, between its forward and its backward (logging, a metric)")
@@ -101,7 +102,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         step += 1
-        if args.leak_mb:
+        if args.leak_mb and args.leak_rank in (-1, rank):
             kept.append(torch.ones(int(args.leak_mb * 2**20 / 4)))
         if args.sleep_after_step_ms:
             time.sleep(args.sleep_after_step_ms / 1000)

@@ -13,7 +13,7 @@ facts ``memory_facts`` reduces once from the samples.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from statistics import median as _median
 from typing import Any
 
@@ -37,7 +37,7 @@ def _r4(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
-def _band(series: list[float], band: tuple[float, float]) -> float:
+def _band(series: Sequence[float], band: tuple[float, float]) -> float:
     n = len(series)
     low = min(n - 1, int(math.floor(band[0] * n)))
     high = max(low + 1, min(n, int(math.ceil(band[1] * n))))
@@ -148,8 +148,11 @@ def _creep(window: StepWindow, facts: MemoryFacts, field: str, policy: VerdictPo
         b, _, r = _bands(own[rank], policy)
         deltas[rank] = r - b
     culprits = tuple(sorted(r for r, d in deltas.items() if d > policy.creep_early_min_delta_bytes))
-    per_step = delta / max(1.0, (policy.creep_recent_band[0] + policy.creep_recent_band[1]
-                                 - policy.creep_baseline_band[0] - policy.creep_baseline_band[1]) / 2 * len(worst))
+    # the bands' averages are over series entries, one a sampled step: the rate is per step of
+    # training between the bands' average steps, however many steps a sample stood for
+    at = facts.series_steps
+    steps_between = _band(at, policy.creep_recent_band) - _band(at, policy.creep_baseline_band)
+    per_step = delta / max(1.0, steps_between)
     name = "CREEP_CONFIRMED" if confirmed else "CREEP_EARLY"
     message = (f"{label} rises across the window: +{delta / 2**20:.0f} MiB from the early to the recent steps "
                f"({worst_growth * 100:.0f}%, about {per_step / 1024:.1f} KiB a step)")
@@ -159,6 +162,7 @@ def _creep(window: StepWindow, facts: MemoryFacts, field: str, policy: VerdictPo
                    {**base, "metric": field, "series_steps": len(worst), "delta_gib": _gib(delta),
                     "baseline_gib": _gib(w_base), "mid_gib": _gib(w_mid), "recent_gib": _gib(w_recent),
                     "worst_growth": _r4(worst_growth), "median_growth": _r4(median_growth),
+                    "growth_bytes_per_step": round(per_step),
                     "delta_gib_per_rank": {str(r): _gib(d) for r, d in sorted(deltas.items())},
                     "bands": {"baseline": list(policy.creep_baseline_band), "mid": list(policy.creep_mid_band),
                               "recent": list(policy.creep_recent_band)},

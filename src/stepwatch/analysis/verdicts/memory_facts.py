@@ -56,6 +56,7 @@ class MemoryFacts:
     counts: dict[int, int] = field(default_factory=dict)
     worst: list[float] = field(default_factory=list)  # the creep series (allocated), per sampled step
     median: list[float] = field(default_factory=list)
+    series_steps: list[int] = field(default_factory=list)  # the step of each entry of the creep series
     own: Any = None  # rank -> its own series (SeriesColumns)
     host_used: dict[str, float] = field(default_factory=dict)  # system: a host's used fraction, peak
     host_ranks: dict[str, set[int]] = field(default_factory=dict)
@@ -144,7 +145,8 @@ def memory_facts(rows: Iterable[Any], window: StepWindow) -> MemoryFacts:
                 if seen:
                     facts.totals[r] = most
         series_mask = source & ~np.isnan(allocated)
-        facts.worst, facts.median, facts.own = _series(np, window, window_ranks, slot, ts, allocated, series_mask)
+        facts.worst, facts.median, facts.own, facts.series_steps = _series(np, window, window_ranks, slot, ts,
+                                                                           allocated, series_mask)
     else:
         facts.own = SeriesColumns([], [])
     _system(np, facts, inside & (collector == _CPU), slot, window_ranks, host, hosts_by_code, allocated, free, total)
@@ -166,10 +168,11 @@ def _own_devices(np: Any, at: Any, device: Any, reserved: Any, ranks: int) -> An
 
 
 def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts: Any, value: Any,
-            mask: Any) -> tuple[list[float], list[float], SeriesColumns]:
+            mask: Any) -> tuple[list[float], list[float], SeriesColumns, list[int]]:
     """The creep series: per sampled step (a step during which some rank took a sample), each
     rank's largest sample, carried forward to the steps where it took none; the worst and the
-    median over ranks, from the first step where every rank has a value."""
+    median over ranks, from the first step where every rank has a value; and those steps (a
+    sampler ticks by time, so an entry is one step only when a step lasts a tick or more)."""
     step_of = np.zeros(len(ts), dtype=np.int64)
     has_step = np.zeros(len(ts), dtype=bool)
     # Each sample's step: the last step of its rank that started at or before it. One sort of
@@ -194,18 +197,19 @@ def _series(np: Any, window: StepWindow, window_ranks: list[int], slot: Any, ts:
         has_step[sample] = True
     use = np.flatnonzero(has_step)
     if not len(use) or not window_ranks:
-        return [], [], SeriesColumns([], [])
+        return [], [], SeriesColumns([], []), []
     steps = np.unique(step_of[use])
     grid = np.full((len(steps), len(window_ranks)), np.nan)
     np.fmax.at(grid, (np.searchsorted(steps, step_of[use]), slot[use]), value[use])
     known = ~np.isnan(grid)
     latest = np.maximum.accumulate(np.where(known, np.arange(len(steps))[:, None], 0), axis=0)
     filled = grid[latest, np.arange(len(window_ranks))[None, :]]
-    complete = filled[~np.isnan(filled).any(axis=1)]
+    whole = ~np.isnan(filled).any(axis=1)
+    complete = filled[whole]
     if not len(complete):
-        return [], [], SeriesColumns([], [])
+        return [], [], SeriesColumns([], []), []
     return (complete.max(axis=1).tolist(), np.median(complete, axis=1).tolist(),
-            SeriesColumns(window_ranks, complete.tolist()))
+            SeriesColumns(window_ranks, complete.tolist()), steps[whole].tolist())
 
 
 def _step_clocks(np: Any, ranks: list[RankWindow]) -> tuple[Any, Any, Any]:
