@@ -122,6 +122,18 @@ def test_between_steps_sees_the_sleep_after_each_step() -> None:
     assert diagnosis.primary.evidence["mean_step_ms"] == pytest.approx(7.0, abs=0.01)
 
 
+def test_between_steps_on_every_rank_says_the_others_may_wait_for_one() -> None:
+    # rank 0 checkpoints between steps and rank 1 waits for it at a barrier: both see the gap
+    both = diagnose(world(100, 2, r0={"gap": 10.0}, r1={"gap": 10.0})).primary
+    assert both.name == "BETWEEN_STEPS" and both.ranks == (0, 1)
+    assert "the others wait for it at the next barrier" in both.next_step
+    one = diagnose(world(100, 2, r0={"gap": 10.0}))  # no barrier: rank 1 goes on and waits in its next step
+    between = [v for v in one.step_time if v.name == "BETWEEN_STEPS"]
+    assert between and between[0].ranks == (0,) and "the others wait" not in between[0].next_step
+    single = diagnose(steps(0, 100, gap=10.0)).primary
+    assert single.name == "BETWEEN_STEPS" and "the others wait" not in single.next_step
+
+
 def test_contiguous_steps_have_no_time_between_them() -> None:
     assert "BETWEEN_STEPS" not in names(diagnose(steps(0, 100, gap=0.0)))
     assert "BETWEEN_STEPS" not in names(diagnose(steps(0, 100, gap=0.5)))  # 5.6 %

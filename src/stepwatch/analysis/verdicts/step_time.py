@@ -162,7 +162,13 @@ def _between_steps(window: StepWindow, policy: VerdictPolicy, shares: _Shares, b
     step = _median([w.mean_step_ns for w in window.ranks.values()])
     message = (f"{value * 100:.1f}% of wall time falls between steps ({_ms(gap)} ms after each {_ms(step)} ms step): "
                f"time the step statistics do not show")
-    return Verdict("BETWEEN_STEPS", severity, _r4(value), culprits, message, _NEXT["BETWEEN_STEPS"],
+    advice = _NEXT["BETWEEN_STEPS"]
+    if len(per_rank) > 1 and len(culprits) == len(per_rank):
+        # ranks kept in step by a barrier or a collective share one gap, whichever of them works in it
+        advice += ("; every rank shows it: where one rank alone does that work (a checkpoint or evaluation "
+                   "on rank 0), the others wait for it at the next barrier or collective, and "
+                   "stepwatch.scope() on that rank names it")
+    return Verdict("BETWEEN_STEPS", severity, _r4(value), culprits, message, advice,
                    {**base, "share_of_wall": _r4(value),
                     "share_per_rank": {str(r): _r4(s) for r, s in sorted(per_rank.items())},
                     "between_ms_per_step": _ms(gap), "mean_step_ms": _ms(step),
