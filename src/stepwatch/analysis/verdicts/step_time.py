@@ -26,8 +26,8 @@ _NEXT = {
     "INPUT_BOUND": "more DataLoader workers (num_workers), pin_memory=True, a larger prefetch_factor, or faster storage",
     "H2D_BOUND": "pin_memory=True with .to(device, non_blocking=True), fewer and larger copies, or keep data on the device",
     "RESIDUAL_HEAVY": "find the host work inside the step between its phases: the loss computation and "
-                      "zero_grad (a loss module's call is no forward time; on a small model they are most of "
-                      "it), .item() syncs, logging, metrics, CPU preprocessing; stepwatch.scope() names it",
+                      "zero_grad (a loss module's call is no forward time), .item() syncs, logging, metrics, "
+                      "CPU preprocessing; stepwatch.scope() names it",
     "BETWEEN_STEPS": "move logging, checkpointing, evaluation and sleeps off the step path, or do them less often",
     "COMPUTE_BOUND": "make the model itself faster: mixed precision, torch.compile, fused optimizers, a larger batch",
 }
