@@ -119,6 +119,7 @@ class Site(enum.StrEnum):
     LIGHTNING_STOP_FOR_HALT = "lightning.stop_for_halt"
     TRANSFORMERS_STOP_FOR_HALT = "transformers.stop_for_halt"
     PATCH_PROCESS_GROUP = "patch.process_group"
+    PATCH_BARRIER = "patch.barrier"
     STEP_LEDGER_WRITE = "step_ledger.write"
     STEP_LEDGER_CREATE = "step_ledger.create"
     # capture/after_import.py, capture/torch_attach.py

@@ -5,6 +5,7 @@ stub of ClickHouse anywhere: without the server these tests skip (fail under CI)
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -258,7 +259,7 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
     import uuid
 
     from stepwatch.analysis.summary import _per_rank, step_aggregate, step_stats
-    from stepwatch.analysis.verdicts.inputs import load_verdict_inputs, session_steps
+    from stepwatch.analysis.verdicts.inputs import BARRIER_WAIT_MARK, load_verdict_inputs, session_steps
     from stepwatch.phases import STEP_COLUMNS
 
     sid = f"s-{uuid.uuid4().hex[:8]}"
@@ -270,13 +271,16 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
                    "end_ns": start + data.draw(st.integers(0, 10**6)), "step_ns": data.draw(_MAYBE_NS)}
             row.update({c: data.draw(_MAYBE_NS) for c in STEP_COLUMNS})
             rows.append(row)
+    # the waits in dist.barrier() between steps, summed per rank over the window's span
+    waits = [{**mark(sid, row["rank"], f"w{i}", row["end_ns"] + 1, data.draw(st.floats(0, 50))),
+              "name": BARRIER_WAIT_MARK} for i, row in enumerate(rows) if data.draw(st.booleans())]
     window = data.draw(st.one_of(st.none(), st.integers(1, 8)))
     with tempfile.TemporaryDirectory() as tmp:
         sqlite = SqliteStore(Path(tmp) / "history.sqlite")
         ch = open_store(f"clickhouse://default@127.0.0.1:{clickhouse_server.tcp_port}/reductions")
         try:
             for store in (sqlite, ch):
-                store.append_many({"steps": rows})
+                store.append_many({"steps": rows, "marks": waits})
             (overall, ranks), (ch_overall, ch_ranks) = sqlite.step_aggregates(sid), ch.step_aggregates(sid)
             assert (ch_overall, ch_ranks) == (overall, ranks)
             columns = session_steps(sqlite, sid)  # the summary's own path: one columnar read
@@ -284,7 +288,10 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
             assert {rank: step_aggregate(rows) for rank, rows in _per_rank(columns).items()} == ch_ranks
             assert step_stats(ch_overall) == step_stats(overall)
             a, b = load_verdict_inputs(sqlite, sid, last_steps=window), load_verdict_inputs(ch, sid, last_steps=window)
-            assert [dict(r) for r in a.steps] == [dict(r) for r in b.steps] and a[1:] == b[1:]
+            assert [dict(r) for r in a.steps] == [dict(r) for r in b.steps] and a[1:-1] == b[1:-1]
+            assert a.barrier_wait_ns.keys() == b.barrier_wait_ns.keys()
+            assert all(math.isclose(a.barrier_wait_ns[r], b.barrier_wait_ns[r], rel_tol=1e-9, abs_tol=1e-3)
+                       for r in a.barrier_wait_ns)
             sqlite.close()
             for name, expected, got in named_answers(Path(tmp) / "history.sqlite", ch, sid):
                 if name in ("rank-skew", "slowest-steps"):

@@ -1,8 +1,10 @@
 """Torch auto-instrumentation: forward, backward, optimizer_step, data_load and h2d spans with
 no code change, installed at init (or the moment torch is imported, torch_attach.py) and removed
 at shutdown. The same patches record the loss (each scalar backward root), the gradient norm
-(``clip_grad_norm_``) and the settings of the program's loaders, optimizers and copies
-(inferred_metrics.py, program_settings.py).
+(``clip_grad_norm_``), the settings of the program's loaders, optimizers and copies
+(inferred_metrics.py, program_settings.py), and the time a rank waits in ``dist.barrier()``
+between steps (the ``stepwatch.barrier_wait_ms`` mark: what tells the rank that works between
+steps from the ones that wait for it there).
 
 Every wrapper follows one rule: do stepwatch's work inside a guard, call the
 original outside it, and never catch what the user's code raises. Optimizer steps use torch's
@@ -23,9 +25,11 @@ from .inferred_metrics import LOSS_ATTRS, PENDING_MAX, InferredMetrics
 from .program_settings import ProgramSettings
 from .training import TrainingState
 
-__all__ = ["TorchPatches"]
+__all__ = ["BARRIER_WAIT", "TorchPatches"]
 
 _MARK = "__stepwatch_original__"
+BARRIER_WAIT = "stepwatch.barrier_wait_ms"
+_BARRIER_ATTRS = {"inferred": True}
 
 
 class TorchPatches:
@@ -68,6 +72,10 @@ class TorchPatches:
                 c10d = _c10d(torch)
                 if c10d is not None:  # once per init_process_group, never per step (children.py)
                     self._patch(c10d, "_update_default_pg", _wrap_default_group)
+                    # dist.barrier is c10d's function, re-exported: each name a caller may use
+                    for owner in (c10d, torch.distributed):
+                        if callable(vars(owner).get("barrier")):
+                            self._patch(owner, "barrier", self._wrap_barrier)
                 clip_grad = getattr(torch.nn.utils, "clip_grad", None)
                 for owner in (torch.nn.utils, clip_grad):
                     if owner is not None and callable(vars(owner).get("clip_grad_norm_")):
@@ -279,6 +287,28 @@ class TorchPatches:
                         report_internal(exc, Site.PATCH_BACKWARD_END)
 
         return grad
+
+    # -- a barrier between steps -----------------------------------------------------------------
+
+    def _wrap_barrier(self, original: Any) -> Any:
+        """``dist.barrier()``: its wait, when no step is running on this thread, is a
+        ``stepwatch.barrier_wait_ms`` mark. Ranks kept in step by a barrier all show the same
+        time between steps; the ones that spent it here were waiting for another."""
+        state = self.state
+        threads = state.threads
+        time_ns = time.time_ns
+
+        def barrier(*args: Any, **kwargs: Any) -> Any:
+            start = time_ns()
+            result = original(*args, **kwargs)
+            try:
+                if threads.me.live is None:  # inside a step its time is the step's (the residual)
+                    state.recorder.mark(BARRIER_WAIT, (time_ns() - start) / 1e6, "point", _BARRIER_ATTRS)
+            except Exception as exc:  # noqa: BLE001
+                report_internal(exc, Site.PATCH_BARRIER)
+            return result
+
+        return barrier
 
     # -- the gradient norm, and GradScaler's scaled loss ----------------------------------------
 

@@ -134,6 +134,19 @@ def test_between_steps_on_every_rank_says_the_others_may_wait_for_one() -> None:
     assert single.name == "BETWEEN_STEPS" and "the others wait" not in single.next_step
 
 
+def test_the_time_waited_in_a_barrier_tells_the_working_rank_from_the_waiting_one() -> None:
+    rows = world(100, 2, r0={"gap": 10.0}, r1={"gap": 10.0})
+    waited = {1: 99 * 9.5e6}  # rank 1 spent 9.5 of each 10 ms gap in dist.barrier()
+    verdict = diagnose(rows, barrier_wait_ns=waited).primary
+    assert verdict.name == "BETWEEN_STEPS" and verdict.ranks == (0,)
+    assert "rank 0 works in it while rank 1 waits 9.5 ms a step in dist.barrier() for it" in verdict.message
+    assert verdict.next_step.startswith("on rank 0: ") and "every rank shows it" not in verdict.next_step
+    assert verdict.evidence["barrier_wait_ms_per_step"] == {"0": 0.0, "1": 9.5}
+    # both waited (a barrier after work on every rank): no rank is told from another
+    both = diagnose(rows, barrier_wait_ns={0: 99 * 9.5e6, 1: 99 * 9.5e6}).primary
+    assert both.ranks == (0, 1) and "works in it" not in both.message
+
+
 def test_contiguous_steps_have_no_time_between_them() -> None:
     assert "BETWEEN_STEPS" not in names(diagnose(steps(0, 100, gap=0.0)))
     assert "BETWEEN_STEPS" not in names(diagnose(steps(0, 100, gap=0.5)))  # 5.6 %

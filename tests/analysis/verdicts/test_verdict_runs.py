@@ -126,6 +126,17 @@ def test_a_sleep_after_each_step_is_between_steps(runs: Callable[..., Run]) -> N
     assert primary["evidence"]["share_of_wall"] > 0.3
 
 
+def test_the_rank_that_works_between_steps_is_named_and_the_one_waiting_at_a_barrier_is_not(
+        runs: Callable[..., Run]) -> None:
+    run = runs("barrier", "--steps", "150", "--forward-ms", "2", "--checkpoint-ms", "6", ranks=2)
+    between = [v for v in findings(run.diagnosis) if v["name"] == "BETWEEN_STEPS"]
+    assert between and between[0]["severity"] in ("warn", "crit") and between[0]["ranks"] == [0], run.diagnosis
+    assert "while rank 1 waits " in between[0]["message"] and "dist.barrier()" in between[0]["message"]
+    waited = between[0]["evidence"]["barrier_wait_ms_per_step"]
+    assert waited["1"] >= 4.0 and waited["0"] < waited["1"] / 2, waited
+    assert between[0]["next_step"].startswith("on rank 0: ")
+
+
 def test_host_work_between_forward_and_backward_is_residual_heavy(runs: Callable[..., Run]) -> None:
     run = runs("residual", "--steps", "150", "--forward-ms", "3", "--host-work-ms", "6")
     primary = run.diagnosis["primary"]

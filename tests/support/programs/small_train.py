@@ -1,8 +1,9 @@
 """A tiny CPU training loop whose slowness and end are chosen on the command line, for the real
 runs the verdicts and the surfaces read: a slow loader (from the start or from a step on), one slow
 rank (DDP over gloo when launched with several ranks), a growing list of tensors (on every rank or
-on one), a sleep after each step (a run slow enough to watch grow), host work inside each step, a
-NaN loss, a raise or a SIGKILL at a step. Plain PyTorch: no stepwatch call."""
+on one), a sleep after each step (a run slow enough to watch grow), host work inside each step, rank
+0's work between steps while the others wait at a barrier, a NaN loss, a raise or a SIGKILL at a
+step. Plain PyTorch: no stepwatch call."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--leak-mb", type=float, default=0.0, help="MiB kept alive after each step")
     parser.add_argument("--leak-rank", type=int, default=-1, help="only this rank keeps them (-1: every rank)")
     parser.add_argument("--sleep-after-step-ms", type=float, default=0.0)
+    parser.add_argument("--checkpoint-ms", type=float, default=0.0,
+                        help="after each step rank 0 works this long (a checkpoint) while the others wait at dist.barrier()")
     parser.add_argument("--host-work-ms", type=float, default=0.0,
                         help="host work inside each step, between its forward and its backward (logging, a metric)")
     parser.add_argument("--nan-at", type=int, default=-1, help="the loss is NaN at this step (a NONFINITE alert)")
@@ -106,6 +109,11 @@ def main() -> None:
             kept.append(torch.ones(int(args.leak_mb * 2**20 / 4)))
         if args.sleep_after_step_ms:
             time.sleep(args.sleep_after_step_ms / 1000)
+        if args.checkpoint_ms:
+            if rank == 0:
+                time.sleep(args.checkpoint_ms / 1000)
+            if distributed:
+                dist.barrier()
     if distributed:
         dist.destroy_process_group()
 

@@ -21,6 +21,8 @@ from .step_columns import COLUMNS, StepColumns
 
 __all__ = ["VerdictInputs", "diagnose_store", "load_verdict_inputs", "session_steps"]
 
+# capture/torch_patches.py's: the ms a rank waited in dist.barrier() between two steps
+BARRIER_WAIT_MARK = "stepwatch.barrier_wait_ms"
 _STEP_SELECT = ", ".join(COLUMNS)  # rank, step, clocks, step_ns, then the phases (stepwatch.phases)
 _MEMORY_SELECT = "rank, timestamp_ns, event_type, collector, device_id, allocated, reserved, free, total, host"
 # each rank and its last step, by seeks down steps_unique (session_key, rank, step)
@@ -37,6 +39,7 @@ class VerdictInputs(NamedTuple):
     system: list[dict[str, Any]]
     expected_ranks: tuple[int, ...] = ()
     window: int | None = None
+    barrier_wait_ns: Mapping[int, float] | None = None  # rank -> ns waited in dist.barrier() between steps
 
 
 def session_steps(store: HistoryStore, session_id: str) -> StepColumns:
@@ -82,7 +85,11 @@ def load_verdict_inputs(store: HistoryStore, session_id: str, *, last_steps: int
                          f"AND timestamp_ns BETWEEN ? AND ? AND event_type = 'sample' ORDER BY rank, timestamp_ns",
                          (session_id, *ranks, *span))
     system = _gpu_utilisation(store, session_id, ranks, span)
-    return VerdictInputs(steps, memory, system, expected, last_steps)
+    waits = store.query(f"SELECT rank, SUM(value_num) AS waited FROM marks WHERE session_id = ? AND name = ? "
+                        f"AND rank IN ({marks}) AND ts_ns BETWEEN ? AND ? GROUP BY rank",
+                        (session_id, BARRIER_WAIT_MARK, *ranks, *span))
+    barrier = {int(r["rank"]): float(r["waited"]) * 1e6 for r in waits if isinstance(r["waited"], int | float)}
+    return VerdictInputs(steps, memory, system, expected, last_steps, barrier)
 
 
 def _rank_last_steps(steps: StepColumns) -> dict[int, int]:
@@ -147,7 +154,8 @@ def diagnose_store(store: HistoryStore, session_id: str, *, window: int | None =
     if inputs is None:
         inputs = load_verdict_inputs(store, session_id, last_steps=window)
     found = diagnose(inputs.steps, inputs.memory, inputs.system, window=window,
-                     policy=DEFAULT_POLICY if policy is None else policy, expected_ranks=inputs.expected_ranks)
+                     policy=DEFAULT_POLICY if policy is None else policy, expected_ranks=inputs.expected_ranks,
+                     barrier_wait_ns=inputs.barrier_wait_ns)
     from ..program_settings import load_program_settings, with_settings  # the advice names the program's settings
 
     return with_settings(found, load_program_settings(store, session_id))

@@ -5,6 +5,7 @@ formulas and thresholds are published in docs/verdicts.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from statistics import median as _median
 from typing import Any
 
@@ -72,8 +73,10 @@ class _Shares:
         return {name: _r4(value) for name, value in self.median.items()}
 
 
-def step_time_verdicts(window: StepWindow, policy: VerdictPolicy) -> list[Verdict]:
-    """Every step-time finding on ``window``, most severe first (the primary is the first)."""
+def step_time_verdicts(window: StepWindow, policy: VerdictPolicy,
+                       barrier_wait_ns: Mapping[int, float] | None = None) -> list[Verdict]:
+    """Every step-time finding on ``window``, most severe first (the primary is the first);
+    ``barrier_wait_ns``: each rank's wait in ``dist.barrier()`` between those steps."""
     base = {"window": window.evidence()}
     if not window.ranks:
         return []
@@ -95,7 +98,7 @@ def step_time_verdicts(window: StepWindow, policy: VerdictPolicy) -> list[Verdic
         verdict = _share_verdict(name, component, warn, crit, window, policy, shares, base)
         if verdict is not None:
             found.append(verdict)
-    between = _between_steps(window, policy, shares, base)
+    between = _between_steps(window, policy, shares, base, barrier_wait_ns or {})
     if between is not None:
         found.append(between)
     compute = _compute_bound(window, policy, shares, base)
@@ -148,7 +151,8 @@ def _share_verdict(name: str, component: str, warn: float, crit: float, window: 
                     "thresholds": {"warn": warn, "crit": crit}, "shares": shares.evidence()})
 
 
-def _between_steps(window: StepWindow, policy: VerdictPolicy, shares: _Shares, base: dict[str, Any]) -> Verdict | None:
+def _between_steps(window: StepWindow, policy: VerdictPolicy, shares: _Shares, base: dict[str, Any],
+                   barrier_wait_ns: Mapping[int, float]) -> Verdict | None:
     value = shares.median["between_steps"]
     if value is None:
         return None
@@ -163,16 +167,36 @@ def _between_steps(window: StepWindow, policy: VerdictPolicy, shares: _Shares, b
     message = (f"{value * 100:.1f}% of wall time falls between steps ({_ms(gap)} ms after each {_ms(step)} ms step): "
                f"time the step statistics do not show")
     advice = _NEXT["BETWEEN_STEPS"]
-    if len(per_rank) > 1 and len(culprits) == len(per_rank):
-        # ranks kept in step by a barrier or a collective share one gap, whichever of them works in it
+    evidence: dict[str, Any] = {}
+    # Ranks kept in step by a barrier share one gap, whichever of them works in it: the time each
+    # waited in dist.barrier() tells the worker from the waiters.
+    own = {r: w.between_ns - min(w.between_ns, barrier_wait_ns.get(r, 0.0)) for r, w in window.ranks.items()
+           if r in per_rank and w.between_ns is not None}
+    workers = tuple(sorted(r for r in culprits if r in own and own[r] >= window.ranks[r].between_ns / 2))
+    waiters = tuple(sorted(r for r in culprits if r not in workers))
+    if barrier_wait_ns and workers and waiters:
+        steps_of = {r: max(1, window.ranks[r].steps - 1) for r in culprits}
+        waited = _median([(window.ranks[r].between_ns - own[r]) / steps_of[r] for r in waiters])
+        message += (f"; {_names(workers)} {'works' if len(workers) == 1 else 'work'} in it while "
+                    f"{_names(waiters)} {'waits' if len(waiters) == 1 else 'wait'} {_ms(waited)} ms a step in "
+                    f"dist.barrier() for {'it' if len(workers) == 1 else 'them'}")
+        advice = f"on {_names(workers)}: {advice}"
+        culprits = workers
+        evidence = {"barrier_wait_ms_per_step": {str(r): _ms((window.ranks[r].between_ns - own[r]) / steps_of[r])
+                                                 for r in sorted(own) if r in steps_of}}
+    elif len(per_rank) > 1 and len(culprits) == len(per_rank):
         advice += ("; every rank shows it: where one rank alone does that work (a checkpoint or evaluation "
                    "on rank 0), the others wait for it at the next barrier or collective, and "
                    "stepwatch.scope() on that rank names it")
     return Verdict("BETWEEN_STEPS", severity, _r4(value), culprits, message, advice,
                    {**base, "share_of_wall": _r4(value),
                     "share_per_rank": {str(r): _r4(s) for r, s in sorted(per_rank.items())},
-                    "between_ms_per_step": _ms(gap), "mean_step_ms": _ms(step),
+                    "between_ms_per_step": _ms(gap), "mean_step_ms": _ms(step), **evidence,
                     "thresholds": {"warn": warn, "crit": crit}})
+
+
+def _names(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _compute_bound(window: StepWindow, policy: VerdictPolicy, shares: _Shares, base: dict[str, Any]) -> Verdict | None:
