@@ -42,7 +42,8 @@ def diagnose(steps: Iterable[Mapping[str, Any]], memory: Iterable[Mapping[str, A
     ``expected_ranks``: the ranks the run has, so a rank with no step at all is named in
     ``INCOMPLETE_DATA``. ``barrier_wait_ns``: per rank, the time it waited in ``dist.barrier()``
     between the window's steps (the ``stepwatch.barrier_wait_ms`` marks), which tells the rank
-    that works between steps from the ones that wait for it. Memory and system samples are read over the window's time span.
+    that works between steps from the ones that wait for it. Memory and system samples are read
+    over the window's time span.
     ``steps`` may be ``StepColumns`` (what ``load_verdict_inputs`` gives) or row mappings; both are
     reduced on numpy arrays.
     """
