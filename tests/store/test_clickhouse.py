@@ -292,8 +292,9 @@ def test_server_side_reductions_equal_the_sqlite_path(clickhouse_server: Any, da
             waited, ch_waited = a.barrier_wait_ns or {}, b.barrier_wait_ns or {}
             span = a.steps.span() if len(a.steps) else None
             expected: dict[int, float] = {}
+            window_ranks = {r["rank"] for r in a.steps}
             for wait in waits if span is not None else ():
-                if span[0] <= wait["ts_ns"] <= span[1] and wait["rank"] in {r["rank"] for r in a.steps}:
+                if span[0] <= wait["ts_ns"] <= span[1] and wait["rank"] in window_ranks:
                     expected[wait["rank"]] = expected.get(wait["rank"], 0.0) + wait["value_num"] * 1e6
             for got in (waited, ch_waited):
                 assert got.keys() == expected.keys()

@@ -25,10 +25,10 @@ from .inferred_metrics import LOSS_ATTRS, PENDING_MAX, InferredMetrics
 from .program_settings import ProgramSettings
 from .training import TrainingState
 
-__all__ = ["BARRIER_WAIT", "TorchPatches"]
+__all__ = ["TorchPatches"]
 
 _MARK = "__stepwatch_original__"
-BARRIER_WAIT = "stepwatch.barrier_wait_ms"
+BARRIER_WAIT = "stepwatch.barrier_wait_ms"  # analysis/verdicts/inputs.py reads it by name
 _BARRIER_ATTRS = {"inferred": True}
 
 

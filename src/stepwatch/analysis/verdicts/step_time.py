@@ -168,22 +168,20 @@ def _between_steps(window: StepWindow, policy: VerdictPolicy, shares: _Shares, b
                f"time the step statistics do not show")
     advice = _NEXT["BETWEEN_STEPS"]
     evidence: dict[str, Any] = {}
-    # Ranks kept in step by a barrier share one gap, whichever of them works in it: the time each
-    # waited in dist.barrier() tells the worker from the waiters.
-    own = {r: w.between_ns - min(w.between_ns, barrier_wait_ns.get(r, 0.0)) for r, w in window.ranks.items()
-           if r in per_rank and w.between_ns is not None}
-    workers = tuple(sorted(r for r in culprits if r in own and own[r] >= window.ranks[r].between_ns / 2))
-    waiters = tuple(sorted(r for r in culprits if r not in workers))
-    if barrier_wait_ns and workers and waiters:
-        steps_of = {r: max(1, window.ranks[r].steps - 1) for r in culprits}
-        waited = _median([(window.ranks[r].between_ns - own[r]) / steps_of[r] for r in waiters])
-        message += (f"; {_names(workers)} {'works' if len(workers) == 1 else 'work'} in it while "
-                    f"{_names(waiters)} {'waits' if len(waiters) == 1 else 'wait'} {_ms(waited)} ms a step in "
-                    f"dist.barrier() for {'it' if len(workers) == 1 else 'them'}")
-        advice = f"on {_names(workers)}: {advice}"
+    # Ranks kept in step by a barrier share one gap, whichever of them works in it: a rank that
+    # spent at least half of it waiting in dist.barrier() waited for the others.
+    waited = {r: min(window.ranks[r].between_ns or 0.0, barrier_wait_ns.get(r, 0.0)) for r in culprits}
+    waiters = tuple(r for r in culprits if waited[r] > (window.ranks[r].between_ns or 0.0) / 2)
+    workers = tuple(r for r in culprits if r not in waiters)
+    if workers and waiters:
+        per_step = {r: waited[r] / max(1, window.ranks[r].steps - 1) for r in culprits}
+        message += (f"; {_ranks_list(workers)} {'works' if len(workers) == 1 else 'work'} in it while "
+                    f"{_ranks_list(waiters)} {'waits' if len(waiters) == 1 else 'wait'} "
+                    f"{_ms(_median([per_step[r] for r in waiters]))} ms a step in dist.barrier() for "
+                    f"{'it' if len(workers) == 1 else 'them'}")
+        advice = f"on {_ranks_list(workers)}: {advice}"
         culprits = workers
-        evidence = {"barrier_wait_ms_per_step": {str(r): _ms((window.ranks[r].between_ns - own[r]) / steps_of[r])
-                                                 for r in sorted(own) if r in steps_of}}
+        evidence = {"barrier_wait_ms_per_step": {str(r): _ms(ns) for r, ns in per_step.items()}}
     elif len(per_rank) > 1 and len(culprits) == len(per_rank):
         advice += ("; every rank shows it: where one rank alone does that work (a checkpoint or evaluation "
                    "on rank 0), the others wait for it at the next barrier or collective, and "
@@ -193,10 +191,6 @@ def _between_steps(window: StepWindow, policy: VerdictPolicy, shares: _Shares, b
                     "share_per_rank": {str(r): _r4(s) for r, s in sorted(per_rank.items())},
                     "between_ms_per_step": _ms(gap), "mean_step_ms": _ms(step), **evidence,
                     "thresholds": {"warn": warn, "crit": crit}})
-
-
-def _names(ranks: tuple[int, ...]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _compute_bound(window: StepWindow, policy: VerdictPolicy, shares: _Shares, base: dict[str, Any]) -> Verdict | None:
